@@ -1,0 +1,238 @@
+"""Policy-gradient losses, one registry (``policy_loss`` / verl ``loss_mode`` / ROLL ``pg_variant``).
+
+Every loss has the same signature, so callers look one up by name and never branch on it::
+
+    loss, metrics = get_policy_loss("vanilla")(old_log_prob, log_prob, advantages, response_mask,
+                                               loss_agg_mode="token-mean", config=None,
+                                               rollout_is_weights=None)
+
+Tensors are ``[batch, response_length]``; ``response_mask`` is 0/1 or bool (True = the token counts). Values at
+masked-out positions never reach the loss or its gradient, even when they are NaN / Inf. ``rollout_is_weights``
+(from :mod:`rl_core.rollout_is`) multiply the per-token loss, detached. ``metrics`` maps names to detached 0-dim
+tensors (no device sync; call ``float()`` when logging).
+
+This module holds the PPO family (vanilla, gspo, gpg, clip_cov, kl_cov, geo_mean); the REINFORCE-style
+off-policy variants of ROLL (tis, topr, cispo, kimi15) are in :mod:`rl_core.losses.policy_offpolicy`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from rl_core.losses.aggregation import GlobalBatchInfo, aggregate_masked
+from rl_core.losses.config import PolicyLossConfig
+from rl_core.masked import masked_mean
+from rl_core.registry import Registry
+
+Metrics = dict[str, torch.Tensor]
+
+# exp(20) ~ 5e8: ratios beyond that carry no information but overflow fp16 / produce Inf gradients.
+LOG_RATIO_CLAMP = 20.0
+
+
+class PolicyLoss(Protocol):
+    """The signature shared by every registered policy loss."""
+
+    def __call__(
+        self,
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        *,
+        loss_agg_mode: str = "token-mean",
+        config: PolicyLossConfig | None = None,
+        rollout_is_weights: torch.Tensor | None = None,
+        global_batch: GlobalBatchInfo | None = None,
+        sample_scores: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, Metrics]: ...
+
+
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", "policy_loss (loss_mode / pg_variant)")
+
+
+def get_policy_loss(name: str) -> PolicyLoss:
+    """The policy loss registered as ``name`` (see ``POLICY_LOSSES.names()``)."""
+    return POLICY_LOSSES.get(name)
+
+
+class LossInputs:
+    """Sanitised inputs: padding zeroed so it cannot reach values or gradients; shared ratio pieces.
+
+    ``torch.where`` keeps NaN / Inf at valid positions visible (a bug upstream should show) while zeroing
+    padding; everything after that uses a float mask, which is several times faster than bool ops on CPU.
+    """
+
+    def __init__(
+        self,
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+    ) -> None:
+        if not (old_log_prob.shape == log_prob.shape == advantages.shape == response_mask.shape):
+            raise ValueError(
+                "old_log_prob, log_prob, advantages and response_mask must share one [batch, response_length] "
+                f"shape, got {tuple(old_log_prob.shape)}, {tuple(log_prob.shape)}, {tuple(advantages.shape)}, "
+                f"{tuple(response_mask.shape)}"
+            )
+        self.mask = response_mask.to(torch.bool)
+        self.maskf = self.mask.to(log_prob.dtype)
+        self.num_valid = self.maskf.sum().clamp(min=1.0)
+        self._zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
+        self._raw_log_prob = log_prob
+        self._raw_old_log_prob = old_log_prob
+        self.advantages = torch.where(self.mask, advantages.detach().to(log_prob.dtype), self._zero)
+        self._log_prob: torch.Tensor | None = None
+
+    @property
+    def log_prob(self) -> torch.Tensor:
+        """Current log-probs with padding zeroed (computed on first use)."""
+        if self._log_prob is None:
+            self._log_prob = torch.where(self.mask, self._raw_log_prob, self._zero)
+        return self._log_prob
+
+    @property
+    def old_log_prob(self) -> torch.Tensor:
+        """Old log-probs with padding zeroed, detached."""
+        return torch.where(self.mask, self._raw_old_log_prob.detach(), self._zero)
+
+    def log_ratio(self) -> torch.Tensor:
+        """log(pi / pi_old) per token (0 at padding), clamped to +-20 before any exp."""
+        diff = torch.where(self.mask, self._raw_log_prob - self._raw_old_log_prob.detach(), self._zero)
+        return diff.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+    def ppo_kl(self, log_ratio: torch.Tensor) -> torch.Tensor:
+        """k1 estimate of KL(pi_old || pi) over valid tokens, as verl logs it (``ppo_kl``)."""
+        return -self.mean(log_ratio)
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """Token mean over valid tokens of a detached quantity that is finite at padding (for metrics)."""
+        return (values.detach().to(self.maskf.dtype) * self.maskf).sum() / self.num_valid
+
+    def aggregate(
+        self, pg_losses: torch.Tensor, loss_agg_mode: str, global_batch: GlobalBatchInfo | None
+    ) -> torch.Tensor:
+        """Aggregate a per-token loss that is 0 at padding."""
+        return aggregate_masked(pg_losses, self.maskf, loss_agg_mode, global_batch)
+
+
+def apply_is_weights(pg_losses: torch.Tensor, rollout_is_weights: torch.Tensor | None) -> torch.Tensor:
+    """Multiply per-token losses by detached rollout IS weights ``[B, T]`` (verl PR: ``pg_losses *= w``)."""
+    if rollout_is_weights is None:
+        return pg_losses
+    if rollout_is_weights.shape != pg_losses.shape:
+        raise ValueError(
+            f"rollout_is_weights shape {tuple(rollout_is_weights.shape)} must equal the loss shape "
+            f"{tuple(pg_losses.shape)} ([batch, response_length])"
+        )
+    return pg_losses * rollout_is_weights.detach().to(pg_losses.dtype)
+
+
+def _config(config: PolicyLossConfig | None) -> PolicyLossConfig:
+    return PolicyLossConfig() if config is None else config
+
+
+def _clipped_surrogate(
+    advantages: torch.Tensor, ratio: torch.Tensor, low: float, high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's pessimistic clipped surrogate (Schulman et al. 2017, eq. 7) and where clipping bit."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+@POLICY_LOSSES.register("vanilla", "ppo")
+def compute_policy_loss_vanilla(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    config: PolicyLossConfig | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch: GlobalBatchInfo | None = None,
+    sample_scores: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """Clipped PPO with asymmetric clip (DAPO clip-higher) and dual clip (Ye et al. 2020, eq. 5).
+
+    For A < 0 the clipped loss is additionally capped at ``-clip_ratio_c * A`` so a huge ratio on a bad token
+    cannot blow up the update. Metrics: pg_clipfrac, pg_clipfrac_lower (dual clip active), ppo_kl.
+    """
+    cfg = _config(config)
+    x = LossInputs(old_log_prob, log_prob, advantages, response_mask)
+    log_ratio = x.log_ratio()
+    ratio = torch.exp(log_ratio)
+    pg_losses, clipped = _clipped_surrogate(x.advantages, ratio, cfg.low, cfg.high)
+    dual_active = torch.zeros_like(clipped)
+    if cfg.clip_ratio_c is not None:
+        cap = -x.advantages * cfg.clip_ratio_c
+        dual_active = (x.advantages < 0) & (pg_losses > cap)
+        pg_losses = torch.where(dual_active, cap, pg_losses)
+    pg_losses = apply_is_weights(pg_losses, rollout_is_weights)
+    loss = x.aggregate(pg_losses, loss_agg_mode, global_batch)
+    metrics = {
+        "pg_clipfrac": x.mean(clipped),
+        "pg_clipfrac_lower": x.mean(dual_active),
+        "ppo_kl": x.ppo_kl(log_ratio),
+    }
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("gspo")
+def compute_policy_loss_gspo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    config: PolicyLossConfig | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch: GlobalBatchInfo | None = None,
+    sample_scores: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """GSPO (Zheng et al. 2025, eqs. 5-7, GSPO-token form): clip the length-normalised sequence ratio.
+
+    ``s_i = exp(mean_t log r_i,t)``; per token ``s_i,t = sg(s_i) * pi / sg(pi)`` so each token's gradient is
+    ``s_i * grad log pi``. The paper aggregates with seq-mean-token-mean (our default here) and uses clip ranges
+    around 3e-4 / 4e-4, far smaller than token-level PPO's.
+    """
+    cfg = _config(config)
+    x = LossInputs(old_log_prob, log_prob, advantages, response_mask)
+    log_ratio = x.log_ratio()
+    seq_log_ratio = masked_mean(log_ratio.detach(), x.mask, dim=-1).unsqueeze(-1)  # [B, 1]
+    token_log_ratio = x.log_prob - x.log_prob.detach() + seq_log_ratio
+    seq_ratio = torch.exp(token_log_ratio.clamp(max=10.0))
+    pg_losses, clipped = _clipped_surrogate(x.advantages, seq_ratio, cfg.low, cfg.high)
+    pg_losses = apply_is_weights(pg_losses, rollout_is_weights)
+    loss = x.aggregate(pg_losses, loss_agg_mode, global_batch)
+    metrics = {
+        "pg_clipfrac": x.mean(clipped),
+        "pg_clipfrac_lower": torch.zeros((), dtype=loss.dtype, device=loss.device),
+        "ppo_kl": x.ppo_kl(log_ratio),
+    }
+    return loss, metrics
+
+
+@POLICY_LOSSES.register("gpg", "pg")
+def compute_policy_loss_gpg(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    config: PolicyLossConfig | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch: GlobalBatchInfo | None = None,
+    sample_scores: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """GPG (Chu et al. 2025, eq. 6) = plain policy gradient ``-A * log pi``; also ROLL's pg_variant 'vanilla'."""
+    x = LossInputs(old_log_prob, log_prob, advantages, response_mask)
+    pg_losses = apply_is_weights(-x.advantages * x.log_prob, rollout_is_weights)
+    loss = x.aggregate(pg_losses, loss_agg_mode, global_batch)
+    return loss, {"ppo_kl": x.ppo_kl(x.log_ratio())}

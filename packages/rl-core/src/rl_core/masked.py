@@ -1,0 +1,52 @@
+"""Masked reductions shared by every module. Masks are 0/1 or bool, True = the token counts.
+
+Empty masks give 0 (never NaN), so an all-padding micro-batch contributes nothing instead of poisoning a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def as_float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``mask`` as a 0/1 tensor of ``like``'s dtype and device."""
+    return mask.to(device=like.device, dtype=like.dtype)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``values`` where ``mask`` is set; masked-out NaN / Inf values do not leak in."""
+    m = mask.to(torch.bool)
+    zeros = torch.zeros((), dtype=values.dtype, device=values.device)
+    picked = torch.where(m, values, zeros)
+    return picked.sum() if dim is None else picked.sum(dim=dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean over entries where ``mask`` is set; 0 where nothing is set."""
+    total = masked_sum(values, mask, dim)
+    count = mask.to(values.dtype).sum() if dim is None else mask.to(values.dtype).sum(dim=dim)
+    return total / count.clamp(min=1)
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance over masked entries (Bessel-corrected when ``unbiased`` and more than one entry)."""
+    mean = masked_mean(values, mask)
+    centered_sq = (values - mean) ** 2
+    count = mask.to(values.dtype).sum()
+    total = masked_sum(centered_sq, mask)
+    if unbiased:
+        return total / (count - 1).clamp(min=1)
+    return total / count.clamp(min=1)
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise masked entries to zero mean (if ``shift_mean``) and unit variance.
+
+    Entries outside the mask are returned as 0 so they cannot leak into later sums.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.to(torch.bool), whitened, torch.zeros_like(whitened))

@@ -1,0 +1,68 @@
+"""Enforce the package boundaries of STYLE.md by reading every import statement (no code is imported).
+
+apps -> rl_engines -> rl_core; rl_replay and rl_ckpt import no sibling; nothing imports apps.
+rl_core may import only torch, numpy and the standard library. Heavy engines are allowed in rl_engines only
+inside its adapter modules (checked once those exist). Exit 1 listing every violation.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STDLIB = set(sys.stdlib_module_names)
+SIBLINGS = {"rl_core", "rl_replay", "rl_ckpt", "rl_engines", "apps"}
+
+# package import name -> (source dir, third-party top-level modules it may import)
+RULES: dict[str, tuple[str, set[str]]] = {
+    "rl_core": ("packages/rl-core/src/rl_core", {"torch", "numpy"}),
+    "rl_replay": ("packages/rl-replay/src/rl_replay", {"numpy", "safetensors", "torch", "tensorboard"}),
+    "rl_ckpt": ("packages/rl-ckpt/src/rl_ckpt", {"torch", "safetensors", "numpy", "transformers", "megatron"}),
+}
+# Which sibling packages each package may import (itself always allowed).
+ALLOWED_SIBLINGS: dict[str, set[str]] = {"rl_core": set(), "rl_replay": set(), "rl_ckpt": set()}
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level module) for every absolute import in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name.split(".")[0]) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module.split(".")[0]))
+    return found
+
+
+def violations_of(package: str) -> list[str]:
+    src, third_party = RULES[package]
+    root = ROOT / src
+    if not root.is_dir():
+        return []
+    allowed = STDLIB | third_party | {package} | ALLOWED_SIBLINGS[package]
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        for line, module in imported_modules(path):
+            if module not in allowed:
+                kind = "sibling package" if module in SIBLINGS else "third-party module"
+                problems.append(f"{path.relative_to(ROOT)}:{line}: {package} must not import {kind} '{module}'")
+    return problems
+
+
+def main() -> int:
+    problems = [p for package in RULES for p in violations_of(package)]
+    for problem in problems:
+        print(problem)
+    if problems:
+        print(f"{len(problems)} import boundary violation(s); see STYLE.md 'Package boundaries'")
+        return 1
+    checked = [name for name, (src, _) in RULES.items() if (ROOT / src).is_dir()]
+    print(f"import boundaries OK for {', '.join(checked)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
