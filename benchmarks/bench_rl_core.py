@@ -2,7 +2,7 @@
 
 Baseline, measured in the same run: a memory-bandwidth roofline, i.e. one plain copy of the same input bytes
 (old / rollout / current log-probs, advantages, mask). Reported per phase: median time, ratio to the roofline,
-and peak extra memory (CUDA allocator peak on GPU; peak RSS growth of a fresh subprocess on CPU).
+and peak extra memory (CUDA allocator peak on GPU; on CPU the peak RSS growth of one call in a fresh subprocess).
 
     python benchmarks/bench_rl_core.py [--device cpu|cuda] [--batch 128] [--length 4096] [--repeats 20]
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import statistics
 import subprocess
 import sys
@@ -41,8 +41,8 @@ def make_inputs(batch: int, length: int, device: str) -> dict[str, torch.Tensor]
 def phase_fn(name: str, x: dict[str, torch.Tensor]) -> Callable[[], object]:
     loss_fn = get_policy_loss("vanilla")
     total_bytes = sum(t.numel() * t.element_size() for t in x.values())
-    src = torch.empty(total_bytes, dtype=torch.uint8, device=x["old"].device)
-    dst = torch.empty_like(src)
+    src = torch.ones(total_bytes, dtype=torch.uint8, device=x["old"].device)
+    dst = torch.zeros_like(src)  # touched now, so the copy itself allocates nothing
 
     def roofline() -> object:
         return dst.copy_(src)
@@ -95,17 +95,26 @@ def peak_memory_mb(phase: str, batch: int, length: int, device: str) -> float:
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
     cmd = [sys.executable, __file__, "--child-memory", phase, "--batch", str(batch), "--length", str(length)]
-    return float(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip())
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    return float(subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip())
+
+
+def _vm_hwm_kb() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
 
 
 def child_memory(phase: str, batch: int, length: int) -> None:
+    """Peak RSS growth of one call, in a child whose large allocations are all mmap-backed (so freed memory
+    goes back to the OS and every new allocation shows in RSS) and whose peak is reset just before the call."""
     torch.set_num_threads(1)
     x = make_inputs(batch, length, "cpu")
     fn = phase_fn(phase, x)  # allocates the roofline buffers too; they are part of the baseline
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # reset the peak-RSS counter (Linux >= 4.0)
+    before = _vm_hwm_kb()
     fn()
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print((after - before) / 1024)
+    print((_vm_hwm_kb() - before) / 1024)
 
 
 def main() -> None:
