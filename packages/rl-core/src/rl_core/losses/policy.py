@@ -169,9 +169,11 @@ def compute_policy_loss_vanilla(
     pg_losses, clipped = _clipped_surrogate(x.advantages, ratio, cfg.low, cfg.high)
     dual_active = torch.zeros_like(clipped)
     if cfg.clip_ratio_c is not None:
-        cap = -x.advantages * cfg.clip_ratio_c
-        dual_active = (x.advantages < 0) & (pg_losses > cap)
-        pg_losses = torch.where(dual_active, cap, pg_losses)
+        # cap = c * |A| for A < 0 and 0 for A >= 0, where the clipped surrogate is already <= 0 (r > 0),
+        # so one minimum applies dual clipping to exactly the negative-advantage tokens.
+        cap = (-x.advantages).clamp(min=0.0) * cfg.clip_ratio_c
+        dual_active = pg_losses > cap
+        pg_losses = torch.minimum(pg_losses, cap)
     pg_losses = apply_is_weights(pg_losses, rollout_is_weights)
     loss = x.aggregate(pg_losses, loss_agg_mode, global_batch)
     metrics = {
