@@ -20,7 +20,7 @@ RULES: dict[str, tuple[str, set[str]]] = {
     "rl_core": ("packages/rl-core/src/rl_core", {"torch", "numpy"}),
     "rl_replay": ("packages/rl-replay/src/rl_replay", {"numpy", "safetensors", "torch", "tensorboard"}),
     "rl_ckpt": ("packages/rl-ckpt/src/rl_ckpt", {"torch", "safetensors", "numpy", "transformers", "megatron"}),
-    "rl_engines": ("packages/rl-engines/src/rl_engines", {"torch", "numpy", "ray", "transformers"}),
+    "rl_engines": ("packages/rl-engines/src/rl_engines", {"torch", "numpy", "ray", "transformers", "tokenizers"}),
 }
 # Which sibling packages each package may import (itself always allowed).
 ALLOWED_SIBLINGS: dict[str, set[str]] = {

@@ -85,3 +85,29 @@ def test_to_device_keeps_non_tensors():
 def test_concat_key_mismatch():
     with pytest.raises(ValueError, match="part 1"):
         RolloutBatch.concat([make(2), make(2).select(["scores"])])
+
+
+def test_pickle_round_trip_keeps_dtypes_values_and_is_out_of_band():
+    import pickle
+
+    batch = RolloutBatch(
+        {
+            "logp": torch.randn(4, 3),
+            "half": torch.randn(4, 3).bfloat16(),
+            "ids": torch.arange(12).view(3, 4).t(),  # non-contiguous
+            "mask": torch.tensor([[True, False]] * 4),
+        },
+        {"tag": ["a", "b", "c", "d"]},
+        {"step": 3},
+    )
+    buffers: list[pickle.PickleBuffer] = []
+    payload = pickle.dumps(batch, protocol=5, buffer_callback=buffers.append)
+    assert len(buffers) == 4  # every tensor's bytes travel outside the pickle stream
+    read_only = [memoryview(bytes(b.raw())) for b in buffers]  # like Ray's shared-memory object store
+    restored = pickle.loads(payload, buffers=read_only)
+    for key, value in batch.batch.items():
+        assert restored.batch[key].dtype == value.dtype
+        assert torch.equal(restored.batch[key], value)
+    restored.batch["logp"].add_(1.0)  # writable: read-only buffers were copied, not aliased
+    assert list(restored.non_tensor_batch["tag"]) == ["a", "b", "c", "d"]
+    assert restored.meta_info == {"step": 3}

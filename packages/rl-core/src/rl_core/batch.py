@@ -30,6 +30,24 @@ def _as_object_array(values: Any, key: str) -> np.ndarray:
     return array
 
 
+def _tensor_to_wire(tensor: torch.Tensor) -> tuple[np.ndarray, str, str]:
+    """A CPU numpy array holding the tensor's bytes (bf16 travels as int16), its dtype and its device."""
+    value = tensor.detach().cpu().contiguous()
+    dtype = str(value.dtype).removeprefix("torch.")
+    if value.dtype == torch.bfloat16:
+        value = value.view(torch.int16)
+    return value.numpy(), dtype, str(tensor.device)
+
+
+def _tensor_from_wire(array: np.ndarray, dtype: str, device: str) -> torch.Tensor:
+    if not array.flags.writeable:
+        array = array.copy()  # read-only shared memory (Ray's object store): never hand it out as a tensor
+    tensor = torch.from_numpy(array)
+    if dtype == "bfloat16":
+        tensor = tensor.view(torch.bfloat16)
+    return tensor if device == "cpu" else tensor.to(device)
+
+
 @dataclass
 class RolloutBatch:
     """Named tensors ``[B, ...]``, per-sample arrays ``[B]`` and meta info; every operation returns a new batch."""
@@ -61,6 +79,17 @@ class RolloutBatch:
         for key, value in self.batch.items():
             if value.dim() == 0:
                 raise ValueError(f"batch[{key!r}] is a scalar; put scalars in meta_info")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle tensors as numpy arrays: under protocol 5 (Ray, multiprocessing) their bytes travel out of band
+        without a copy, where pickling a torch tensor runs ``torch.save`` per tensor (~15x slower through Ray)."""
+        tensors = {key: _tensor_to_wire(value) for key, value in self.batch.items()}
+        return {"batch": tensors, "non_tensor_batch": self.non_tensor_batch, "meta_info": self.meta_info}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.batch = {key: _tensor_from_wire(*wire) for key, wire in state["batch"].items()}
+        self.non_tensor_batch = state["non_tensor_batch"]
+        self.meta_info = state["meta_info"]
 
     def __len__(self) -> int:
         for value in self.batch.values():

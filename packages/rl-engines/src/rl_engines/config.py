@@ -1,0 +1,253 @@
+"""Typed worker configuration: one role's ``model_args``, ``training_args``, ``generating_args``, ``strategy_args``.
+
+Field names are ROLL's (roll-config-guide "Worker配置"); YAML only overrides the defaults here. ``from_dict``
+rejects unknown keys and bad values with the full key path named (``actor_train.training_args.learning_rate``).
+Pure Python: importing this module pulls no torch or Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from rl_engines.device_mapping import parse_device_mapping
+
+ROLES = ("actor_train", "actor_infer", "reference", "critic", "reward")
+DTYPES = ("fp32", "bf16", "fp16")
+
+
+class WorkerConfigError(ValueError):
+    """A worker config value is unknown or invalid; the message names the key path and the fix."""
+
+
+@dataclass
+class ModelArgs:
+    """How to load the role's model (ROLL ``model_args``)."""
+
+    model_name_or_path: str | None = None
+    """Local HF model folder (hub ids need network, which CPU tests never have). Apps fill it from ``pretrain``."""
+    dtype: str = "fp32"
+    """Compute dtype: fp32, bf16 or fp16. Training keeps fp32 master weights and computes in this dtype."""
+    disable_gradient_checkpointing: bool = False
+    """True turns activation recomputation off (faster, more memory). Training roles only."""
+    model_type: str | None = None
+    """None for a causal LM; ``"critic"`` (set automatically for the critic role) loads a value head."""
+    attn_implementation: str | None = None
+    """HF attention kernel (``eager``, ``sdpa``, ``flash_attention_2``); None = transformers' default."""
+
+    def validate(self, prefix: str) -> None:
+        """Raise :class:`WorkerConfigError` naming ``<prefix>.<key>`` for the first bad value."""
+        if self.dtype not in DTYPES:
+            raise WorkerConfigError(f"{prefix}.dtype={self.dtype!r} is not supported; use one of {list(DTYPES)}.")
+        if self.model_type not in (None, "critic"):
+            raise WorkerConfigError(f"{prefix}.model_type={self.model_type!r}: use null (causal LM) or 'critic'.")
+
+
+@dataclass
+class TrainingArgs:
+    """Optimizer and batching of a training role (ROLL ``training_args``, HF TrainingArguments names)."""
+
+    learning_rate: float = 1e-6
+    """Peak AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW decoupled weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.999
+    """AdamW beta2."""
+    adam_epsilon: float = 1e-8
+    """AdamW epsilon."""
+    per_device_train_batch_size: int = 1
+    """Samples per micro-batch on each data-parallel rank."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches accumulated per optimizer step; global batch = per_device x this x DP world size."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm to this value; null disables clipping (the norm is still reported)."""
+    lr_scheduler_type: str = "constant"
+    """transformers schedule name: constant, constant_with_warmup, linear, cosine, polynomial, ..."""
+    warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to learning_rate."""
+    warmup_ratio: float = 0.0
+    """Warm-up as a fraction of max_steps (used when warmup_steps is 0)."""
+    max_steps: int | None = None
+    """Total optimizer steps, needed by decaying schedules (the pipeline computes it from its own max_steps)."""
+    num_train_epochs: int = 1
+    """Accepted for ROLL compatibility; the pipeline decides how often a role trains."""
+    seed: int = 42
+    """Seed of parameter init (critic head) and dropout."""
+
+    def validate(self, prefix: str) -> None:
+        """Raise :class:`WorkerConfigError` naming ``<prefix>.<key>`` for the first bad value."""
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            value = getattr(self, name)
+            if value < 1:
+                raise WorkerConfigError(f"{prefix}.{name} must be >= 1, got {value}.")
+        if self.learning_rate < 0:
+            raise WorkerConfigError(f"{prefix}.learning_rate must be >= 0, got {self.learning_rate}.")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise WorkerConfigError(f"{prefix}.max_grad_norm must be > 0 or null, got {self.max_grad_norm}.")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise WorkerConfigError(f"{prefix}.warmup_ratio must be in [0, 1), got {self.warmup_ratio}.")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise WorkerConfigError(f"{prefix}.max_steps must be >= 1 or null, got {self.max_steps}.")
+
+
+@dataclass
+class GeneratingArgs:
+    """Sampling settings of an inference role (ROLL ``generating_args``)."""
+
+    max_new_tokens: int = 128
+    """Tokens generated per response at most; responses are right-padded to this length."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy decoding. Reported log-probs are of logits / temperature."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 or 0 disables."""
+    num_beams: int = 1
+    """Only 1 is supported (RL needs sampled, not searched, responses)."""
+    num_return_sequences: int = 1
+    """Responses per prompt (apps set it to num_return_sequences_in_group)."""
+    repetition_penalty: float = 1.0
+    """HF repetition penalty; 1.0 disables."""
+    stop_strings: list[str] | None = None
+    """Extra strings that end a response (besides the tokenizer's EOS)."""
+    seed: int | None = None
+    """Sampling seed; with it a generate call is reproducible."""
+
+    def validate(self, prefix: str) -> None:
+        """Raise :class:`WorkerConfigError` naming ``<prefix>.<key>`` for the first bad value."""
+        if self.max_new_tokens < 1:
+            raise WorkerConfigError(f"{prefix}.max_new_tokens must be >= 1, got {self.max_new_tokens}.")
+        if self.temperature < 0:
+            raise WorkerConfigError(f"{prefix}.temperature must be >= 0, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise WorkerConfigError(f"{prefix}.top_p must be in (0, 1], got {self.top_p}.")
+        if self.num_beams != 1:
+            raise WorkerConfigError(f"{prefix}.num_beams={self.num_beams}: RL rollouts need num_beams: 1.")
+        if self.num_return_sequences < 1:
+            raise WorkerConfigError(f"{prefix}.num_return_sequences must be >= 1, got {self.num_return_sequences}.")
+
+
+@dataclass
+class StrategyArgs:
+    """Which engine runs the role (ROLL ``strategy_args``)."""
+
+    strategy_name: str = "fsdp2_train"
+    """Registered strategy: fsdp2_train (torch-native, CPU and GPU), hf_infer, and the optional engine adapters."""
+    strategy_config: dict[str, Any] = field(default_factory=dict)
+    """Passed to the strategy, which validates its own keys (e.g. fsdp_size, param_dtype for fsdp2_train)."""
+
+
+@dataclass
+class WorkerConfig:
+    """One role's worker section: resources plus the argument groups above."""
+
+    device_mapping: list[int] = field(default_factory=list)
+    """Global device ids (ROLL's ``list(range(0,8))`` strings are parsed, never evaluated)."""
+    num_gpus_per_worker: int = 1
+    """Devices per worker; inference roles only (tensor-parallel engines)."""
+    infer_batch_size: int = 1
+    """Samples per forward pass when computing log-probs / values or generating."""
+    model_update_frequency: int = 1
+    """Pipeline steps between weight syncs into this (inference) role."""
+    world_size: int | None = None
+    """Workers of a device-less role (reward); derived from device_mapping otherwise."""
+    model_args: ModelArgs = field(default_factory=ModelArgs)
+    """See :class:`ModelArgs`."""
+    training_args: TrainingArgs = field(default_factory=TrainingArgs)
+    """See :class:`TrainingArgs`."""
+    generating_args: GeneratingArgs = field(default_factory=GeneratingArgs)
+    """See :class:`GeneratingArgs`."""
+    strategy_args: StrategyArgs = field(default_factory=StrategyArgs)
+    """See :class:`StrategyArgs`."""
+    data_args: dict[str, Any] = field(default_factory=dict)
+    """Read by the apps (template, file_name, prompt / messages); kept as given."""
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], role: str) -> WorkerConfig:
+        """Build and validate from a YAML mapping; every error names ``<role>.<key path>``."""
+        config = _build(cls, values, role)
+        config.validate(role)
+        return config
+
+    def validate(self, role: str) -> None:
+        """Raise :class:`WorkerConfigError` for the first bad value, naming ``<role>.<key>``."""
+        if self.device_mapping:
+            self.device_mapping = parse_device_mapping(self.device_mapping, role=role)
+        for name in ("num_gpus_per_worker", "infer_batch_size", "model_update_frequency"):
+            if getattr(self, name) < 1:
+                raise WorkerConfigError(f"{role}.{name} must be >= 1, got {getattr(self, name)}.")
+        self.model_args.validate(f"{role}.model_args")
+        self.training_args.validate(f"{role}.training_args")
+        self.generating_args.validate(f"{role}.generating_args")
+
+
+T = TypeVar("T")
+
+
+def _build(cls: type[T], values: Any, prefix: str) -> T:
+    """Instantiate dataclass ``cls`` from ``values``, recursing into nested dataclasses; names bad keys."""
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise WorkerConfigError(f"{prefix} must be a mapping, got {type(values).__name__} {values!r}.")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise WorkerConfigError(
+            f"unknown key(s) {[f'{prefix}.{k}' for k in unknown]}; valid keys of {prefix}: {sorted(known)}. "
+            "Fix the spelling or remove the key."
+        )
+    kwargs = {name: _convert(hints[name], value, f"{prefix}.{name}") for name, value in values.items()}
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any, key: str) -> Any:
+    """Check / coerce one YAML value against a field's type hint."""
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key)  # type: ignore[arg-type]
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise WorkerConfigError(f"{key} must not be null.")
+    if key.endswith(".device_mapping"):
+        return value  # parsed (and checked) by WorkerConfig.validate
+    for option in options:
+        converted = _coerce(option, value)
+        if converted is not _NO:
+            return converted
+    wanted = " or ".join(getattr(o, "__name__", str(o)) for o in options if o is not type(None))
+    raise WorkerConfigError(f"{key} must be {wanted}, got {type(value).__name__} {value!r}.")
+
+
+_NO = object()
+
+
+def _coerce(option: Any, value: Any) -> Any:
+    origin = typing.get_origin(option) or option
+    if origin is bool:
+        return value if isinstance(value, bool) else _NO
+    if origin is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _NO
+    if origin is float:
+        if isinstance(value, bool):
+            return _NO
+        if isinstance(value, int | float):
+            return float(value)
+        try:
+            return float(value) if isinstance(value, str) else _NO  # YAML reads "1e-6" as a string
+        except ValueError:
+            return _NO
+    if origin is str:
+        return value if isinstance(value, str) else _NO
+    if origin is list:
+        return list(value) if isinstance(value, list | tuple) else _NO
+    if origin is dict:
+        return dict(value) if isinstance(value, dict) else _NO
+    return value if origin is Any else _NO

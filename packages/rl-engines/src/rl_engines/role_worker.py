@@ -1,0 +1,150 @@
+"""The Ray actor that runs one rank of a role: it owns a strategy and exposes what the pipeline calls.
+
+Every role (actor_train, actor_infer, reference, critic) uses this one class; the strategy chosen by
+``strategy_args.strategy_name`` decides what the methods do. Train metrics come back with ROLL's prefixes
+(``actor/pg_loss``, ``critic/value_loss``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rl_core.batch import RolloutBatch
+from rl_engines.config import GeneratingArgs, WorkerConfig
+from rl_engines.objectives import Objective
+from rl_engines.strategies.base import create_strategy
+from rl_engines.weight_sync import (
+    BroadcastGroup,
+    expand_aliases,
+    receive_by_broadcast,
+    send_by_broadcast,
+    send_through_object_store,
+    unpack_from_store,
+)
+from rl_engines.worker_group import WorkerBase
+
+METRIC_PREFIX = {"actor_train": "actor", "critic": "critic"}
+SYNC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class RoleWorker(WorkerBase):
+    """One rank of a role; create through ``WorkerGroup(role, RoleWorker, ..., init_args=(config,))``."""
+
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        env: dict[str, str],
+        config: WorkerConfig,
+    ) -> None:
+        super().__init__(role, rank, world_size, master_addr, master_port, env)
+        self.config = config
+        self.strategy: Any = None
+        self._broadcast: BroadcastGroup | None = None
+
+    def initialize(self, collective_timeout_s: float | None = None) -> str:
+        """Join the role's process group, build and load the strategy; returns the device it runs on."""
+        self.init_process_group(timeout_s=collective_timeout_s)
+        torch.manual_seed(self.config.training_args.seed)
+        self.strategy = create_strategy(self.config, self.role)
+        self.strategy.initialize()
+        return str(self.strategy.device)
+
+    # ---- compute -------------------------------------------------------------------------------------------
+    def generate(self, batch: RolloutBatch, generating_args: GeneratingArgs | None = None) -> RolloutBatch:
+        """Sample responses (infer strategies)."""
+        return self.strategy.generate(batch, generating_args)  # type: ignore[no-any-return]
+
+    def compute_log_probs(
+        self, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False
+    ) -> RolloutBatch:
+        """Log-probs (and entropy) of the batch's responses."""
+        return self.strategy.compute_log_probs(  # type: ignore[no-any-return]
+            batch, temperature=temperature, with_entropy=with_entropy
+        )
+
+    def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
+        """Critic values."""
+        return self.strategy.compute_values(batch)  # type: ignore[no-any-return]
+
+    def train_step(self, batch: RolloutBatch, objective: Objective) -> dict[str, float]:
+        """Train on this rank's shard; metrics prefixed ``actor/`` or ``critic/``."""
+        metrics = self.strategy.train_step(batch, objective)
+        prefix = METRIC_PREFIX.get(self.role, self.role)
+        return {f"{prefix}/{name}": value for name, value in metrics.items()}
+
+    # ---- state ---------------------------------------------------------------------------------------------
+    def save_checkpoint(self, path: str) -> None:
+        """Atomic checkpoint (collective over the role)."""
+        self.strategy.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a checkpoint."""
+        self.strategy.load_checkpoint(path)
+
+    def save_hf(self, path: str) -> None:
+        """HuggingFace folder of the current weights (rank 0 writes)."""
+        self.strategy.save_hf(path)
+
+    def offload(self) -> None:
+        """Free the device for a colocated role."""
+        self.strategy.offload()
+
+    def reload(self) -> None:
+        """Take the device back."""
+        self.strategy.reload()
+
+    # ---- weight sync: sender side (train roles) ------------------------------------------------------------
+    def _sync_dtype(self, dtype: str | None) -> torch.dtype | None:
+        return None if dtype is None else SYNC_DTYPES[dtype]
+
+    def send_weights_through_store(
+        self, receivers: list[Any], bucket_bytes: int, dtype: str | None = None, timeout_s: float | None = None
+    ) -> dict[str, float]:
+        """Colocated sync: every rank un-shards, rank 0 pushes buckets into the receivers via the object store."""
+        weights = self.strategy.named_weights()
+        if self.rank != 0:
+            for _ in weights:  # take part in each all-gather
+                pass
+            return {}
+        stats = send_through_object_store(
+            weights, receivers, bucket_bytes=bucket_bytes, dtype=self._sync_dtype(dtype), timeout_s=timeout_s
+        )
+        return stats.metrics()
+
+    def reserve_port(self) -> tuple[str, int]:
+        """This node's ip and a free port on it (where the weight-sync group's store listens)."""
+        return self.node_ip(), self.free_port()
+
+    def join_broadcast_group(self, master_addr: str, master_port: int, rank: int, world_size: int,
+                             timeout_s: float) -> None:  # fmt: skip
+        """Join the weight-sync group (train rank 0 is its rank 0; inference workers follow)."""
+        self._broadcast = BroadcastGroup(master_addr, master_port, rank, world_size, timeout_s)
+
+    def send_weights_by_broadcast(self, bucket_bytes: int, dtype: str | None = None) -> dict[str, float]:
+        """Separate sync, sender side: every rank un-shards, rank 0 broadcasts each bucket."""
+        weights = self.strategy.named_weights()
+        if self.rank != 0:
+            for _ in weights:
+                pass
+            return {}
+        if self._broadcast is None:
+            raise RuntimeError(f"{self.role} rank 0 has not joined the weight-sync group")
+        stats = send_by_broadcast(weights, self._broadcast, bucket_bytes=bucket_bytes, dtype=self._sync_dtype(dtype))
+        return stats.metrics()
+
+    # ---- weight sync: receiver side (inference roles) ------------------------------------------------------
+    def receive_weight_bucket(self, payload: list[Any]) -> int:
+        """Load one bucket pushed through the object store."""
+        return int(self.strategy.load_weights(expand_aliases(unpack_from_store(payload))))
+
+    def receive_weights_by_broadcast(self) -> int:
+        """Load every bucket broadcast by train rank 0 until its end-of-stream marker."""
+        if self._broadcast is None:
+            raise RuntimeError(f"{self.role} rank {self.rank} has not joined the weight-sync group")
+        return sum(int(self.strategy.load_weights(expand_aliases(b))) for b in receive_by_broadcast(self._broadcast))

@@ -1,0 +1,132 @@
+"""Start every configured role on Ray in one call: placement checked first, then workers, then models.
+
+``Roles`` is what a pipeline holds: one :class:`WorkerGroup` per role, the placement plan (which roles are
+colocated), turn-taking for colocated roles, and a :class:`ModelUpdater` per train -> infer pair.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from rl_engines.config import WorkerConfig
+from rl_engines.model_update import ModelUpdater
+from rl_engines.placement import ClusterSpec, PlacementPlan, RoleResources, plan_placement
+from rl_engines.ray_cluster import ResourcePool
+from rl_engines.role_worker import RoleWorker
+from rl_engines.weight_sync import DEFAULT_BUCKET_BYTES
+from rl_engines.worker_group import WorkerGroup
+
+INFERENCE_ROLES = ("actor_infer", "reward")
+
+
+TRAIN_ROLES = ("actor_train", "critic")
+
+
+def check_strategy(role: str, config: WorkerConfig) -> None:
+    """The role's strategy_name must be registered and of the right kind (train roles need a train strategy)."""
+    from rl_engines.strategies import STRATEGIES
+
+    key = f"{role}.strategy_args.strategy_name"
+    name = config.strategy_args.strategy_name
+    try:
+        kind = STRATEGIES.get(name).kind
+    except ValueError as err:
+        raise ValueError(f"{role}.{err}") from None
+    wanted = "train" if role in TRAIN_ROLES else "infer"
+    if kind != wanted:
+        valid = sorted(n for n in STRATEGIES.names() if STRATEGIES.get(n).kind == wanted)
+        words = {"train": "a training", "infer": "an inference"}
+        raise ValueError(f"{key}={name!r} is {words[kind]} strategy, but {role} needs {words[wanted]} strategy: "
+                         f"one of {valid}.")  # fmt: skip
+
+
+def plan_roles(cluster: ClusterSpec, configs: Mapping[str, WorkerConfig]) -> PlacementPlan:
+    """Validate every role's strategy and device_mapping against the cluster (raises before anything starts)."""
+    resources = []
+    for name, config in configs.items():
+        check_strategy(name, config)
+        if not config.device_mapping:
+            raise ValueError(f"{name}.device_mapping is empty; give the devices the role runs on.")
+        is_infer = name in INFERENCE_ROLES
+        resources.append(RoleResources(name, config.device_mapping, config.num_gpus_per_worker, is_inference=is_infer))
+    return plan_placement(cluster, resources)
+
+
+class Roles:
+    """Worker groups for ``configs`` (role name -> WorkerConfig) on a running Ray (see ``start_ray``).
+
+    Construction plans placement (bad mappings fail here, naming the role), places the workers, and loads
+    every role's model concurrently. ``rpc_timeout`` (seconds, ROLL key) bounds every remote call.
+    """
+
+    def __init__(
+        self,
+        cluster: ClusterSpec,
+        configs: Mapping[str, WorkerConfig],
+        *,
+        rpc_timeout: float = 3600.0,
+        system_envs: dict[str, str] | None = None,
+        use_gpu: bool | None = None,
+    ) -> None:
+        self.configs = dict(configs)
+        self.plan = plan_roles(cluster, self.configs)
+        self.rpc_timeout = rpc_timeout
+        self.pool = ResourcePool(cluster, use_gpu=use_gpu)
+        self.groups: dict[str, WorkerGroup] = {}
+        try:
+            for name, config in self.configs.items():
+                self.groups[name] = WorkerGroup(
+                    name, RoleWorker, self.plan.roles[name], self.pool,
+                    rpc_timeout=rpc_timeout, system_envs=system_envs, init_args=(config,),
+                )  # fmt: skip
+            futures = [group.call_async("initialize", rpc_timeout) for group in self.groups.values()]
+            for future in futures:
+                future.get()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def __getitem__(self, role: str) -> WorkerGroup:
+        if role not in self.groups:
+            raise KeyError(f"role {role!r} is not configured; configured roles: {sorted(self.groups)}")
+        return self.groups[role]
+
+    def model_updater(
+        self,
+        train: str = "actor_train",
+        infer: str = "actor_infer",
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        dtype: str | None = None,
+    ) -> ModelUpdater:
+        """A weight sync from ``train`` to ``infer``: object store when colocated, broadcast group when separate."""
+        colocated = self.plan.is_colocated(train, infer)
+        return ModelUpdater(self[train], self[infer], colocated=colocated, bucket_bytes=bucket_bytes, dtype=dtype,
+                            timeout_s=self.rpc_timeout)  # fmt: skip
+
+    def activate(self, role: str) -> None:
+        """Give ``role`` its devices: offload the roles colocated with it, reload it (ROLL's turn-taking)."""
+        for other in self.groups:
+            if other != role and self.plan.is_colocated(role, other):
+                self.groups[other].call("offload")
+        self[role].call("reload")
+
+    def call(self, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Shorthand for ``roles[role].call(method, ...)``."""
+        return self[role].call(method, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        """Kill every worker and free the placement groups (idempotent)."""
+        for group in self.groups.values():
+            group.shutdown()
+        self.groups = {}
+        if getattr(self, "pool", None) is not None:
+            self.pool.remove()
+            self.pool = None  # type: ignore[assignment]
+
+    def __enter__(self) -> Roles:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()

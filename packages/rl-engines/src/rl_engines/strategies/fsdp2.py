@@ -1,0 +1,274 @@
+"""``fsdp2_train``: the torch-native train strategy (PyTorch FSDP2, ``fully_shard``), on CPU (gloo) and GPU (nccl).
+
+Why FSDP2 rather than DDP: it is ROLL's own ``fsdp2_train`` (its strategy_config keys are accepted as they are),
+parameters, gradients and optimizer state are sharded across data-parallel ranks (so the default strategy scales
+past one device's memory), it runs on CPU over gloo in torch >= 2.6, and state dicts keep the HF parameter names
+(no ``module.`` prefix), so weight export and checkpoints need no renaming. One rank is a world of one.
+
+Gradient semantics: each micro-batch loss is its share of the whole mini-batch loss (rl-core GlobalBatchInfo),
+gradients are *summed* over ranks (FSDP's divide factor set to 1) and over accumulation steps, so the update
+is identical for any split of a mini-batch into ranks x micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from rl_core.batch import BatchSizeError, RolloutBatch
+from rl_engines.config import WorkerConfig
+from rl_engines.objectives import Objective
+from rl_engines.strategies import checkpointing
+from rl_engines.strategies.base import STRATEGIES, ensure_process_group, reject_unknown_keys, worker_device
+from rl_engines.strategies.model_io import (
+    TORCH_DTYPES,
+    forward_log_probs,
+    forward_values,
+    load_model,
+    load_tokenizer,
+)
+from rl_engines.strategies.train_utils import (
+    MetricAccumulator,
+    build_optimizer,
+    build_scheduler,
+    global_batch_info,
+    move_optimizer_state,
+    move_parameters,
+)
+
+FSDP2_KEYS = {"fsdp_size", "param_dtype", "reduce_dtype", "reshard_after_forward", "offload_policy", "wrap_policy"}
+DTYPE_ALIASES = {**TORCH_DTYPES, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@STRATEGIES.register("fsdp2_train")
+class Fsdp2TrainStrategy:
+    """Train one role's model with FSDP2 over all ranks of the worker's process group."""
+
+    kind = "train"
+
+    def __init__(self, config: WorkerConfig, role: str) -> None:
+        self.config = config
+        self.role = role
+        self.options = dict(config.strategy_args.strategy_config)
+        reject_unknown_keys(self.options, FSDP2_KEYS, f"{role}.strategy_args.strategy_config")
+        self.value_head = role == "critic" or config.model_args.model_type == "critic"
+        self.device = torch.device("cpu")
+        self.global_step = 0
+        self.model: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.tokenizer: Any = None
+
+    # ---- setup ---------------------------------------------------------------------------------------------
+    def initialize(self) -> None:
+        """Load fp32 master weights, shard them, and build AdamW and the LR schedule."""
+        ensure_process_group()
+        self.device = worker_device()
+        args = self.config.model_args
+        torch.manual_seed(self.config.training_args.seed)
+        model = load_model(args, self.role, dtype=torch.float32, value_head=self.value_head)
+        if not args.disable_gradient_checkpointing:
+            model.activation_checkpointing_enable(  # type: ignore[operator]
+                activation_checkpointing_kwargs={"use_reentrant": False}
+            )
+        self.model = self._shard(model.to(self.device))
+        self.optimizer = build_optimizer(self.model.parameters(), self.config.training_args)
+        self.scheduler = build_scheduler(self.optimizer, self.config.training_args, self.role)
+        self.tokenizer = load_tokenizer(str(args.model_name_or_path))
+
+    def _dtype_option(self, key: str, default: torch.dtype) -> torch.dtype:
+        value = self.options.get(key)
+        if value is None:
+            return default
+        if value not in DTYPE_ALIASES:
+            raise ValueError(
+                f"{self.role}.strategy_args.strategy_config.{key}={value!r}; use one of {sorted(DTYPE_ALIASES)}."
+            )
+        return DTYPE_ALIASES[value]
+
+    def _shard(self, model: torch.nn.Module) -> Any:
+        compute = TORCH_DTYPES[self.config.model_args.dtype]
+        policy = MixedPrecisionPolicy(
+            param_dtype=self._dtype_option("param_dtype", compute),
+            reduce_dtype=self._dtype_option("reduce_dtype", torch.float32),
+        )
+        kwargs: dict[str, Any] = {
+            "mp_policy": policy,
+            "reshard_after_forward": bool(self.options.get("reshard_after_forward", True)),
+            "mesh": self._device_mesh(),
+        }
+        if self.options.get("offload_policy") and self.device.type == "cuda":
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        for module in self._wrap_targets(model):
+            fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # sum over ranks (losses are already global shares); plain SUM, which gloo supports too
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    def _device_mesh(self) -> Any:
+        """1-D mesh over all ranks, or 2-D (replicate x shard, i.e. HSDP) when fsdp_size < world size."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        size = self.options.get("fsdp_size") or world
+        if size in (-1, world):
+            return init_device_mesh(self.device.type, (world,))
+        if not isinstance(size, int) or size < 1 or world % size:
+            raise ValueError(
+                f"{self.role}.strategy_args.strategy_config.fsdp_size={size} must divide the role's world size "
+                f"{world} (len({self.role}.device_mapping)); use -1 to shard over all ranks."
+            )
+        return init_device_mesh(self.device.type, (world // size, size), mesh_dim_names=("replicate", "shard"))
+
+    def _wrap_targets(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """Modules sharded as their own unit: wrap_policy's layer classes, else the model's ``_no_split_modules``."""
+        wrap = self.options.get("wrap_policy") or {}
+        names = set(wrap.get("transformer_layer_cls_to_wrap") or getattr(model, "_no_split_modules", None) or [])
+        found = [m for m in model.modules() if type(m).__name__ in names]
+        if wrap and not found:
+            raise ValueError(
+                f"{self.role}.strategy_args.strategy_config.wrap_policy names {sorted(names)}, but the model has "
+                f"no such modules; its layer class is {type(model).__name__}'s decoder layer."
+            )
+        return found
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    def _outputs(self, batch: RolloutBatch, objective: Objective | None, *, temperature: float,
+                 with_entropy: bool) -> dict[str, torch.Tensor]:  # fmt: skip
+        if self.value_head:
+            return {"values": forward_values(self.model, batch, self.device)}
+        if objective is not None:
+            temperature, with_entropy = objective.temperature, objective.needs_entropy
+        log_probs, entropy = forward_log_probs(
+            self.model, batch, self.device, temperature=temperature, with_entropy=with_entropy
+        )
+        return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
+
+    @torch.no_grad()
+    def _infer(self, batch: RolloutBatch, **kwargs: Any) -> RolloutBatch:
+        self.model.eval()
+        parts = [self._outputs(mb, None, **kwargs) for mb in batch.split(self.config.infer_batch_size)]
+        tensors = {key: torch.cat([p[key] for p in parts]).cpu() for key in parts[0]}
+        return RolloutBatch(tensors, meta_info=dict(batch.meta_info))
+
+    def compute_log_probs(
+        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
+    ) -> RolloutBatch:
+        """``log_probs [B, R]`` (and ``entropy``) of the responses under the current weights, no gradients."""
+        if self.value_head:
+            raise RuntimeError(f"{self.role} has a value head; call compute_values")
+        return self._infer(batch, temperature=temperature, with_entropy=with_entropy)
+
+    def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
+        """Critic ``values [B, R]``."""
+        if not self.value_head:
+            raise RuntimeError(f"{self.role} is a causal LM without a value head; set it up as the critic role")
+        return self._infer(batch, temperature=1.0, with_entropy=False)
+
+    # ---- training ------------------------------------------------------------------------------------------
+    def train_step(self, batch: RolloutBatch, objective: Objective) -> dict[str, float]:
+        """One optimizer step per mini-batch of ``per_device_train_batch_size x gradient_accumulation_steps``.
+
+        ``batch`` is this rank's shard; every rank must hold the same number of samples. Returns metrics
+        summed over ranks: loss values equal the full mini-batch loss, plus ``grad_norm`` and ``lr``.
+        """
+        args = self.config.training_args
+        micro, minibatch = (
+            args.per_device_train_batch_size,
+            args.per_device_train_batch_size * args.gradient_accumulation_steps,
+        )
+        if len(batch) % minibatch:
+            raise BatchSizeError(
+                f"{self.role} got {len(batch)} samples per rank, not a multiple of {self.role}.training_args."
+                f"per_device_train_batch_size ({micro}) x gradient_accumulation_steps "
+                f"({args.gradient_accumulation_steps}) = {minibatch}. Fix the batch sizes so that "
+                "rollout_batch_size x num_return_sequences_in_group is a multiple of "
+                f"{minibatch} x the role's data-parallel size."
+            )
+        self.model.train()
+        metrics = MetricAccumulator()
+        norms, skipped, lrs = [], 0, []
+        for mini in batch.split(minibatch):
+            lrs.append(self.scheduler.get_last_lr()[0])  # the rate this step applies
+            grad_norm = self._optimizer_step(mini.split(micro), objective, metrics)
+            norms.append(grad_norm)
+            skipped += int(not math.isfinite(grad_norm))
+        result = metrics.result()
+        result.update(grad_norm=sum(norms) / len(norms), lr=sum(lrs) / len(lrs), skipped_steps=skipped)
+        return result
+
+    def _optimizer_step(self, micros: list[RolloutBatch], objective: Objective, metrics: MetricAccumulator) -> float:
+        assert self.optimizer is not None
+        full_mask = torch.cat([m.batch["response_mask"] for m in micros])
+        info = global_batch_info(full_mask)
+        self.optimizer.zero_grad(set_to_none=True)
+        for index, micro in enumerate(micros):
+            self.model.set_requires_gradient_sync(index == len(micros) - 1)  # reduce-scatter once per step
+            loss, values = objective(self._outputs(micro, objective, temperature=1.0, with_entropy=False), micro, info)
+            loss.backward()  # type: ignore[no-untyped-call]
+            tokens = float(micro.batch["response_mask"].to(torch.bool).sum())
+            metrics.add(values, tokens / max(info.num_tokens, 1.0))
+        metrics.end_minibatch()
+        max_norm = self.config.training_args.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else math.inf)
+        norm_value = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        if math.isfinite(norm_value):
+            self.optimizer.step()  # a non-finite norm skips the update (as DeepSpeed does) and is reported
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.global_step += 1
+        return norm_value
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights in HF names, one tensor at a time (each an all-gather: every rank must iterate)."""
+        tied: dict[int, list[str]] = {}
+        state = self.model.state_dict(keep_vars=True)
+        for name, value in state.items():
+            tied.setdefault(id(value), []).append(name)  # tied weights share one DTensor: gather it once
+        for names in tied.values():
+            value = state[names[0]]
+            full = (value.full_tensor() if isinstance(value, DTensor) else value).detach()
+            for name in names:
+                yield name, full
+
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
+        """Not supported: a train strategy's weights change only through training or load_checkpoint."""
+        raise NotImplementedError(f"{self.role}: load weights through load_checkpoint")
+
+    def save_checkpoint(self, path: str) -> None:
+        """Atomically save model + optimizer (sharded, torch.distributed.checkpoint), schedule, step and RNG."""
+        checkpointing.save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a checkpoint written by :meth:`save_checkpoint` (any world size for model / optimizer)."""
+        checkpointing.load(self, path)
+
+    def save_hf(self, path: str) -> None:
+        """A HuggingFace folder of the current weights (rank 0 writes; every rank must call)."""
+        checkpointing.save_hf(self, path)
+
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state to host memory (no-op on CPU devices)."""
+        if self.device.type != "cpu":
+            move_parameters(self.model, "cpu")
+            if self.optimizer is not None:
+                move_optimizer_state(self.optimizer, "cpu")
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        """Bring offloaded state back to the device."""
+        if self.device.type != "cpu":
+            move_parameters(self.model, self.device)
+            if self.optimizer is not None:
+                move_optimizer_state(self.optimizer, self.device)

@@ -1,0 +1,114 @@
+"""``hf_infer``: generation and scoring with plain HuggingFace transformers (ROLL's hf_infer), CPU or GPU.
+
+Serves actor_infer (sampling with the sampled tokens' log-probs and finish reasons) and reference (log-probs
+of given tokens with a frozen copy). Weights arrive from the train strategy through :meth:`load_weights`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from rl_core.batch import RolloutBatch
+from rl_engines.config import GeneratingArgs, WorkerConfig
+from rl_engines.strategies.base import STRATEGIES, reject_unknown_keys, worker_device
+from rl_engines.strategies.generation import sample_responses
+from rl_engines.strategies.model_io import TORCH_DTYPES, forward_log_probs, load_model, load_tokenizer
+from rl_engines.strategies.train_utils import move_parameters
+
+
+@STRATEGIES.register("hf_infer")
+class HfInferStrategy:
+    """Frozen HF model in eval mode on this worker's device."""
+
+    kind = "infer"
+
+    def __init__(self, config: WorkerConfig, role: str) -> None:
+        self.config = config
+        self.role = role
+        reject_unknown_keys(config.strategy_args.strategy_config, set(), f"{role}.strategy_args.strategy_config")
+        self.device = torch.device("cpu")
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self._offloaded = False
+
+    def initialize(self) -> None:
+        """Load the model in ``model_args.dtype`` and its tokenizer."""
+        self.device = worker_device()
+        dtype = TORCH_DTYPES[self.config.model_args.dtype]
+        self.model = load_model(self.config.model_args, self.role, dtype=dtype).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self.tokenizer = load_tokenizer(str(self.config.model_args.model_name_or_path))
+
+    @torch.no_grad()
+    def compute_log_probs(
+        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
+    ) -> RolloutBatch:
+        """``log_probs [B, R]`` (and ``entropy``) of the batch's responses, in infer_batch_size slices."""
+        parts: list[dict[str, torch.Tensor]] = []
+        for micro in batch.split(self.config.infer_batch_size):
+            log_probs, entropy = forward_log_probs(
+                self.model, micro, self.device, temperature=temperature, with_entropy=with_entropy
+            )
+            parts.append({"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy})
+        tensors = {key: torch.cat([p[key] for p in parts]).cpu() for key in parts[0]}
+        return RolloutBatch(tensors, meta_info=dict(batch.meta_info))
+
+    @torch.no_grad()
+    def generate(self, batch: RolloutBatch, generating_args: GeneratingArgs | None = None) -> RolloutBatch:
+        """Sample ``num_return_sequences`` responses per prompt (``input_ids`` / ``attention_mask``, left-padded).
+
+        Returns the rollout layout (see :mod:`rl_engines.strategies.model_io`) with ``rollout_log_probs [B*n, R]``
+        (log-softmax of logits / temperature at each sampled token, 0 at padding) and ``finish_reasons``
+        (``"stop"`` or ``"length"``); non-tensor entries are repeated per sample, samples of a prompt adjacent.
+        """
+        args = generating_args or self.config.generating_args
+        args.validate(f"{self.role}.generating_args")
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            if args.seed is not None:
+                torch.manual_seed(args.seed)
+            parts = [
+                sample_responses(self.model, self.tokenizer, micro, args, self.device)
+                for micro in batch.split(self.config.infer_batch_size)
+            ]
+        return RolloutBatch.concat(parts)
+
+    def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The model's weights under HF names (tied weights appear under both names)."""
+        return self.model.state_dict().items()  # type: ignore[no-any-return]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy named tensors into the model (cast to its dtype / device); unknown names are an error."""
+        targets = self.model.state_dict(keep_vars=True)
+        loaded = 0
+        for name, tensor in weights:
+            if name not in targets:
+                raise KeyError(
+                    f"{self.role}: weight {name!r} from the train strategy has no counterpart in the inference "
+                    f"model ({type(self.model).__name__}); are actor_train and {self.role} the same architecture?"
+                )
+            target = targets[name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{self.role}: weight {name!r} has shape {tuple(tensor.shape)} in the train strategy but "
+                    f"{tuple(target.shape)} here; the two roles must load the same model."
+                )
+            target.data.copy_(tensor, non_blocking=True)
+            loaded += 1
+        return loaded
+
+    def offload(self) -> None:
+        """Move weights to host memory (no-op on CPU devices)."""
+        if self.device.type != "cpu" and not self._offloaded:
+            move_parameters(self.model, "cpu")
+            self._offloaded = True
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        """Bring offloaded weights back to the device."""
+        if self._offloaded:
+            move_parameters(self.model, self.device)
+            self._offloaded = False

@@ -1,0 +1,129 @@
+"""Model loading and the forward passes every strategy shares: response log-probs, entropy and values.
+
+Batch layout (verl / ROLL): ``prompts [B, P]`` left-padded, ``responses [B, R]`` right-padded,
+``input_ids = cat(prompts, responses) [B, P+R]``, ``attention_mask [B, P+R]`` (1 = real token),
+``position_ids [B, P+R]``, ``response_mask [B, R]`` (True = the token counts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rl_core.batch import RolloutBatch
+from rl_core.losses import entropy_from_logits
+from rl_engines.config import ModelArgs
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_model_path(model_args: ModelArgs, role: str) -> str:
+    """The local model folder, or an error naming ``<role>.model_args.model_name_or_path``."""
+    path = model_args.model_name_or_path
+    if not path:
+        raise ValueError(
+            f"{role}.model_args.model_name_or_path is not set; point it (or `pretrain`) at a HF model folder."
+        )
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"{role}.model_args.model_name_or_path={path!r} is not a folder. Give a local HF model folder "
+            "(config.json + weights); hub ids are not downloaded by the workers."
+        )
+    return path
+
+
+def load_model(model_args: ModelArgs, role: str, *, dtype: torch.dtype, value_head: bool = False) -> nn.Module:
+    """Load a causal LM, or (``value_head``) the same backbone with a 1-output token-classification head."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    path = resolve_model_path(model_args, role)
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if model_args.attn_implementation:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    if value_head:
+        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    model.config.use_cache = False
+    return model  # type: ignore[no-any-return]
+
+
+def load_tokenizer(path: str) -> Any | None:
+    """The tokenizer saved with the model, or None when the folder has none (ids-only use)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+def response_length(batch: RolloutBatch) -> int:
+    """``R``: the width of ``responses`` (or of ``response_mask``)."""
+    key = "responses" if "responses" in batch else "response_mask"
+    return int(batch.batch[key].shape[1])
+
+
+def model_inputs(batch: RolloutBatch, device: torch.device) -> dict[str, torch.Tensor]:
+    """``input_ids`` / ``attention_mask`` / ``position_ids`` on ``device``; position ids derived if absent."""
+    input_ids = batch.batch["input_ids"].to(device)
+    attention_mask = batch.batch["attention_mask"].to(device)
+    if "position_ids" in batch:
+        position_ids = batch.batch["position_ids"].to(device)
+    else:
+        position_ids = position_ids_from_mask(attention_mask)
+    return {"input_ids": input_ids, "attention_mask": attention_mask.long(), "position_ids": position_ids}
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counting real tokens only (left padding gets 0): ``cumsum(mask) - 1`` clamped at 0."""
+    return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
+
+
+def response_log_probs(
+    logits: torch.Tensor, responses: torch.Tensor, *, temperature: float = 1.0, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of ``responses [B, R]`` under ``logits [B, R, V]`` (already aligned: row t predicts token t).
+
+    ``log_softmax(logits / temperature)`` gathered at the response ids, in float32; entropy of the same
+    distribution when asked. Returns ``([B, R], [B, R] | None)``.
+    """
+    scaled = logits.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    picked = scaled.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    log_probs = picked - torch.logsumexp(scaled, dim=-1)
+    entropy = entropy_from_logits(scaled) if with_entropy else None
+    return log_probs, entropy
+
+
+def forward_log_probs(
+    model: nn.Module,
+    batch: RolloutBatch,
+    device: torch.device,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward pass; log-probs (and entropy) of the batch's responses, ``[B, R]`` each, on ``device``."""
+    resp_len = response_length(batch)
+    out = model(**model_inputs(batch, device), use_cache=False)
+    logits = out.logits[:, -resp_len - 1 : -1, :]  # [B, R, V]: position t predicts token t + 1
+    responses = batch.batch["responses"].to(device)
+    return response_log_probs(logits, responses, temperature=temperature, with_entropy=with_entropy)
+
+
+def forward_values(model: nn.Module, batch: RolloutBatch, device: torch.device) -> torch.Tensor:
+    """Critic values ``[B, R]`` of the state before each response token (ROLL / verl convention)."""
+    resp_len = response_length(batch)
+    out = model(**model_inputs(batch, device), use_cache=False)
+    return out.logits[:, -resp_len - 1 : -1, 0].float()  # type: ignore[no-any-return]
+
+
+def micro_batches(batch: RolloutBatch, size: int) -> Iterator[RolloutBatch]:
+    """Consecutive slices of ``size`` samples (infer_batch_size)."""
+    yield from batch.split(size)

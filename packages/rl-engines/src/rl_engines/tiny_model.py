@@ -1,0 +1,92 @@
+"""Build a tiny Qwen2-style model and a byte-level BPE tokenizer locally (no hub download).
+
+Used by tests and CPU demos. The defaults keep ``head_dim = hidden_size / num_attention_heads = 32``, the
+smallest head size vLLM's CPU backend accepts, so the same folder later loads into every inference engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def build_tiny_tokenizer(path: str | Path, corpus: Iterable[str], *, vocab_size: int = 512) -> None:
+    """Train a byte-level BPE tokenizer on ``corpus`` and save it as a HF tokenizer folder with a ChatML template.
+
+    Special tokens: ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos), as in Qwen2.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(corpus), trainer=trainer)
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=tokenizer,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        padding_side="left",
+    )
+    fast.chat_template = CHATML_TEMPLATE
+    fast.save_pretrained(str(path))
+
+
+def build_tiny_causal_lm(
+    path: str | Path,
+    *,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    intermediate_size: int = 128,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 2,
+    num_key_value_heads: int = 1,
+    tie_word_embeddings: bool = True,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    eos_token_id: int = 2,
+    pad_token_id: int = 0,
+) -> None:
+    """Save a randomly initialised ``Qwen2ForCausalLM`` (fp32 safetensors) to ``path``.
+
+    Grouped-query attention (2 query heads, 1 KV head) and tied embeddings by default, so weight handling that
+    real checkpoints need is exercised. The ids match :func:`build_tiny_tokenizer`'s special tokens.
+    """
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        tie_word_embeddings=tie_word_embeddings,
+        max_position_embeddings=max_position_embeddings,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        bos_token_id=None,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = pad_token_id
+    model.save_pretrained(str(path))

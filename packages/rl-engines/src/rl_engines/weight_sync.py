@@ -1,0 +1,231 @@
+"""Bucketed weight transfer from a train strategy into inference engines (ROLL's model_update).
+
+Two transports, chosen by placement:
+- **colocated** (train and infer share devices, so the same node): train rank 0 puts each bucket into Ray's
+  shared-memory object store once and every inference worker maps it without another copy, then copies into
+  its parameters; at most two buckets are in flight, so host memory stays bounded by two buckets.
+- **separate** (disjoint devices, possibly other nodes): train rank 0 and the inference workers form their own
+  process group (gloo on CPU, nccl on GPU, created without touching the default group) and rank 0 broadcasts
+  each bucket as one flat byte tensor.
+
+Tied weights (``lm_head.weight`` sharing ``model.embed_tokens.weight``) cross the wire once; the receiver loads
+them under every name, since some engines (vLLM's CPU backend) keep a separate packed copy of ``lm_head``.
+Every train rank iterates the weights (un-sharding is a collective); only rank 0 sends.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+_DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
+                               torch.int32, torch.uint8, torch.bool)}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Name, shape and dtype of one transferred tensor, plus the names it is also loaded under (tied weights)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        """Size in bytes."""
+        return int(np.prod(self.shape, dtype=np.int64)) * _DTYPES[self.dtype].itemsize
+
+
+@dataclass
+class SyncStats:
+    """What one sync moved and how long it took (reported as ``model_update/*`` metrics)."""
+
+    bytes: int = 0
+    tensors: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def metrics(self) -> dict[str, float]:
+        """``time/model_update`` (s), ``model_update/bytes``, ``model_update/bandwidth_gbps`` (GB/s)."""
+        return {
+            "time/model_update": self.seconds,
+            "model_update/bytes": float(self.bytes),
+            "model_update/tensors": float(self.tensors),
+            "model_update/buckets": float(self.buckets),
+            "model_update/bandwidth_gbps": self.bytes / max(self.seconds, 1e-9) / 1e9,
+            **self.extra,
+        }
+
+
+def iter_buckets(
+    weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None
+) -> Iterator[list[tuple[TensorMeta, torch.Tensor]]]:
+    """Group named tensors into buckets of at most ``bucket_bytes`` (a larger tensor travels alone).
+
+    Tensors sharing storage with one earlier in the same bucket are folded into its ``aliases`` (senders yield
+    tied names consecutively, so they share a bucket); ``dtype`` casts floating
+    tensors (e.g. fp32 masters to the engine's bf16) before sending. Tensors are detached, contiguous, on CPU.
+    """
+    pending: list[tuple[TensorMeta, torch.Tensor]] = []
+    size = 0
+    seen: dict[tuple[int, int], int] = {}
+    for name, tensor in weights:
+        key = (int(tensor.untyped_storage().data_ptr()), int(tensor.storage_offset()))
+        if key in seen and tensor.data_ptr() != 0:  # tied to a tensor of this bucket: send once
+            index = seen[key]
+            meta, value = pending[index]
+            pending[index] = (TensorMeta(meta.name, meta.shape, meta.dtype, (*meta.aliases, name)), value)
+            continue
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        value = tensor.detach().contiguous().cpu()
+        meta = TensorMeta(name, tuple(value.shape), str(value.dtype))
+        if pending and size + meta.nbytes > bucket_bytes:
+            yield pending
+            pending, size, seen = [], 0, {}
+        seen[key] = len(pending)
+        pending.append((meta, value))
+        size += meta.nbytes
+    if pending:
+        yield pending
+
+
+def _as_bytes(tensor: torch.Tensor) -> np.ndarray:
+    """A zero-copy uint8 numpy view of a contiguous CPU tensor of any dtype."""
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def _from_bytes(buffer: np.ndarray | torch.Tensor, meta: TensorMeta) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only shared-memory buffers: we only read them
+        raw = torch.from_numpy(buffer) if isinstance(buffer, np.ndarray) else buffer
+    return raw.view(_DTYPES[meta.dtype]).view(meta.shape)
+
+
+def expand_aliases(items: Iterable[tuple[TensorMeta, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every name a tensor is loaded under."""
+    for meta, tensor in items:
+        yield meta.name, tensor
+        for alias in meta.aliases:
+            yield alias, tensor
+
+
+# ---- colocated: Ray object store --------------------------------------------------------------------------
+def pack_for_store(bucket: list[tuple[TensorMeta, torch.Tensor]]) -> list[tuple[TensorMeta, np.ndarray]]:
+    """The bucket as numpy views, which Ray serialises out-of-band (one copy into shared memory)."""
+    return [(meta, _as_bytes(tensor)) for meta, tensor in bucket]
+
+
+def unpack_from_store(payload: list[tuple[TensorMeta, np.ndarray]]) -> list[tuple[TensorMeta, torch.Tensor]]:
+    """Tensors viewing the shared-memory buffers (no copy)."""
+    return [(meta, _from_bytes(array, meta)) for meta, array in payload]
+
+
+def send_through_object_store(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    receivers: list[Any],
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+    timeout_s: float | None = None,
+) -> SyncStats:
+    """Push buckets to ``receivers`` (Ray actor handles with ``receive_weight_bucket``); two buckets in flight."""
+    import ray
+
+    stats, start = SyncStats(), time.perf_counter()
+    in_flight: list[Any] = []
+    for bucket in iter_buckets(weights, bucket_bytes, dtype):
+        ref = ray.put(pack_for_store(bucket))
+        ray.get(in_flight, timeout=timeout_s)  # bound memory: the previous bucket must have landed
+        in_flight = [receiver.receive_weight_bucket.remote(ref) for receiver in receivers]
+        stats.buckets += 1
+        stats.tensors += len(bucket)
+        stats.bytes += sum(meta.nbytes for meta, _ in bucket)
+    ray.get(in_flight, timeout=timeout_s)
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+# ---- separate: a dedicated collective group ----------------------------------------------------------------
+class BroadcastGroup:
+    """A process group of train rank 0 (rank 0 here) and the inference workers, apart from the default group."""
+
+    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout)  # type: ignore[attr-defined]
+        prefix = dist.PrefixStore("rl_engines_weight_sync", store)  # type: ignore[attr-defined]
+        self.store = store
+        self.rank = rank
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        if self.device is not None:
+            self.group: Any = dist.ProcessGroupNCCL(prefix, rank, world_size, dist.ProcessGroupNCCL.Options())
+        else:
+            self.group = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+
+    def broadcast(self, flat: torch.Tensor) -> torch.Tensor:
+        """Broadcast a flat uint8 tensor from rank 0 (through the GPU under nccl); returns it on CPU."""
+        tensor = flat if self.device is None else flat.to(self.device)
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        self.group.broadcast([tensor], options).wait()
+        return tensor.cpu() if self.device is not None else tensor
+
+
+def send_by_broadcast(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    group: BroadcastGroup,
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+) -> SyncStats:
+    """Rank 0 side: broadcast a header (the bucket's metas, as a pickled byte tensor) then the flat bucket."""
+    stats, start = SyncStats(), time.perf_counter()
+    for bucket in iter_buckets(weights, bucket_bytes, dtype):
+        _broadcast_header(group, [meta for meta, _ in bucket])
+        group.broadcast(torch.cat([tensor.reshape(-1).view(torch.uint8) for _, tensor in bucket]))
+        stats.buckets += 1
+        stats.tensors += len(bucket)
+        stats.bytes += sum(meta.nbytes for meta, _ in bucket)
+    _broadcast_header(group, [])  # end of stream
+    stats.seconds = time.perf_counter() - start
+    return stats
+
+
+def receive_by_broadcast(group: BroadcastGroup) -> Iterator[list[tuple[TensorMeta, torch.Tensor]]]:
+    """Receiver side: yields each bucket's tensors until the sender's end-of-stream header."""
+    while True:
+        metas = _broadcast_header(group, None)
+        if not metas:
+            return
+        flat = group.broadcast(torch.empty(sum(meta.nbytes for meta in metas), dtype=torch.uint8))
+        offset, bucket = 0, []
+        for meta in metas:
+            bucket.append((meta, _from_bytes(flat[offset : offset + meta.nbytes], meta)))
+            offset += meta.nbytes
+        yield bucket
+
+
+def _broadcast_header(group: BroadcastGroup, metas: list[TensorMeta] | None) -> list[TensorMeta]:
+    """Rank 0 sends ``metas`` (JSON), the others receive them: a length broadcast, then the bytes."""
+    import json
+
+    if group.rank == 0:
+        payload = json.dumps([[m.name, list(m.shape), m.dtype, list(m.aliases)] for m in metas or []]).encode()
+        length = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+        group.broadcast(length.clone())
+        group.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        return list(metas or [])
+    size = int(group.broadcast(torch.zeros(8, dtype=torch.uint8)).view(torch.int64)[0])
+    raw = bytes(group.broadcast(torch.empty(size, dtype=torch.uint8)).numpy().tobytes())
+    return [TensorMeta(n, tuple(s), d, tuple(a)) for n, s, d, a in json.loads(raw.decode())]

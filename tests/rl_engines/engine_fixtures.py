@@ -1,0 +1,112 @@
+"""Shared pieces of the rl-engines tests: a tiny local model, rollout batches, and independent references.
+
+Import the fixtures into a test module with ``from engine_fixtures import tiny_model_dir`` (pytest finds
+fixtures in the module namespace).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rl_core.batch import RolloutBatch
+from rl_engines.config import WorkerConfig
+from rl_engines.tiny_model import build_tiny_causal_lm, build_tiny_tokenizer
+
+CORPUS = [f"{a}+{b}={a + b}" for a in range(40) for b in range(40)] + ["the answer is <answer>7</answer>"]
+
+
+def make_tiny_model(path: Path, *, tie: bool = True, seed: int = 0) -> Path:
+    """A tokenizer + random Qwen2 model folder at ``path``."""
+    build_tiny_tokenizer(path, CORPUS, vocab_size=256)
+    from transformers import AutoTokenizer
+
+    vocab = len(AutoTokenizer.from_pretrained(str(path)))
+    build_tiny_causal_lm(path, vocab_size=vocab, tie_word_embeddings=tie, seed=seed)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Session-wide tiny model with tied embeddings."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_tied"))
+
+
+@pytest.fixture(scope="session")
+def tiny_untied_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Session-wide tiny model without tied embeddings."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_untied"), tie=False, seed=1)
+
+
+def worker_config(model_dir: Path, role: str = "actor_train", **sections: Any) -> WorkerConfig:
+    """A validated WorkerConfig for ``role`` on ``model_dir``; ``sections`` override YAML-style keys."""
+    values: dict[str, Any] = {"model_args": {"model_name_or_path": str(model_dir)}}
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key] = {**values[key], **value}
+        else:
+            values[key] = value
+    return WorkerConfig.from_dict(values, role)
+
+
+def prompt_batch(model_dir: Path, questions: list[str]) -> RolloutBatch:
+    """Left-padded chat prompts with the question kept as a non-tensor entry."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions
+    ]
+    encoded = tokenizer(texts, return_tensors="pt", padding=True)
+    return RolloutBatch(
+        {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}, {"question": questions}
+    )
+
+
+def rollout_batch(batch_size: int = 8, prompt_len: int = 6, resp_len: int = 5, seed: int = 0) -> RolloutBatch:
+    """Random prompts (some left padding) and responses (some right padding) plus advantages."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, 250, (batch_size, prompt_len), generator=gen)
+    responses = torch.randint(3, 250, (batch_size, resp_len), generator=gen)
+    attention = torch.ones(batch_size, prompt_len + resp_len, dtype=torch.long)
+    response_mask = torch.ones(batch_size, resp_len, dtype=torch.bool)
+    for row in range(batch_size):
+        attention[row, : row % 3] = 0  # left padding of the prompt
+        cut = resp_len - (row % 2) * (1 + row % resp_len // 2)
+        response_mask[row, cut:] = False
+        attention[row, prompt_len + cut :] = 0
+    return RolloutBatch(
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention,
+            "response_mask": response_mask,
+            "advantages": torch.randn(batch_size, resp_len, generator=gen),
+        }
+    )
+
+
+def reference_log_probs(model_dir: Path, batch: RolloutBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Slow, independent reference: one un-padded forward per response token with a freshly loaded model."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    prompts, responses = batch.batch["prompts"], batch.batch["responses"]
+    prompt_len = prompts.shape[1]
+    mask = batch.batch["attention_mask"][:, :prompt_len].bool()
+    out = torch.zeros(responses.shape, dtype=torch.float64)
+    with torch.no_grad():
+        for row in range(responses.shape[0]):
+            context = prompts[row][mask[row]].tolist()
+            for t in range(responses.shape[1]):
+                if not batch.batch["response_mask"][row, t]:
+                    break
+                logits = model(torch.tensor([context])).logits[0, -1].double() / temperature
+                out[row, t] = torch.log_softmax(logits, -1)[responses[row, t]]
+                context.append(int(responses[row, t]))
+    return out

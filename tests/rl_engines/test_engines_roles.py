@@ -1,0 +1,124 @@
+"""End to end on Ray (CPU device slots): actor_train + actor_infer + reference, colocated and separate.
+
+Each mode generates, scores with all three roles, trains one step with an rl-core loss on two data-parallel
+ranks, syncs weights into the inference role and checks the new scores match the trained model. The two-rank
+update is compared with a one-rank strategy in this process, and a two-rank checkpoint is resumed on one rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_fixtures import prompt_batch, tiny_model_dir, worker_config
+
+from rl_engines.objectives import ActorObjective
+from rl_engines.placement import ClusterSpec, PlacementError
+from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
+from rl_engines.roles import Roles
+from rl_engines.strategies import create_strategy
+
+__all__ = ["tiny_model_dir"]
+
+CLUSTER = ClusterSpec(num_nodes=1, num_gpus_per_node=4)
+TRAIN_ARGS = {"learning_rate": 1e-2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+QUESTIONS = ["1+2=", "10+12=", "3+3=", "4+5="]
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    start_ray(num_cpus=2, resources=cpu_device_resources(CLUSTER))
+    yield
+    stop_ray(remove_temp_dir=True)
+
+
+def role_configs(model_dir, infer_devices):
+    return {
+        "actor_train": worker_config(model_dir, "actor_train", device_mapping="list(range(0,2))",
+                                     training_args=TRAIN_ARGS, infer_batch_size=4),
+        "actor_infer": worker_config(model_dir, "actor_infer", device_mapping=infer_devices,
+                                     strategy_args={"strategy_name": "hf_infer"}, infer_batch_size=4,
+                                     generating_args={"max_new_tokens": 6, "num_return_sequences": 2, "seed": 0}),
+        "reference": worker_config(model_dir, "reference", device_mapping=[0, 1],
+                                   strategy_args={"strategy_name": "hf_infer"}, infer_batch_size=4),
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["colocated", "separate"])
+def roles(request, ray_instance, tiny_model_dir):
+    infer_devices = [0, 1] if request.param == "colocated" else [2, 3]
+    with Roles(CLUSTER, role_configs(tiny_model_dir, infer_devices), rpc_timeout=120,
+               system_envs={"RL_TEST_FLAG": request.param}) as started:  # fmt: skip
+        yield started
+
+
+def test_generate_score_train_sync_and_rescore(roles, tiny_model_dir, tmp_path):
+    colocated = roles.plan.is_colocated("actor_train", "actor_infer")
+    assert colocated == (roles.plan.roles["actor_infer"].device_ids == frozenset({0, 1}))
+    rollout = roles["actor_infer"].call("generate", prompt_batch(tiny_model_dir, QUESTIONS), dispatch="dp_split")
+    mask = rollout.batch["response_mask"]
+    assert len(rollout) == 8
+    old = roles["actor_train"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
+    ref = roles["reference"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
+    torch.testing.assert_close(old[mask], rollout.batch["rollout_log_probs"][mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ref[mask], old[mask], atol=1e-6, rtol=0)
+
+    rollout.batch["old_log_probs"] = old
+    rollout.batch["advantages"] = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0))
+    roles.activate("actor_train")
+    metrics = roles["actor_train"].call("train_step", rollout, ActorObjective(), dispatch="dp_split")
+    assert metrics[0] == metrics[1]  # reduced over ranks
+    assert {"actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/pg_clipfrac"} <= set(metrics[0])
+
+    roles.activate("actor_infer")
+    sync = roles.model_updater(bucket_bytes=100_000).sync()
+    assert sync["model_update/tensors"] == 26  # 27 HF names; the tied lm_head travels once
+    assert sync["model_update/buckets"] >= 3 and sync["time/model_update"] > 0
+    new_train = roles["actor_train"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
+    new_infer = roles["actor_infer"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
+    torch.testing.assert_close(new_infer[mask], new_train[mask], atol=1e-6, rtol=0)
+    assert float((new_train - old)[mask].abs().max()) > 1e-2  # the step really changed the policy
+    unchanged_ref = roles["reference"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
+    assert torch.equal(unchanged_ref, ref)
+
+    # The same update on one rank in this process: identical within float tolerance.
+    single = create_strategy(
+        worker_config(tiny_model_dir, "actor_train", training_args={**TRAIN_ARGS, "per_device_train_batch_size": 4},
+                      infer_batch_size=4), "actor_train")  # fmt: skip
+    single.initialize()
+    single_metrics = single.train_step(rollout, ActorObjective())
+    assert single_metrics["pg_loss"] == pytest.approx(metrics[0]["actor/pg_loss"], abs=1e-6)
+    assert single_metrics["grad_norm"] == pytest.approx(metrics[0]["actor/grad_norm"], rel=1e-5)
+    torch.testing.assert_close(single.compute_log_probs(rollout).batch["log_probs"][mask], new_train[mask],
+                               atol=1e-5, rtol=0)  # fmt: skip
+
+    # A two-rank checkpoint resumes on one rank (sharded state is re-split on load).
+    roles["actor_train"].call("save_checkpoint", str(tmp_path / "ckpt"))
+    resumed = create_strategy(single.config, "actor_train")
+    resumed.initialize()
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    torch.testing.assert_close(resumed.compute_log_probs(rollout).batch["log_probs"], new_train, atol=0, rtol=0)
+
+
+def test_system_envs_reach_every_worker_of_every_role(roles):
+    expected = "colocated" if roles.plan.is_colocated("actor_train", "actor_infer") else "separate"
+    for role in ("actor_train", "actor_infer", "reference"):
+        assert roles[role].call("get_env", "RL_TEST_FLAG") == [expected, expected]
+
+
+def test_a_bad_device_mapping_fails_before_any_worker_starts(ray_instance, tiny_model_dir):
+    configs = role_configs(tiny_model_dir, [3, 4])
+    with pytest.raises(PlacementError, match=r"actor_infer\.device_mapping uses device ids \[4\]"):
+        Roles(CLUSTER, configs, rpc_timeout=60)
+
+
+def test_an_unknown_or_misplaced_strategy_fails_naming_the_key(ray_instance, tiny_model_dir):
+    configs = role_configs(tiny_model_dir, [2, 3])
+    configs["reference"].strategy_args.strategy_name = "megatron_inference"
+    with pytest.raises(ValueError, match=r"reference\.unknown strategy 'megatron_inference'"):
+        Roles(CLUSTER, configs, rpc_timeout=60)
+    configs["reference"].strategy_args.strategy_name = "hf_infer"
+    configs["actor_train"].strategy_args.strategy_name = "hf_infer"
+    with pytest.raises(
+        ValueError, match=r"actor_train\.strategy_args\.strategy_name=.hf_infer. is an inference strategy"
+    ):
+        Roles(CLUSTER, configs, rpc_timeout=60)
