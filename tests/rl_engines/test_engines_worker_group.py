@@ -63,8 +63,10 @@ class EchoWorker(WorkerBase):
             os._exit(1)
         time.sleep(then_sleep_s)  # the other ranks "hang in a collective" waiting for the dead one
 
-    def fail(self, message):
-        raise ValueError(f"rank {self.rank}: {message}")
+    def fail_on_rank(self, rank, message):
+        if self.rank == rank:
+            raise ValueError(f"rank {self.rank}: {message}")
+        return self.rank
 
     def all_reduce_rank(self):
         value = torch.tensor([float(self.rank + 1)])
@@ -206,12 +208,13 @@ def test_call_async_returns_a_future(group):
 
 def test_exception_in_a_worker_is_a_call_error_with_the_original_message(group):
     with pytest.raises(WorkerCallError) as info:
-        group.call("fail", "reward model returned NaN")
+        group.call("fail_on_rank", 1, "reward model returned NaN")
     error = info.value
-    assert (error.role, error.method, error.ranks) == ("actor_train", "fail", [0])
-    assert "actor_train: rank 0 raised in `fail`" in str(error)
-    assert "ValueError: rank 0: reward model returned NaN" in str(error)
-    assert ", in fail\n" in error.remote_traceback  # the worker-side frame
+    assert (error.role, error.method, error.ranks) == ("actor_train", "fail_on_rank", [1])
+    assert "actor_train: rank 1 raised in `fail_on_rank`" in str(error)
+    assert "ValueError: rank 1: reward model returned NaN" in str(error)
+    assert ", in fail_on_rank\n" in error.remote_traceback  # the worker-side frame
+    assert isinstance(error.__cause__, ray.exceptions.RayTaskError)
     assert group.call("ping") == [0, 1]  # a raising method leaves the workers usable
 
 

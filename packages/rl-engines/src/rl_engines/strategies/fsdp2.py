@@ -28,6 +28,7 @@ from rl_engines.strategies import checkpointing
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, reject_unknown_keys, worker_device
 from rl_engines.strategies.model_io import (
     TORCH_DTYPES,
+    enable_activation_checkpointing,
     forward_log_probs,
     forward_values,
     load_model,
@@ -38,8 +39,8 @@ from rl_engines.strategies.train_utils import (
     build_optimizer,
     build_scheduler,
     global_batch_info,
-    move_optimizer_state,
-    move_parameters,
+    offload_optimizer_state,
+    reload_optimizer_state,
 )
 
 FSDP2_KEYS = {"fsdp_size", "param_dtype", "reduce_dtype", "reshard_after_forward", "offload_policy", "wrap_policy"}
@@ -64,6 +65,7 @@ class Fsdp2TrainStrategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.tokenizer: Any = None
+        self._offloaded_state: list[tuple[int, str, torch.device]] = []
 
     # ---- setup ---------------------------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -74,9 +76,7 @@ class Fsdp2TrainStrategy:
         torch.manual_seed(self.config.training_args.seed)
         model = load_model(args, self.role, dtype=torch.float32, value_head=self.value_head)
         if not args.disable_gradient_checkpointing:
-            model.activation_checkpointing_enable(  # type: ignore[operator]
-                activation_checkpointing_kwargs={"use_reentrant": False}
-            )
+            enable_activation_checkpointing(model)
         self.model = self._shard(model.to(self.device))
         self.optimizer = build_optimizer(self.model.parameters(), self.config.training_args)
         self.scheduler = build_scheduler(self.optimizer, self.config.training_args, self.role)
@@ -261,14 +261,18 @@ class Fsdp2TrainStrategy:
     def offload(self) -> None:
         """Move parameters, gradients and optimizer state to host memory (no-op on CPU devices)."""
         if self.device.type != "cpu":
-            move_parameters(self.model, "cpu")
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()  # drop all-gathered parameters a forward left behind (the root keeps them)
+            self.model.to("cpu")  # FSDP2 moves its sharded parameters with Module.to (same Parameter objects)
             if self.optimizer is not None:
-                move_optimizer_state(self.optimizer, "cpu")
+                self._offloaded_state = offload_optimizer_state(self.optimizer)
             torch.cuda.empty_cache()
 
     def reload(self) -> None:
         """Bring offloaded state back to the device."""
         if self.device.type != "cpu":
-            move_parameters(self.model, self.device)
+            self.model.to(self.device)
             if self.optimizer is not None:
-                move_optimizer_state(self.optimizer, self.device)
+                reload_optimizer_state(self.optimizer, self._offloaded_state)
+                self._offloaded_state = []

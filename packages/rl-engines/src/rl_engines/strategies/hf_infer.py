@@ -16,7 +16,6 @@ from rl_engines.config import GeneratingArgs, WorkerConfig
 from rl_engines.strategies.base import STRATEGIES, reject_unknown_keys, worker_device
 from rl_engines.strategies.generation import sample_responses
 from rl_engines.strategies.model_io import TORCH_DTYPES, forward_log_probs, load_model, load_tokenizer
-from rl_engines.strategies.train_utils import move_parameters
 
 
 @STRATEGIES.register("hf_infer")
@@ -103,12 +102,12 @@ class HfInferStrategy:
     def offload(self) -> None:
         """Move weights to host memory (no-op on CPU devices)."""
         if self.device.type != "cpu" and not self._offloaded:
-            move_parameters(self.model, "cpu")
+            self.model.to("cpu")
             self._offloaded = True
             torch.cuda.empty_cache()
 
     def reload(self) -> None:
         """Bring offloaded weights back to the device."""
         if self._offloaded:
-            move_parameters(self.model, self.device)
+            self.model.to(self.device)
             self._offloaded = False

@@ -52,6 +52,14 @@ def load_model(model_args: ModelArgs, role: str, *, dtype: torch.dtype, value_he
     return model  # type: ignore[no-any-return]
 
 
+def enable_activation_checkpointing(model: Any) -> None:
+    """Non-reentrant activation recomputation (transformers >= 5.20 renamed gradient_checkpointing_enable)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def load_tokenizer(path: str) -> Any | None:
     """The tokenizer saved with the model, or None when the folder has none (ids-only use)."""
     from transformers import AutoTokenizer

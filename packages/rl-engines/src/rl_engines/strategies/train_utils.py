@@ -105,24 +105,20 @@ class MetricAccumulator:
         return {name: float(v) / count for name, v in zip(names, values.tolist())}
 
 
-def move_optimizer_state(optimizer: torch.optim.Optimizer, device: torch.device | str) -> int:
-    """Move every optimizer state tensor to ``device`` in place; returns the bytes moved."""
-    moved = 0
-    for state in optimizer.state.values():
+def offload_optimizer_state(optimizer: torch.optim.Optimizer) -> list[tuple[int, str, torch.device]]:
+    """Move every device-resident optimizer state tensor to host memory; returns what moved from where."""
+    moved = []
+    for index, state in enumerate(optimizer.state.values()):
         for key, value in state.items():
-            if isinstance(value, torch.Tensor) and value.device != torch.device(device):
-                state[key] = value.to(device, non_blocking=True)
-                moved += value.numel() * value.element_size()
+            if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+                moved.append((index, key, value.device))
+                state[key] = value.to("cpu", non_blocking=True)
     return moved
 
 
-def move_parameters(module: nn.Module, device: torch.device | str) -> int:
-    """Move parameters (and gradients) to ``device`` by swapping ``.data``; works for FSDP2's DTensors."""
-    moved = 0
-    for param in module.parameters():
-        if param.device != torch.device(device):
-            moved += param.numel() * param.element_size()
-            param.data = param.data.to(device, non_blocking=True)
-            if param.grad is not None:
-                param.grad = param.grad.to(device, non_blocking=True)
-    return moved
+def reload_optimizer_state(optimizer: torch.optim.Optimizer, moved: list[tuple[int, str, torch.device]]) -> None:
+    """Undo :func:`offload_optimizer_state`: exactly the tensors that moved go back (Adam's ``step`` counters,
+    kept on the CPU by torch unless capturable, stay there)."""
+    states = list(optimizer.state.values())
+    for index, key, device in moved:
+        states[index][key] = states[index][key].to(device, non_blocking=True)
