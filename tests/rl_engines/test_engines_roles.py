@@ -16,6 +16,7 @@ from rl_engines.placement import ClusterSpec, PlacementError
 from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.roles import Roles
 from rl_engines.strategies import create_strategy
+from rl_engines.weight_sync import SHM_DIR
 
 __all__ = ["tiny_model_dir"]
 
@@ -49,6 +50,7 @@ def roles(request, ray_instance, tiny_model_dir):
     with Roles(CLUSTER, role_configs(tiny_model_dir, infer_devices), rpc_timeout=120,
                system_envs={"RL_TEST_FLAG": request.param}) as started:  # fmt: skip
         yield started
+    assert not list(SHM_DIR.glob("rl_sync_*")), "colocated sync left shared-memory slots behind"
 
 
 def test_generate_score_train_sync_and_rescore(roles, tiny_model_dir, tmp_path):
@@ -73,6 +75,8 @@ def test_generate_score_train_sync_and_rescore(roles, tiny_model_dir, tmp_path):
     sync = roles.model_updater(bucket_bytes=100_000).sync()
     assert sync["model_update/tensors"] == 26  # 27 HF names; the tied lm_head travels once
     assert sync["model_update/buckets"] >= 3 and sync["time/model_update"] > 0
+    if colocated:
+        assert len(list(SHM_DIR.glob("rl_sync_*"))) == 2  # the two reusable slots of train rank 0
     new_train = roles["actor_train"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
     new_infer = roles["actor_infer"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
     torch.testing.assert_close(new_infer[mask], new_train[mask], atol=1e-6, rtol=0)

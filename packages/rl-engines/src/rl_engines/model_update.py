@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from rl_engines.weight_sync import DEFAULT_BUCKET_BYTES
 from rl_engines.worker_group import WorkerGroup
@@ -11,9 +12,10 @@ from rl_engines.worker_group import WorkerGroup
 class ModelUpdater:
     """Push ``train``'s current weights into every worker of ``infer``.
 
-    ``colocated=True`` (the roles share devices, hence nodes) goes through Ray's shared-memory object store;
-    ``False`` builds a dedicated broadcast group (gloo / nccl) once, at construction. ``dtype`` (fp32, bf16,
-    fp16) casts floating weights before they travel, e.g. fp32 masters into a bf16 engine.
+        ``colocated=True`` (the roles share devices, hence hosts) goes through shared memory (the object store for
+    receivers on another host);
+        ``False`` builds a dedicated broadcast group (gloo / nccl) once, at construction. ``dtype`` (fp32, bf16,
+        fp16) casts floating weights before they travel, e.g. fp32 masters into a bf16 engine.
     """
 
     def __init__(
@@ -34,6 +36,7 @@ class ModelUpdater:
         self.dtype = dtype
         self.timeout_s = timeout_s
         self.syncs = 0
+        self._hosts: list[bool] | None = None
         if not colocated:
             self._join_broadcast_group()
 
@@ -52,13 +55,26 @@ class ModelUpdater:
         sender.get()
         receivers.get()
 
+    def _receivers_by_host(self) -> tuple[list[Any], list[Any]]:
+        """Inference workers on train rank 0's host (shared memory) and elsewhere (object store)."""
+        if self._hosts is None:
+            sender = self.train.call("node_ip", dispatch="rank_zero")
+            self._hosts = [ip == sender for ip in self.infer.call("node_ip")]
+        actors = self.infer.actors
+        return ([a for a, same in zip(actors, self._hosts) if same],
+                [a for a, same in zip(actors, self._hosts) if not same])  # fmt: skip
+
+    def close(self) -> None:
+        """Release the sender's shared-memory slots (the next colocated sync creates them again)."""
+        if self.colocated and self.train.actors:
+            self.train.call("close_staging", dispatch="rank_zero")
+
     def sync(self) -> dict[str, float]:
         """Transfer the weights; returns ``time/model_update`` (wall seconds seen by the driver) and byte counts."""
         start = time.perf_counter()
         if self.colocated:
-            results = self.train.call(
-                "send_weights_through_store", list(self.infer.actors), self.bucket_bytes, self.dtype, self.timeout_s
-            )
+            shm, store = self._receivers_by_host()
+            results = self.train.call("send_weights_on_host", shm, store, self.bucket_bytes, self.dtype, self.timeout_s)
         else:
             receiving = self.infer.call_async("receive_weights_by_broadcast")
             results = self.train.call("send_weights_by_broadcast", self.bucket_bytes, self.dtype)

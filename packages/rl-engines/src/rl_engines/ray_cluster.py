@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import tempfile
+import time
 from typing import Any
 
 import ray
@@ -92,8 +93,18 @@ def stop_ray(*, remove_temp_dir: bool = False) -> None:
     global _started_temp_dir
     ray.shutdown()
     if remove_temp_dir and _started_temp_dir is not None:
-        shutil.rmtree(_started_temp_dir, ignore_errors=True)
+        _remove_settled(_started_temp_dir)
     _started_temp_dir = None
+
+
+def _remove_settled(path: str, attempts: int = 20, pause_s: float = 0.1) -> None:
+    """Delete ``path``, again if Ray's exiting processes write into it after the first removal (they can for a
+    moment after ``ray.shutdown()`` returns)."""
+    for _ in range(attempts):
+        shutil.rmtree(path, ignore_errors=True)
+        time.sleep(pause_s)
+        if not os.path.exists(path):
+            return
 
 
 class ResourcePool:

@@ -17,10 +17,14 @@ from rl_engines.objectives import Objective
 from rl_engines.strategies.base import create_strategy
 from rl_engines.weight_sync import (
     BroadcastGroup,
+    SharedStaging,
+    SharedStagingReader,
+    TensorMeta,
     expand_aliases,
     receive_by_broadcast,
     send_by_broadcast,
-    send_through_object_store,
+    send_on_host,
+    shared_memory_available,
     unpack_from_store,
 )
 from rl_engines.worker_group import WorkerBase
@@ -46,6 +50,8 @@ class RoleWorker(WorkerBase):
         self.config = config
         self.strategy: Any = None
         self._broadcast: BroadcastGroup | None = None
+        self._staging: SharedStaging | None = None
+        self._reader: SharedStagingReader | None = None
 
     def initialize(self, collective_timeout_s: float | None = None) -> str:
         """Join the role's process group, build and load the strategy; returns the device it runs on."""
@@ -103,19 +109,38 @@ class RoleWorker(WorkerBase):
     def _sync_dtype(self, dtype: str | None) -> torch.dtype | None:
         return None if dtype is None else SYNC_DTYPES[dtype]
 
-    def send_weights_through_store(
-        self, receivers: list[Any], bucket_bytes: int, dtype: str | None = None, timeout_s: float | None = None
+    def send_weights_on_host(
+        self,
+        shm_receivers: list[Any],
+        store_receivers: list[Any],
+        bucket_bytes: int,
+        dtype: str | None = None,
+        timeout_s: float | None = None,
     ) -> dict[str, float]:
-        """Colocated sync: every rank un-shards, rank 0 pushes buckets into the receivers via the object store."""
+        """Colocated sync: every rank un-shards; rank 0 sends each bucket through shared memory to receivers on
+        its host (falling back to the object store where /dev/shm is missing) and through the object store to
+        the rest."""
         weights = self.strategy.named_weights()
         if self.rank != 0:
             for _ in weights:  # take part in each all-gather
                 pass
             return {}
-        stats = send_through_object_store(
-            weights, receivers, bucket_bytes=bucket_bytes, dtype=self._sync_dtype(dtype), timeout_s=timeout_s
-        )
+        if not shared_memory_available():
+            shm_receivers, store_receivers = [], [*shm_receivers, *store_receivers]
+        if shm_receivers and (self._staging is None or self._staging.slot_bytes != bucket_bytes):
+            self.close_staging()
+            self._staging = SharedStaging(bucket_bytes)
+        stats = send_on_host(
+            weights, staging=self._staging, shm_receivers=shm_receivers, store_receivers=store_receivers,
+            bucket_bytes=bucket_bytes, dtype=self._sync_dtype(dtype), timeout_s=timeout_s,
+        )  # fmt: skip
         return stats.metrics()
+
+    def close_staging(self) -> None:
+        """Unlink the shared-memory slots of colocated syncs (also done by Python's resource tracker at exit)."""
+        if self._staging is not None:
+            self._staging.close()
+            self._staging = None
 
     def reserve_port(self) -> tuple[str, int]:
         """This node's ip and a free port on it (where the weight-sync group's store listens)."""
@@ -139,6 +164,12 @@ class RoleWorker(WorkerBase):
         return stats.metrics()
 
     # ---- weight sync: receiver side (inference roles) ------------------------------------------------------
+    def receive_shared_bucket(self, name: str, metas: list[TensorMeta]) -> int:
+        """Load one bucket from the sender's shared-memory slot ``name``."""
+        if self._reader is None:
+            self._reader = SharedStagingReader()
+        return int(self.strategy.load_weights(expand_aliases(self._reader.read(name, metas))))
+
     def receive_weight_bucket(self, payload: list[Any]) -> int:
         """Load one bucket pushed through the object store."""
         return int(self.strategy.load_weights(expand_aliases(unpack_from_store(payload))))

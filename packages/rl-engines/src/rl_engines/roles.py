@@ -6,6 +6,7 @@ colocated), turn-taking for colocated roles, and a :class:`ModelUpdater` per tra
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,7 +16,7 @@ from rl_engines.placement import ClusterSpec, PlacementPlan, RoleResources, plan
 from rl_engines.ray_cluster import ResourcePool
 from rl_engines.role_worker import RoleWorker
 from rl_engines.weight_sync import DEFAULT_BUCKET_BYTES
-from rl_engines.worker_group import WorkerGroup
+from rl_engines.worker_group import WorkerError, WorkerGroup
 
 INFERENCE_ROLES = ("actor_infer", "reward")
 
@@ -74,6 +75,7 @@ class Roles:
         self.rpc_timeout = rpc_timeout
         self.pool = ResourcePool(cluster, use_gpu=use_gpu)
         self.groups: dict[str, WorkerGroup] = {}
+        self._updaters: list[ModelUpdater] = []
         try:
             for name, config in self.configs.items():
                 self.groups[name] = WorkerGroup(
@@ -102,8 +104,10 @@ class Roles:
     ) -> ModelUpdater:
         """A weight sync from ``train`` to ``infer``: object store when colocated, broadcast group when separate."""
         colocated = self.plan.is_colocated(train, infer)
-        return ModelUpdater(self[train], self[infer], colocated=colocated, bucket_bytes=bucket_bytes, dtype=dtype,
-                            timeout_s=self.rpc_timeout)  # fmt: skip
+        updater = ModelUpdater(self[train], self[infer], colocated=colocated, bucket_bytes=bucket_bytes, dtype=dtype,
+                               timeout_s=self.rpc_timeout)  # fmt: skip
+        self._updaters.append(updater)
+        return updater
 
     def activate(self, role: str) -> None:
         """Give ``role`` its devices: offload the roles colocated with it, reload it (ROLL's turn-taking)."""
@@ -117,7 +121,11 @@ class Roles:
         return self[role].call(method, *args, **kwargs)
 
     def shutdown(self) -> None:
-        """Kill every worker and free the placement groups (idempotent)."""
+        """Release sync buffers, kill every worker and free the placement groups (idempotent)."""
+        for updater in self._updaters:
+            with contextlib.suppress(WorkerError):  # a dead sender's slots are unlinked by its resource tracker
+                updater.close()
+        self._updaters = []
         for group in self.groups.values():
             group.shutdown()
         self.groups = {}

@@ -1,9 +1,10 @@
 """Bucketed weight transfer from a train strategy into inference engines (ROLL's model_update).
 
 Two transports, chosen by placement:
-- **colocated** (train and infer share devices, so the same node): train rank 0 puts each bucket into Ray's
-  shared-memory object store once and every inference worker maps it without another copy, then copies into
-  its parameters; at most two buckets are in flight, so host memory stays bounded by two buckets.
+- **colocated** (train and infer share devices, so the same node): train rank 0 packs each bucket into one of
+  two persistent shared-memory slots and every inference worker on that host copies it into its parameters
+  while the next bucket is packed (two copies per byte, pipelined; host memory bounded by two buckets).
+  Receivers on another host, or a platform without POSIX shared memory, get the bucket through Ray's object store.
 - **separate** (disjoint devices, possibly other nodes): train rank 0 and the inference workers form their own
   process group (gloo on CPU, nccl on GPU, created without touching the default group) and rank 0 broadcasts
   each bucket as one flat byte tensor.
@@ -16,10 +17,13 @@ Every train rank iterates the weights (un-sharding is a collective); only rank 0
 from __future__ import annotations
 
 import datetime
+import mmap
 import time
+import uuid
 import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -132,29 +136,125 @@ def unpack_from_store(payload: list[tuple[TensorMeta, np.ndarray]]) -> list[tupl
     return [(meta, _from_bytes(array, meta)) for meta, array in payload]
 
 
-def send_through_object_store(
+# ---- colocated, same host: persistent shared-memory slots -------------------------------------------------
+SHM_DIR = Path("/dev/shm")
+
+
+def shared_memory_available() -> bool:
+    """Shared-memory staging needs a POSIX shm file system (Linux); elsewhere the object store is used."""
+    return SHM_DIR.is_dir()
+
+
+class SharedStaging:
+    """Sender side: ``slots`` shared-memory buffers, created once and reused by every sync.
+
+    The sender packs a bucket into a slot (one copy) while receivers on the same host copy the previous slot into
+    their parameters (one copy each); mappings persist across syncs, so no page faults are paid again. Slots are
+    created through ``multiprocessing.shared_memory``, whose resource tracker unlinks them even when the worker is
+    killed; :meth:`close` unlinks them at once.
+    """
+
+    def __init__(self, slot_bytes: int, slots: int = 2) -> None:
+        self.slot_bytes = slot_bytes
+        self._slots: list[Any] = [self._create(slot_bytes) for _ in range(slots)]
+
+    @staticmethod
+    def _create(size: int) -> Any:
+        from multiprocessing import shared_memory
+
+        return shared_memory.SharedMemory(create=True, size=max(size, 1), name=f"rl_sync_{uuid.uuid4().hex[:16]}")
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def slot(self, index: int, nbytes: int) -> tuple[str, torch.Tensor]:
+        """Name and byte view of slot ``index``, grown to ``nbytes`` when a tensor is larger than a bucket."""
+        if self._slots[index].size < nbytes:
+            self._slots[index].close()
+            self._slots[index].unlink()
+            self._slots[index] = self._create(nbytes)
+        shm = self._slots[index]
+        return shm.name, torch.frombuffer(shm.buf, dtype=torch.uint8, count=shm.size)
+
+    def close(self) -> None:
+        """Unlink every slot (receivers keep their mappings until they drop them)."""
+        for shm in self._slots:
+            shm.close()
+            shm.unlink()
+        self._slots = []
+
+
+class SharedStagingReader:
+    """Receiver side: maps the sender's slots by name (plain mmap, so no resource tracker claims them)."""
+
+    def __init__(self) -> None:
+        self._maps: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+
+    def view(self, name: str) -> torch.Tensor:
+        """A byte tensor over the named slot, mapped on first use and kept."""
+        if name not in self._maps:
+            with open(SHM_DIR / name, "r+b") as handle:
+                mapped = mmap.mmap(handle.fileno(), 0)
+            self._maps = {n: m for n, m in self._maps.items() if (SHM_DIR / n).exists()}  # drop replaced slots
+            self._maps[name] = (mapped, torch.frombuffer(mapped, dtype=torch.uint8))
+        return self._maps[name][1]
+
+    def read(self, name: str, metas: list[TensorMeta]) -> list[tuple[TensorMeta, torch.Tensor]]:
+        """The bucket's tensors as views into the slot (no copy)."""
+        flat, offset, bucket = self.view(name), 0, []
+        for meta in metas:
+            bucket.append((meta, _from_bytes(flat[offset : offset + meta.nbytes], meta)))
+            offset += meta.nbytes
+        return bucket
+
+
+def send_on_host(
     weights: Iterable[tuple[str, torch.Tensor]],
-    receivers: list[Any],
     *,
+    staging: SharedStaging | None,
+    shm_receivers: list[Any],
+    store_receivers: list[Any],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
     timeout_s: float | None = None,
 ) -> SyncStats:
-    """Push buckets to ``receivers`` (Ray actor handles with ``receive_weight_bucket``); two buckets in flight."""
+    """Colocated sync, sender side. Same-host receivers read alternating shared-memory slots
+    (``receive_shared_bucket``); the others get each bucket through the object store (``receive_weight_bucket``).
+    A slot is reused only after every receiver copied its previous bucket out, so at most two are in flight."""
     import ray
 
+    if shm_receivers and staging is None:
+        raise ValueError("shared-memory receivers need a SharedStaging")
     stats, start = SyncStats(), time.perf_counter()
-    in_flight: list[Any] = []
-    for bucket in iter_buckets(weights, bucket_bytes, dtype):
-        ref = ray.put(pack_for_store(bucket))
-        ray.get(in_flight, timeout=timeout_s)  # bound memory: the previous bucket must have landed
-        in_flight = [receiver.receive_weight_bucket.remote(ref) for receiver in receivers]
+    slots = len(staging) if staging is not None else 2
+    in_flight: list[list[Any]] = [[] for _ in range(slots)]
+    for index, bucket in enumerate(iter_buckets(weights, bucket_bytes, dtype)):
+        slot = index % slots
+        ray.get(in_flight[slot], timeout=timeout_s)  # the slot's previous bucket has been copied out
+        metas = [meta for meta, _ in bucket]
+        calls = []
+        if shm_receivers and staging is not None:
+            name = _pack_into_slot(staging, slot, bucket)
+            calls += [receiver.receive_shared_bucket.remote(name, metas) for receiver in shm_receivers]
+        if store_receivers:
+            ref = ray.put(pack_for_store(bucket))
+            calls += [receiver.receive_weight_bucket.remote(ref) for receiver in store_receivers]
+        in_flight[slot] = calls
         stats.buckets += 1
         stats.tensors += len(bucket)
-        stats.bytes += sum(meta.nbytes for meta, _ in bucket)
-    ray.get(in_flight, timeout=timeout_s)
+        stats.bytes += sum(meta.nbytes for meta in metas)
+    ray.get([ref for refs in in_flight for ref in refs], timeout=timeout_s)
     stats.seconds = time.perf_counter() - start
     return stats
+
+
+def _pack_into_slot(staging: SharedStaging, slot: int, bucket: list[tuple[TensorMeta, torch.Tensor]]) -> str:
+    name, flat = staging.slot(slot, sum(meta.nbytes for meta, _ in bucket))
+    offset = 0
+    for meta, tensor in bucket:
+        flat[offset : offset + meta.nbytes].copy_(tensor.reshape(-1).view(torch.uint8))
+        offset += meta.nbytes
+    return name
 
 
 # ---- separate: a dedicated collective group ----------------------------------------------------------------

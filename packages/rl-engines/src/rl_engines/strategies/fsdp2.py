@@ -238,7 +238,7 @@ class Fsdp2TrainStrategy:
             tied.setdefault(id(value), []).append(name)  # tied weights share one DTensor: gather it once
         for names in tied.values():
             value = state[names[0]]
-            full = (value.full_tensor() if isinstance(value, DTensor) else value).detach()
+            full = _unsharded(value).detach()
             for name in names:
                 yield name, full
 
@@ -276,3 +276,12 @@ class Fsdp2TrainStrategy:
             if self.optimizer is not None:
                 reload_optimizer_state(self.optimizer, self._offloaded_state)
                 self._offloaded_state = []
+
+
+def _unsharded(value: torch.Tensor) -> torch.Tensor:
+    """The full tensor of a (possibly) sharded parameter; a world of one needs no all-gather (and no copy)."""
+    if not isinstance(value, DTensor):
+        return value
+    if value.device_mesh.size() == 1:
+        return value.to_local()
+    return value.full_tensor()
