@@ -7,6 +7,7 @@ Expected values come from an independent slow reference (fresh HF model, one un-
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import replace
 
 import pytest
@@ -174,6 +175,7 @@ def test_non_finite_gradient_skips_the_update(strategy_name, tiny_model_dir):
     before = {name: value.clone() for name, value in strategy.named_weights()}
     metrics = strategy.train_step(batch, ActorObjective())
     assert metrics["skipped_steps"] == 1
+    assert math.isnan(metrics["grad_norm"])  # no finite step to average
     for name, value in strategy.named_weights():
         assert torch.equal(value, before[name]), name
 

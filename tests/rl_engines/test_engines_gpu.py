@@ -97,3 +97,17 @@ def test_bf16_compute_with_fp32_masters_trains(tiny_model_dir):
         batch.batch["old_log_probs"] = strategy.compute_log_probs(batch).batch["log_probs"]
         strategy.train_step(batch, ActorObjective())
     assert strategy.compute_log_probs(batch).batch["log_probs"][mask].mean() > before + 0.1
+
+
+def test_offloaded_train_strategy_still_exports_and_computes(tiny_model_dir):
+    """A colocated sync or score may reach an offloaded role: it reloads for the call and offloads again."""
+    strategy = create_strategy(worker_config(tiny_model_dir), "actor_train")
+    strategy.initialize()
+    batch = rollout_batch(batch_size=2)
+    expected = {name: value.cpu().clone() for name, value in strategy.named_weights()}
+    strategy.offload()
+    exported = {name: value.cpu() for name, value in strategy.named_weights()}
+    assert exported.keys() == expected.keys()
+    assert all(torch.equal(exported[name], value) for name, value in expected.items())
+    assert _device_bytes(_state_tensors(strategy)) == 0  # offloaded again after the export
+    assert strategy.compute_log_probs(batch).batch["log_probs"].shape == batch.batch["responses"].shape

@@ -34,7 +34,7 @@ class ModelArgs:
     disable_gradient_checkpointing: bool = False
     """True turns activation recomputation off (faster, more memory). Training roles only."""
     model_type: str | None = None
-    """None for a causal LM; ``"critic"`` (set automatically for the critic role) loads a value head."""
+    """None for a causal LM; ``"critic"`` loads a value head (the critic role always gets one)."""
     attn_implementation: str | None = None
     """HF attention kernel (``eager``, ``sdpa``, ``flash_attention_2``); None = transformers' default."""
 
@@ -177,7 +177,10 @@ class WorkerConfig:
     def validate(self, role: str) -> None:
         """Raise :class:`WorkerConfigError` for the first bad value, naming ``<role>.<key>``."""
         if self.device_mapping:
-            self.device_mapping = parse_device_mapping(self.device_mapping, role=role)
+            try:
+                self.device_mapping = parse_device_mapping(self.device_mapping, role=role)
+            except ValueError as err:
+                raise WorkerConfigError(str(err)) from err
         for name in ("num_gpus_per_worker", "infer_batch_size", "model_update_frequency"):
             if getattr(self, name) < 1:
                 raise WorkerConfigError(f"{role}.{name} must be >= 1, got {getattr(self, name)}.")

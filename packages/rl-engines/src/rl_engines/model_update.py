@@ -12,10 +12,10 @@ from rl_engines.worker_group import WorkerGroup
 class ModelUpdater:
     """Push ``train``'s current weights into every worker of ``infer``.
 
-        ``colocated=True`` (the roles share devices, hence hosts) goes through shared memory (the object store for
-    receivers on another host);
-        ``False`` builds a dedicated broadcast group (gloo / nccl) once, at construction. ``dtype`` (fp32, bf16,
-        fp16) casts floating weights before they travel, e.g. fp32 masters into a bf16 engine.
+    ``colocated=True`` (the roles share devices, hence hosts) goes through shared memory (the object store for
+    receivers on another host); ``False`` builds a dedicated broadcast group (gloo / nccl) once, at construction.
+    ``dtype`` (fp32, bf16, fp16) casts floating weights before they travel, e.g. fp32 masters into a bf16 engine.
+    The train role may be offloaded: its strategy brings the weights back to the device for the sync.
     """
 
     def __init__(
@@ -82,6 +82,6 @@ class ModelUpdater:
         metrics = dict(results[0])
         elapsed = time.perf_counter() - start
         metrics["time/model_update"] = elapsed
-        metrics["model_update/bandwidth_gbps"] = metrics.get("model_update/bytes", 0.0) / max(elapsed, 1e-9) / 1e9
+        metrics["model_update/gigabytes_per_s"] = metrics.get("model_update/bytes", 0.0) / max(elapsed, 1e-9) / 1e9
         self.syncs += 1
         return metrics

@@ -30,10 +30,9 @@ def check_strategy(role: str, config: WorkerConfig) -> None:
 
     key = f"{role}.strategy_args.strategy_name"
     name = config.strategy_args.strategy_name
-    try:
-        kind = STRATEGIES.get(name).kind
-    except ValueError as err:
-        raise ValueError(f"{role}.{err}") from None
+    if name not in STRATEGIES:
+        raise ValueError(f"{key}={name!r} is not a registered strategy; valid names: {STRATEGIES.names()}.")
+    kind = STRATEGIES.get(name).kind
     wanted = "train" if role in TRAIN_ROLES else "infer"
     if kind != wanted:
         valid = sorted(n for n in STRATEGIES.names() if STRATEGIES.get(n).kind == wanted)
@@ -102,7 +101,7 @@ class Roles:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         dtype: str | None = None,
     ) -> ModelUpdater:
-        """A weight sync from ``train`` to ``infer``: object store when colocated, broadcast group when separate."""
+        """A weight sync from ``train`` to ``infer``: shared memory when colocated, a broadcast group when separate."""
         colocated = self.plan.is_colocated(train, infer)
         updater = ModelUpdater(self[train], self[infer], colocated=colocated, bucket_bytes=bucket_bytes, dtype=dtype,
                                timeout_s=self.rpc_timeout)  # fmt: skip

@@ -61,13 +61,13 @@ class SyncStats:
     extra: dict[str, float] = field(default_factory=dict)
 
     def metrics(self) -> dict[str, float]:
-        """``time/model_update`` (s), ``model_update/bytes``, ``model_update/bandwidth_gbps`` (GB/s)."""
+        """``time/model_update`` (s), ``model_update/bytes``, ``model_update/gigabytes_per_s``."""
         return {
             "time/model_update": self.seconds,
             "model_update/bytes": float(self.bytes),
             "model_update/tensors": float(self.tensors),
             "model_update/buckets": float(self.buckets),
-            "model_update/bandwidth_gbps": self.bytes / max(self.seconds, 1e-9) / 1e9,
+            "model_update/gigabytes_per_s": self.bytes / max(self.seconds, 1e-9) / 1e9,
             **self.extra,
         }
 
@@ -289,7 +289,7 @@ def send_by_broadcast(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
 ) -> SyncStats:
-    """Rank 0 side: broadcast a header (the bucket's metas, as a pickled byte tensor) then the flat bucket."""
+    """Rank 0 side: broadcast a header (the bucket's metas as JSON bytes) then the flat bucket."""
     stats, start = SyncStats(), time.perf_counter()
     for bucket in iter_buckets(weights, bucket_bytes, dtype):
         _broadcast_header(group, [meta for meta, _ in bucket])

@@ -2,7 +2,7 @@
 
 A strategy runs one role's model inside one worker process: a *train* strategy (actor_train, critic) owns
 parameters, optimizer and checkpoints; an *infer* strategy (actor_infer, reference) generates and scores. Both
-kinds expose the same small surface, checked by the contract suite in ``tests/rl_engines/contract``.
+kinds expose the same small surface, checked by the contract suites ``tests/rl_engines/test_engines_contract_*.py``.
 """
 
 from __future__ import annotations
@@ -89,11 +89,12 @@ def create_strategy(config: WorkerConfig, role: str) -> Any:
     import rl_engines.strategies  # noqa: F401  (registers the built-in strategies)
 
     name = config.strategy_args.strategy_name
-    try:
-        cls = STRATEGIES.get(name)
-    except ValueError as err:
-        raise ValueError(f"{role}.{err}") from None
-    return cls(config, role)
+    if name not in STRATEGIES:
+        raise ValueError(
+            f"{role}.strategy_args.strategy_name={name!r} is not a registered strategy; valid names: "
+            f"{STRATEGIES.names()}."
+        )
+    return STRATEGIES.get(name)(config, role)
 
 
 def reject_unknown_keys(config: dict[str, Any], known: set[str], prefix: str) -> None:

@@ -43,7 +43,15 @@ from rl_engines.strategies.train_utils import (
     reload_optimizer_state,
 )
 
-FSDP2_KEYS = {"fsdp_size", "param_dtype", "reduce_dtype", "reshard_after_forward", "offload_policy", "wrap_policy"}
+# strategy_config key -> accepted types (ROLL's fsdp2_train keys)
+FSDP2_KEYS: dict[str, tuple[type, ...]] = {
+    "fsdp_size": (int,),
+    "param_dtype": (str,),
+    "reduce_dtype": (str,),
+    "reshard_after_forward": (bool,),
+    "offload_policy": (bool,),
+    "wrap_policy": (dict,),
+}
 DTYPE_ALIASES = {**TORCH_DTYPES, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -57,7 +65,13 @@ class Fsdp2TrainStrategy:
         self.config = config
         self.role = role
         self.options = dict(config.strategy_args.strategy_config)
-        reject_unknown_keys(self.options, FSDP2_KEYS, f"{role}.strategy_args.strategy_config")
+        prefix = f"{role}.strategy_args.strategy_config"
+        reject_unknown_keys(self.options, set(FSDP2_KEYS), prefix)
+        for key, value in self.options.items():
+            types = FSDP2_KEYS[key]
+            if value is not None and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
+                wanted = " or ".join(t.__name__ for t in types)
+                raise ValueError(f"{prefix}.{key} must be {wanted}, got {type(value).__name__} {value!r}.")
         self.value_head = role == "critic" or config.model_args.model_type == "critic"
         self.device = torch.device("cpu")
         self.global_step = 0
@@ -66,6 +80,7 @@ class Fsdp2TrainStrategy:
         self.scheduler: Any = None
         self.tokenizer: Any = None
         self._offloaded_state: list[tuple[int, str, torch.device]] = []
+        self._offloaded = False
 
     # ---- setup ---------------------------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -136,9 +151,10 @@ class Fsdp2TrainStrategy:
         names = set(wrap.get("transformer_layer_cls_to_wrap") or getattr(model, "_no_split_modules", None) or [])
         found = [m for m in model.modules() if type(m).__name__ in names]
         if wrap and not found:
+            native = sorted(getattr(model, "_no_split_modules", None) or [])
             raise ValueError(
-                f"{self.role}.strategy_args.strategy_config.wrap_policy names {sorted(names)}, but the model has "
-                f"no such modules; its layer class is {type(model).__name__}'s decoder layer."
+                f"{self.role}.strategy_args.strategy_config.wrap_policy.transformer_layer_cls_to_wrap names "
+                f"{sorted(names)}, but {type(model).__name__} has no such modules; its layer classes are {native}."
             )
         return found
 
@@ -156,6 +172,7 @@ class Fsdp2TrainStrategy:
 
     @torch.no_grad()
     def _infer(self, batch: RolloutBatch, **kwargs: Any) -> RolloutBatch:
+        self.reload()  # a colocated role may have offloaded us; computing needs the weights on the device
         self.model.eval()
         parts = [self._outputs(mb, None, **kwargs) for mb in batch.split(self.config.infer_batch_size)]
         tensors = {key: torch.cat([p[key] for p in parts]).cpu() for key in parts[0]}
@@ -195,6 +212,7 @@ class Fsdp2TrainStrategy:
                 "rollout_batch_size x num_return_sequences_in_group is a multiple of "
                 f"{minibatch} x the role's data-parallel size."
             )
+        self.reload()
         self.model.train()
         metrics = MetricAccumulator()
         norms, skipped, lrs = [], 0, []
@@ -204,7 +222,9 @@ class Fsdp2TrainStrategy:
             norms.append(grad_norm)
             skipped += int(not math.isfinite(grad_norm))
         result = metrics.result()
-        result.update(grad_norm=sum(norms) / len(norms), lr=sum(lrs) / len(lrs), skipped_steps=skipped)
+        finite = [norm for norm in norms if math.isfinite(norm)]  # skipped steps are counted, not averaged in
+        grad_norm = sum(finite) / len(finite) if finite else math.nan
+        result.update(grad_norm=grad_norm, lr=sum(lrs) / len(lrs), skipped_steps=skipped)
         return result
 
     def _optimizer_step(self, micros: list[RolloutBatch], objective: Objective, metrics: MetricAccumulator) -> float:
@@ -231,7 +251,19 @@ class Fsdp2TrainStrategy:
 
     # ---- weights -------------------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights in HF names, one tensor at a time (each an all-gather: every rank must iterate)."""
+        """Full weights in HF names, one tensor at a time (each an all-gather: every rank must iterate).
+
+        An offloaded model is brought back for the iteration (nccl gathers device tensors) and offloaded again.
+        """
+        was_offloaded = self._offloaded
+        self.reload()
+        try:
+            yield from self._iter_full_weights()
+        finally:
+            if was_offloaded:
+                self.offload()
+
+    def _iter_full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         tied: dict[int, list[str]] = {}
         state = self.model.state_dict(keep_vars=True)
         for name, value in state.items():
@@ -260,7 +292,8 @@ class Fsdp2TrainStrategy:
 
     def offload(self) -> None:
         """Move parameters, gradients and optimizer state to host memory (no-op on CPU devices)."""
-        if self.device.type != "cpu":
+        if self.device.type != "cpu" and not self._offloaded:
+            self._offloaded = True
             for module in self.model.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()  # drop all-gathered parameters a forward left behind (the root keeps them)
@@ -271,7 +304,8 @@ class Fsdp2TrainStrategy:
 
     def reload(self) -> None:
         """Bring offloaded state back to the device."""
-        if self.device.type != "cpu":
+        if self._offloaded:
+            self._offloaded = False
             self.model.to(self.device)
             if self.optimizer is not None:
                 reload_optimizer_state(self.optimizer, self._offloaded_state)

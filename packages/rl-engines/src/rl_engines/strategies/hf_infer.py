@@ -46,6 +46,7 @@ class HfInferStrategy:
         self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
     ) -> RolloutBatch:
         """``log_probs [B, R]`` (and ``entropy``) of the batch's responses, in infer_batch_size slices."""
+        self.reload()
         parts: list[dict[str, torch.Tensor]] = []
         for micro in batch.split(self.config.infer_batch_size):
             log_probs, entropy = forward_log_probs(
@@ -65,6 +66,7 @@ class HfInferStrategy:
         """
         args = generating_args or self.config.generating_args
         args.validate(f"{self.role}.generating_args")
+        self.reload()
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             if args.seed is not None:
                 torch.manual_seed(args.seed)
@@ -81,6 +83,7 @@ class HfInferStrategy:
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy named tensors into the model (cast to its dtype / device); unknown names are an error."""
+        self.reload()
         targets = self.model.state_dict(keep_vars=True)
         loaded = 0
         for name, tensor in weights:

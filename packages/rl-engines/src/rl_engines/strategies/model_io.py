@@ -53,7 +53,8 @@ def load_model(model_args: ModelArgs, role: str, *, dtype: torch.dtype, value_he
 
 
 def enable_activation_checkpointing(model: Any) -> None:
-    """Non-reentrant activation recomputation (transformers >= 5.20 renamed gradient_checkpointing_enable)."""
+    """Non-reentrant activation recomputation; newer transformers (5.23) name it activation_checkpointing_enable,
+    older ones (5.17) only have gradient_checkpointing_enable."""
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
