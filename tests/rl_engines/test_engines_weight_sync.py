@@ -88,7 +88,7 @@ def test_shared_memory_slots_round_trip_grow_and_unlink():
 
 
 def _receiver(port: int, queue: multiprocessing.Queue) -> None:
-    group = BroadcastGroup("127.0.0.1", port, rank=1, world_size=2, timeout_s=60)
+    group = BroadcastGroup("127.0.0.1", port, rank=1, world_size=2, timeout_s=60, backend="gloo")
     received = {
         name: tensor.clone() for bucket in receive_by_broadcast(group) for name, tensor in expand_aliases(bucket)
     }
@@ -104,7 +104,7 @@ def test_broadcast_group_delivers_every_bucket_to_another_process():
     child = context.Process(target=_receiver, args=(port, queue))
     child.start()
     try:
-        group = BroadcastGroup("127.0.0.1", port, rank=0, world_size=2, timeout_s=60)
+        group = BroadcastGroup("127.0.0.1", port, rank=0, world_size=2, timeout_s=60, backend="gloo")
         stats = send_by_broadcast(weights(), group, bucket_bytes=2000)
         received = queue.get(timeout=60)
     finally:

@@ -261,13 +261,23 @@ def _pack_into_slot(staging: SharedStaging, slot: int, bucket: list[tuple[Tensor
 class BroadcastGroup:
     """A process group of train rank 0 (rank 0 here) and the inference workers, apart from the default group."""
 
-    def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float) -> None:
+    def __init__(
+        self,
+        master_addr: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        backend: str | None = None,
+    ) -> None:
+        """``backend`` None = nccl when this process sees a GPU, else gloo (nccl needs one GPU per rank)."""
         timeout = datetime.timedelta(seconds=timeout_s)
         store = dist.TCPStore(master_addr, master_port, world_size, rank == 0, timeout=timeout)  # type: ignore[attr-defined]
         prefix = dist.PrefixStore("rl_engines_weight_sync", store)  # type: ignore[attr-defined]
         self.store = store
         self.rank = rank
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        use_nccl = backend == "nccl" or (backend is None and torch.cuda.is_available())
+        self.device = torch.device("cuda", torch.cuda.current_device()) if use_nccl else None
         if self.device is not None:
             self.group: Any = dist.ProcessGroupNCCL(prefix, rank, world_size, dist.ProcessGroupNCCL.Options())
         else:
