@@ -4,9 +4,9 @@
    fp32 weights), colocated (persistent shared-memory slots) and separate (a gloo broadcast group), against a
    plain memory copy of the same bytes (``torch.Tensor.copy_`` into preallocated buffers, measured before and
    between the modes; the median is the baseline). Goal: colocated >= 50% of the memory copy.
-2. Ray dispatch overhead: an empty remote call, and a dp_split call carrying a rollout batch of 1 / 8 / 32 MB to
-   two ranks and back, against one training step of the tiny model (8 samples x 64 tokens) in this process.
-   Goal: per-call overhead < 10% of the train step.
+2. Ray dispatch overhead: an empty remote call, a dp_split round trip of the train step's own batch, and of
+   batches of 1 / 8 / 32 MiB to two ranks and back (the per-MB cost), against one training step of the tiny
+   model (8 samples x 64 tokens) in this process. Goal: per-call overhead < 10% of the train step.
 
 Run: python benchmarks/bench_engines.py [--repeat 5] [--hidden 512 --layers 8]
 """
@@ -110,7 +110,7 @@ class EchoWorker(WorkerBase):
         return None
 
 
-def train_step_seconds(folder: Path, repeat: int) -> float:
+def train_step_seconds(folder: Path, repeat: int) -> tuple[float, RolloutBatch]:
     cfg = WorkerConfig.from_dict({"model_args": {"model_name_or_path": str(folder)},
                                   "training_args": {"per_device_train_batch_size": 8}}, "actor_train")  # fmt: skip
     strategy = create_strategy(cfg, "actor_train")
@@ -122,11 +122,11 @@ def train_step_seconds(folder: Path, repeat: int) -> float:
                           "response_mask": torch.ones(8, 32, dtype=torch.bool),
                           "advantages": torch.randn(8, 32, generator=gen)})  # fmt: skip
     batch.batch["old_log_probs"] = strategy.compute_log_probs(batch).batch["log_probs"]
-    return timed(lambda: strategy.train_step(batch, ActorObjective()), repeat)
+    return timed(lambda: strategy.train_step(batch, ActorObjective()), repeat), batch
 
 
 def bench_dispatch(tiny: Path, repeat: int) -> None:
-    step = train_step_seconds(tiny, repeat)
+    step, step_batch = train_step_seconds(tiny, repeat)
     print(f"\n== Ray dispatch vs one tiny-model train step ({step * 1e3:.1f} ms, 8 x 64 tokens, in-process) ==")
     print(f"{'call':<40}{'median ms':>10}{'% of step':>11}")
     cluster = ClusterSpec(1, 2)
@@ -135,6 +135,10 @@ def bench_dispatch(tiny: Path, repeat: int) -> None:
     with WorkerGroup("bench", EchoWorker, placement, pool, rpc_timeout=600) as group:
         noop = timed(lambda: group.call("noop"), repeat * 20)
         print(f"{'noop on 2 ranks':<40}{noop * 1e3:>10.2f}{noop / step * 100:>10.1f}%")
+        kib = sum(t.numel() * t.element_size() for t in step_batch.batch.values()) / 1024
+        own = timed(lambda: group.call("echo", step_batch, dispatch="dp_split"), repeat * 4)
+        label = f"dp_split of that step's batch ({kib:.0f} KiB)"
+        print(f"{label:<40}{own * 1e3:>10.2f}{own / step * 100:>10.1f}%")
         for mib in (1, 8, 32):
             rows = 16
             cols = mib * 2**20 // 4 // rows

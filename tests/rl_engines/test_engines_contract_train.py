@@ -220,3 +220,38 @@ def test_objective_rejects_an_unknown_policy_loss_on_the_driver():
     with pytest.raises(ValueError, match="unknown policy loss 'ppo2'"):
         ActorObjective(policy_loss="ppo2")
     assert replace(ActorObjective(), policy_loss="gspo").policy_loss == "gspo"
+
+
+def test_activation_checkpointing_does_not_change_the_update(strategy_name, tiny_model_dir):
+    batch = rollout_batch(batch_size=4, seed=9)
+    results = []
+    for disable in (False, True):
+        config = worker_config(tiny_model_dir, training_args={"per_device_train_batch_size": 2, "adam_epsilon": 1e-4},
+                               model_args={"disable_gradient_checkpointing": disable},
+                               strategy_args={"strategy_name": strategy_name})  # fmt: skip
+        strategy = create_strategy(config, "actor_train")
+        strategy.initialize()
+        batch.batch.pop("old_log_probs", None)
+        metrics = strategy.train_step(with_old_log_probs(strategy, batch), ActorObjective())
+        results.append((metrics, dict(strategy.named_weights())))
+    (with_ckpt, weights_a), (without, weights_b) = results
+    assert with_ckpt["grad_norm"] == pytest.approx(without["grad_norm"], rel=1e-6)
+    for name, value in weights_a.items():
+        torch.testing.assert_close(weights_b[name], value, atol=1e-6, rtol=0)
+
+
+def test_bf16_compute_trains_and_keeps_fp32_masters(strategy_name, tiny_model_dir):
+    config = worker_config(tiny_model_dir, model_args={"dtype": "bf16"}, strategy_args={"strategy_name": strategy_name},
+                           training_args={"learning_rate": 3e-3, "per_device_train_batch_size": 4})  # fmt: skip
+    strategy = create_strategy(config, "actor_train")
+    strategy.initialize()
+    batch = rollout_batch(batch_size=4)
+    batch.batch["advantages"] = torch.ones_like(batch.batch["advantages"])
+    mask = batch.batch["response_mask"]
+    before = strategy.compute_log_probs(batch).batch["log_probs"]
+    assert before.dtype == torch.float32  # log-softmax runs in fp32 on bf16 logits
+    for _ in range(3):
+        batch.batch.pop("old_log_probs", None)
+        strategy.train_step(with_old_log_probs(strategy, batch), ActorObjective())
+    assert all(value.dtype == torch.float32 for _, value in strategy.named_weights())
+    assert strategy.compute_log_probs(batch).batch["log_probs"][mask].mean() > before[mask].mean() + 0.1

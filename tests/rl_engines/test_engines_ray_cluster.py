@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import ray
+from engine_fixtures import tiny_model_dir
 from ray.cluster_utils import Cluster
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -26,6 +27,8 @@ from rl_engines.ray_cluster import (
     stop_ray,
 )
 from rl_engines.worker_group import WorkerBase, WorkerGroup
+
+__all__ = ["tiny_model_dir"]
 
 CLUSTER = ClusterSpec(num_nodes=2, num_gpus_per_node=2)
 
@@ -197,3 +200,35 @@ def test_pool_times_out_when_devices_are_held_and_frees_what_it_reserved(cluster
     assert "an earlier ResourcePool not removed?" in message
     with ResourcePool(CLUSTER) as pool:  # the failed pool released its pending groups
         assert len(pool.placement_groups) == 2
+
+
+def test_roles_across_two_nodes_generate_train_and_sync(cluster, tiny_model_dir):
+    """actor_train on node 0, actor_infer on node 1 (separate): the broadcast group crosses the nodes."""
+    import torch
+    from engine_fixtures import prompt_batch, worker_config
+
+    from rl_engines.objectives import ActorObjective
+    from rl_engines.roles import Roles
+
+    configs = {
+        "actor_train": worker_config(tiny_model_dir, "actor_train", device_mapping=[0, 1],
+                                     training_args={"learning_rate": 1e-2, "per_device_train_batch_size": 2}),
+        "actor_infer": worker_config(tiny_model_dir, "actor_infer", device_mapping="list(range(2,4))",
+                                     strategy_args={"strategy_name": "hf_infer"},
+                                     generating_args={"max_new_tokens": 5, "num_return_sequences": 2, "seed": 1}),
+    }  # fmt: skip
+    with Roles(CLUSTER, configs, rpc_timeout=120) as roles:
+        train_nodes = set(roles["actor_train"].call("node_id"))
+        infer_nodes = set(roles["actor_infer"].call("node_id"))
+        assert len(train_nodes) == len(infer_nodes) == 1 and train_nodes != infer_nodes
+        rollout = roles["actor_infer"].call("generate", prompt_batch(tiny_model_dir, ["1+1=", "2+3="]),
+                                            dispatch="dp_split")  # fmt: skip
+        rollout.batch["old_log_probs"] = rollout.batch["rollout_log_probs"]
+        rollout.batch["advantages"] = torch.linspace(-1, 1, rollout.batch["response_mask"].numel()).view(4, -1)
+        roles["actor_train"].call("train_step", rollout, ActorObjective(), dispatch="dp_split")
+        roles.model_updater().sync()
+        mask = rollout.batch["response_mask"]
+        trained = roles["actor_train"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
+        served = roles["actor_infer"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
+        torch.testing.assert_close(served[mask], trained[mask], atol=1e-6, rtol=0)
+        assert float((trained - rollout.batch["rollout_log_probs"])[mask].abs().max()) > 1e-3

@@ -111,6 +111,10 @@ class WorkerBase:
         """IP address of the node this worker runs on."""
         return node_ip()
 
+    def node_id(self) -> str:
+        """Ray node id (hex) of the node this worker runs on; tells simulated nodes of one host apart."""
+        return str(ray.get_runtime_context().get_node_id())
+
     @staticmethod
     def free_port() -> int:
         """A TCP port that is free on this node right now (the OS picks it)."""
