@@ -205,6 +205,8 @@ def test_critic_values_and_value_loss_training(strategy_name, tiny_model_dir):
     assert losses[-1] < losses[0] * 0.8
     with pytest.raises(RuntimeError, match="value head"):
         critic.compute_log_probs(batch)
+    with pytest.raises(ValueError, match="pass CriticObjective to the critic role"):
+        critic.train_step(batch, ActorObjective())
 
 
 def test_offload_and_reload_keep_the_weights(strategy_name, tiny_model_dir):

@@ -199,6 +199,12 @@ class Fsdp2TrainStrategy:
         ``batch`` is this rank's shard; every rank must hold the same number of samples. Returns metrics
         summed over ranks: loss values equal the full mini-batch loss, plus ``grad_norm`` and ``lr``.
         """
+        if (objective.output == "values") != self.value_head:
+            raise ValueError(
+                f"{self.role}: {type(objective).__name__} trains '{objective.output}', but this model is "
+                f"{'a value head' if self.value_head else 'a causal LM'}; pass CriticObjective to the critic role "
+                "and ActorObjective to actor_train."
+            )
         args = self.config.training_args
         micro, minibatch = (
             args.per_device_train_batch_size,
