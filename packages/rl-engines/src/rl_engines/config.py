@@ -34,7 +34,7 @@ class ModelArgs:
     disable_gradient_checkpointing: bool = False
     """True turns activation recomputation off (faster, more memory). Training roles only."""
     model_type: str | None = None
-    """None for a causal LM; ``"critic"`` loads a value head (the critic role always gets one)."""
+    """None for a causal LM; ``"critic"`` or ROLL's ``"trl"`` load a value head (the critic role always gets one)."""
     attn_implementation: str | None = None
     """HF attention kernel (``eager``, ``sdpa``, ``flash_attention_2``); None = transformers' default."""
 
@@ -42,8 +42,10 @@ class ModelArgs:
         """Raise :class:`WorkerConfigError` naming ``<prefix>.<key>`` for the first bad value."""
         if self.dtype not in DTYPES:
             raise WorkerConfigError(f"{prefix}.dtype={self.dtype!r} is not supported; use one of {list(DTYPES)}.")
-        if self.model_type not in (None, "critic"):
-            raise WorkerConfigError(f"{prefix}.model_type={self.model_type!r}: use null (causal LM) or 'critic'.")
+        if self.model_type not in (None, "critic", "trl"):
+            raise WorkerConfigError(
+                f"{prefix}.model_type={self.model_type!r}: use null (causal LM), or 'critic' / 'trl' (value head)."
+            )
 
 
 @dataclass
@@ -170,7 +172,7 @@ class WorkerConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any], role: str) -> WorkerConfig:
         """Build and validate from a YAML mapping; every error names ``<role>.<key path>``."""
-        config = _build(cls, values, role)
+        config = build_dataclass(cls, values, role)
         config.validate(role)
         return config
 
@@ -192,32 +194,44 @@ class WorkerConfig:
 T = TypeVar("T")
 
 
-def _build(cls: type[T], values: Any, prefix: str) -> T:
-    """Instantiate dataclass ``cls`` from ``values``, recursing into nested dataclasses; names bad keys."""
+def build_dataclass(cls: type[T], values: Any, prefix: str) -> T:
+    """Instantiate dataclass ``cls`` from ``values``, recursing into nested dataclasses; names bad keys.
+
+    ``prefix`` is the key path of ``values`` in the config (``""`` for the root); errors name ``<prefix>.<key>``.
+    Values are checked against the field's type hint (bool / int / float / str / list / dict / nested dataclass,
+    optionally ``| None``); YAML's numeric strings such as ``1e-6`` are accepted for floats.
+    """
     if values is None:
         values = {}
     if not isinstance(values, dict):
         raise WorkerConfigError(f"{prefix} must be a mapping, got {type(values).__name__} {values!r}.")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    unknown = sorted(set(values) - known)
+    unknown = sorted(set(values) - known, key=str)
+
+    def path(name: object) -> str:
+        return f"{prefix}.{name}" if prefix else str(name)
+
     if unknown:
         raise WorkerConfigError(
-            f"unknown key(s) {[f'{prefix}.{k}' for k in unknown]}; valid keys of {prefix}: {sorted(known)}. "
-            "Fix the spelling or remove the key."
+            f"unknown key(s) {[path(k) for k in unknown]}; valid keys of {prefix or 'the config'}: "
+            f"{sorted(known)}. Fix the spelling or remove the key."
         )
-    kwargs = {name: _convert(hints[name], value, f"{prefix}.{name}") for name, value in values.items()}
+    kwargs = {name: _convert(hints[name], value, path(name)) for name, value in values.items()}
     return cls(**kwargs)
 
 
 def _convert(hint: Any, value: Any, key: str) -> Any:
     """Check / coerce one YAML value against a field's type hint."""
     if dataclasses.is_dataclass(hint):
-        return _build(hint, value, key)  # type: ignore[arg-type]
+        return build_dataclass(hint, value, key)  # type: ignore[arg-type]
     options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if value is None:
         if type(None) in options:
             return None
+        origin = typing.get_origin(hint)
+        if origin in (dict, list):
+            return origin()  # YAML's `key:` / `key: ~` for a mapping or list means empty (ROLL writes it so)
         raise WorkerConfigError(f"{key} must not be null.")
     if key.endswith(".device_mapping"):
         return value  # parsed (and checked) by WorkerConfig.validate

@@ -48,7 +48,7 @@ def plan_roles(cluster: ClusterSpec, configs: Mapping[str, WorkerConfig]) -> Pla
         check_strategy(name, config)
         if not config.device_mapping:
             raise ValueError(f"{name}.device_mapping is empty; give the devices the role runs on.")
-        is_infer = name in INFERENCE_ROLES
+        is_infer = name in INFERENCE_ROLES or name.startswith("rewards.")
         resources.append(RoleResources(name, config.device_mapping, config.num_gpus_per_worker, is_inference=is_infer))
     return plan_placement(cluster, resources)
 

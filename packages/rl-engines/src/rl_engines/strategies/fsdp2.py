@@ -72,7 +72,7 @@ class Fsdp2TrainStrategy:
             if value is not None and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
                 wanted = " or ".join(t.__name__ for t in types)
                 raise ValueError(f"{prefix}.{key} must be {wanted}, got {type(value).__name__} {value!r}.")
-        self.value_head = role == "critic" or config.model_args.model_type == "critic"
+        self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
         self.device = torch.device("cpu")
         self.global_step = 0
         self.model: Any = None

@@ -1,0 +1,1 @@
+"""RLVR (RL with verifiable rewards): config, pre-flight checks and the pipeline."""

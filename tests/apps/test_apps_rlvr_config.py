@@ -1,0 +1,145 @@
+"""RLVR config: the real ROLL files load; unknown keys and bad values name the key; pre-flight catches the FAQ."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+
+from apps.common.yaml_config import load_config
+from apps.rlvr.config import RLVRConfig
+from apps.rlvr.preflight import PreflightError, preflight
+from rl_core.batch import BatchSizeError
+from rl_engines.config import WorkerConfigError
+from rl_engines.device_mapping import parse_device_mapping
+from rl_engines.placement import PlacementError
+
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "roll-examples"
+RLVR_FILES = sorted([*SHARED.glob("qwen2.5-7B-rlvr_megatron/*.yaml"), *SHARED.glob("docs_examples/*.yaml")])
+ENGINES_NOT_HERE = {"megatron_train": "fsdp2_train", "deepspeed_train": "fsdp2_train", "vllm": "hf_infer",
+                    "sglang": "hf_infer", "megatron_infer": "hf_infer"}  # fmt: skip
+
+
+def adapt(raw: dict) -> dict:
+    """What a user changes to run a ROLL file here: engine names (and the engine's own options, which belong to
+    the engine not installed), device counts (a model-parallel train role keeps its data-parallel size with
+    fewer devices), and enough nodes for the highest device id."""
+    config = copy.deepcopy(raw)
+    sections = [config.get(role) for role in ("actor_train", "actor_infer", "reference", "critic")]
+    sections += list((config.get("rewards") or {}).values())
+    mappings = [
+        parse_device_mapping(s["device_mapping"], role="any") for s in sections if s and s.get("device_mapping")
+    ]
+    ids = [i for mapping in mappings for i in mapping]
+    config["num_nodes"] = -(-(max(ids) + 1) // config["num_gpus_per_node"])
+    for section in filter(None, sections):
+        strategy = section.get("strategy_args")
+        if strategy and strategy.get("strategy_name") in ENGINES_NOT_HERE:
+            options = strategy.get("strategy_config") or {}
+            model_parallel = 1
+            for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
+                model_parallel *= int(options.get(key, 1))
+            if model_parallel > 1 and section.get("training_args"):  # keep the data-parallel size: fewer devices
+                devices = parse_device_mapping(section["device_mapping"], role="any")
+                section["device_mapping"] = devices[: len(devices) // model_parallel]
+            section["strategy_args"] = {"strategy_name": ENGINES_NOT_HERE[strategy["strategy_name"]]}
+    return config
+
+
+@pytest.fixture(params=RLVR_FILES, ids=lambda p: p.name)
+def roll_file(request):
+    return request.param
+
+
+def test_every_roll_rlvr_file_loads_as_typed_config(roll_file):
+    config = RLVRConfig.from_dict(load_config(roll_file))
+    assert config.actor_train.device_mapping and config.actor_infer.device_mapping
+    assert config.rewards
+    assert config.actor_infer.generating_args.max_new_tokens == config.response_length
+
+
+def test_engines_not_installed_are_rejected_naming_the_key(roll_file):
+    with pytest.raises(ValueError, match=r"actor_train\.strategy_args\.strategy_name='megatron_train' is not a"):
+        preflight(RLVRConfig.from_dict(load_config(roll_file)))
+
+
+def test_every_roll_rlvr_file_passes_preflight_after_the_allowed_changes(roll_file):
+    report = preflight(RLVRConfig.from_dict(adapt(load_config(roll_file))))
+    plan = report.train_plans["actor_train"]
+    assert plan.samples_per_step % plan.global_batch_size == 0
+    assert report.lr_decay_steps["actor_train"] >= 1
+
+
+def base() -> dict:
+    """A small valid config (4 CPU slots, GRPO)."""
+    worker = {"device_mapping": "list(range(0,2))", "model_args": {"model_name_or_path": "/models/tiny"}}
+    return {
+        "num_gpus_per_node": 4, "rollout_batch_size": 4, "num_return_sequences_in_group": 2, "response_length": 16,
+        "adv_estimator": "grpo", "max_steps": 3,
+        "actor_train": {**worker,
+                        "training_args": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}},
+        "actor_infer": {**worker, "strategy_args": {"strategy_name": "hf_infer"},
+                        "generating_args": {"max_new_tokens": 16, "num_return_sequences": 2}},
+        "rewards": {"math_rule": {"worker_cls": "roll.pipeline.rlvr.rewards.math_rule_reward_worker."
+                                                "MathRuleRewardWorker"}},
+    }  # fmt: skip
+
+
+def with_(values: dict, **changes) -> dict:
+    result = copy.deepcopy(values)
+    for dotted, value in changes.items():
+        node = result
+        *path, last = dotted.split("__")
+        for part in path:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return result
+
+
+def test_the_small_config_passes():
+    report = preflight(RLVRConfig.from_dict(base()))
+    assert report.placement.is_colocated("actor_train", "actor_infer")
+    assert report.train_plans["actor_train"].optimizer_steps_per_rollout == 1
+    assert report.lr_decay_steps["actor_train"] == 3
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "message"),
+    [
+        ({"max_step": 3}, WorkerConfigError, r"unknown key\(s\) \['max_step'\]"),
+        ({"actor_train__training_args__lr": 1}, WorkerConfigError, r"actor_train\.training_args\.lr"),
+        ({"rewards__math_rule__tag_includes": ["x"]}, WorkerConfigError, r"rewards\.math_rule\.tag_includes"),
+        ({"adv_estimator": "grpoo"}, WorkerConfigError, r"adv_estimator='grpoo' is not supported; valid values"),
+        ({"loss_agg_mode": "mean"}, WorkerConfigError, r"loss_agg_mode='mean' is not supported"),
+        ({"rollout_batch_size": 0}, WorkerConfigError, r"rollout_batch_size must be >= 1"),
+        ({"system_envs": {"X": 1}}, WorkerConfigError, r"system_envs\.X must be a string"),
+        ({"rollout_mock": {"enable": True, "mode": "replay"}}, WorkerConfigError, r"rollout_mock\.mode"),
+        ({"adv_estimator": "gae"}, PreflightError, r"adv_estimator: gae needs a value model; add a `critic`"),
+        ({"use_kl_loss": True}, PreflightError, r"use_kl_loss need a `reference` section"),
+        ({"async_generation_ratio": 1}, PreflightError, r"async_generation_ratio=1\.0 needs actor_infer on devices"),
+        ({"actor_infer__device_mapping": [2, 3, 4]}, PlacementError,
+         r"actor_infer\.device_mapping uses device ids \[4\]"),
+        ({"actor_infer__generating_args__max_new_tokens": 32}, PreflightError, r"max_new_tokens \(32\) exceeds"),
+        ({"actor_infer__generating_args__num_return_sequences": 4}, PreflightError, r"num_return_sequences is 4"),
+        ({"actor_train__device_mapping": [0, 1, 2, 3], "rollout_batch_size": 1, "num_return_sequences_in_group": 2,
+          "actor_infer__generating_args__num_return_sequences": 2, "actor_infer__device_mapping": [0]},
+         BatchSizeError, r"batch_size 2 < chunks 4"),
+        ({"actor_train__training_args__gradient_accumulation_steps": 8}, BatchSizeError,
+         r"lr_decay_steps would be 0 .*lower gradient_accumulation_steps to 2"),
+        ({"reference": {"device_mapping": [0, 1, 2], "strategy_args": {"strategy_name": "hf_infer"}}}, BatchSizeError,
+         r"reference: rollout_batch_size x num_return_sequences_in_group = 8 samples must split evenly over its 3"),
+    ],
+)  # fmt: skip
+def test_bad_configs_fail_before_anything_starts_naming_the_key(changes, error, message):
+    with pytest.raises(error, match=message):
+        preflight(RLVRConfig.from_dict(with_(base(), **changes)))
+
+
+def test_pretrain_fills_model_paths_of_policy_roles():
+    values = with_(base(), pretrain="/models/policy")
+    values["actor_infer"]["model_args"] = {}
+    config = RLVRConfig.from_dict(values)
+    preflight(config)
+    assert config.actor_infer.model_args.model_name_or_path == "/models/policy"
+    assert config.actor_train.model_args.model_name_or_path == "/models/tiny"  # an explicit path stays
