@@ -1,0 +1,152 @@
+"""RLVR prompt data: json / jsonl / csv files with a ``prompt`` or ``messages`` column, the chat template, and a
+resumable, seeded sampler.
+
+A record keeps every column of its file (``ground_truth``, ``tag``, ``id`` ...); rewards read them. ``messages`` may
+be a list of ``{"role", "content"}`` dicts or its JSON text (ROLL's files store either).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# ROLL names its own templates; a tokenizer's chat template serves all of them here ("native" = the tokenizer's).
+KNOWN_TEMPLATES = ("native", "qwen2_5", "qwen2", "qwen3", "chatml", "llama3", "default")
+
+
+class DataError(ValueError):
+    """A data file or record cannot be used; the message names the file, the row and the key."""
+
+
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """All rows of a .json (a list), .jsonl or .csv file, as dicts."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} does not exist; check data_args.file_name (paths are relative to the cwd).")
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        rows = []
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if line.strip():
+                rows.append(_json_row(line, path, number))
+        return rows
+    if suffix == ".json":
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, list) or not all(isinstance(row, dict) for row in data):
+            raise DataError(f"{path}: a .json data file must hold a list of objects (one per prompt).")
+        return data
+    if suffix == ".csv":
+        with open(path, newline="", encoding="utf-8") as handle:
+            return [dict(row) for row in csv.DictReader(handle)]
+    raise DataError(f"{path}: unsupported data format {suffix!r}; use .json, .jsonl or .csv.")
+
+
+def _json_row(line: str, path: Path, number: int) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise DataError(f"{path}:{number}: not valid JSON ({err.msg}).") from None
+    if not isinstance(row, dict):
+        raise DataError(f"{path}:{number}: each line must be a JSON object, got {type(row).__name__}.")
+    return row
+
+
+def load_records(
+    files: str | Sequence[str], *, prompt_key: str | None, messages_key: str | None
+) -> list[dict[str, Any]]:
+    """Records of every file, each checked to have the prompt column (``data_args.prompt`` xor ``.messages``)."""
+    if (prompt_key is None) == (messages_key is None):
+        raise DataError(
+            "set exactly one of data_args.prompt (a text column) and data_args.messages (a chat column); "
+            f"got prompt={prompt_key!r}, messages={messages_key!r}."
+        )
+    key = str(prompt_key or messages_key)
+    records: list[dict[str, Any]] = []
+    for file in [files] if isinstance(files, str) else files:
+        for index, row in enumerate(read_records(file)):
+            if key not in row:
+                raise DataError(f"{file}: row {index} has no column {key!r} (data_args); columns: {sorted(row)}.")
+            records.append(row)
+    if not records:
+        raise DataError(f"data_args.file_name {files!r} holds no rows.")
+    return records
+
+
+def chat_messages(record: dict[str, Any], *, prompt_key: str | None, messages_key: str | None) -> list[dict[str, str]]:
+    """The record's conversation: its messages column, or its prompt as one user turn."""
+    if prompt_key is not None:
+        return [{"role": "user", "content": str(record[prompt_key])}]
+    messages = record[str(messages_key)]
+    if isinstance(messages, str):
+        try:
+            messages = json.loads(messages)
+        except json.JSONDecodeError:
+            raise DataError(
+                f"messages column {messages_key!r} holds text that is not JSON: {messages[:80]!r}"
+            ) from None
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and "content" in m for m in messages):
+        raise DataError(f"messages column {messages_key!r} must be a list of {{role, content}} objects.")
+    return messages
+
+
+def prompt_text(messages: list[dict[str, str]], tokenizer: Any, template: str) -> str:
+    """The chat-formatted prompt, ending where the assistant's answer starts."""
+    if template not in KNOWN_TEMPLATES:
+        raise DataError(f"data_args.template={template!r} is not supported; use 'native' (the tokenizer's template).")
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError("the tokenizer has no chat_template; data_args.template needs one (save it with the model).")
+    return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+
+
+def encode_prompts(texts: Sequence[str], tokenizer: Any, prompt_length: int) -> dict[str, torch.Tensor]:
+    """Token ids ``[B, P]`` left-padded to the longest prompt, keeping the last ``prompt_length`` tokens of each."""
+    ids = [tokenizer(text, add_special_tokens=False)["input_ids"][-prompt_length:] for text in texts]
+    width = max(len(row) for row in ids)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    input_ids = torch.full((len(ids), width), int(pad), dtype=torch.long)
+    attention_mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for row, tokens in enumerate(ids):
+        if tokens:
+            input_ids[row, width - len(tokens) :] = torch.tensor(tokens)
+            attention_mask[row, width - len(tokens) :] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+@dataclass
+class SamplerState:
+    """Where a sampler is: resume from it to continue with exactly the next prompts."""
+
+    epoch: int = 0
+    position: int = 0
+
+
+class PromptSampler:
+    """Batches of record indices, reshuffled each epoch with ``seed + epoch`` (so a resumed run sees the same order)."""
+
+    def __init__(self, size: int, seed: int, state: SamplerState | None = None) -> None:
+        if size < 1:
+            raise DataError("the prompt set is empty")
+        self.size, self.seed = size, seed
+        self.state = state or SamplerState()
+
+    def _order(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng(self.seed + epoch).permutation(self.size)
+
+    def next_batch(self, batch_size: int) -> list[int]:
+        """The next ``batch_size`` indices; crosses into the next epoch (new order) when one runs out."""
+        picked: list[int] = []
+        while len(picked) < batch_size:
+            order = self._order(self.state.epoch)
+            take = min(batch_size - len(picked), self.size - self.state.position)
+            picked += order[self.state.position : self.state.position + take].tolist()
+            self.state.position += take
+            if self.state.position == self.size:
+                self.state = SamplerState(self.state.epoch + 1, 0)
+        return picked

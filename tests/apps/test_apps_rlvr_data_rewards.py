@@ -1,0 +1,119 @@
+"""RLVR data loading, chat formatting, the resumable sampler, and verifiable rewards."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from apps.rlvr.config import RewardConfig
+from apps.rlvr.data import (
+    DataError,
+    PromptSampler,
+    SamplerState,
+    chat_messages,
+    encode_prompts,
+    load_records,
+    prompt_text,
+    read_records,
+)
+from apps.rlvr.rewards import REWARD_FUNCTIONS, RewardRouter, extract_answer
+
+
+def test_json_jsonl_and_csv_give_the_same_records(tmp_path):
+    rows = [
+        {"prompt": "1+1=", "ground_truth": "2", "tag": "math"},
+        {"prompt": "2+3=", "ground_truth": "5", "tag": "math"},
+    ]
+    (tmp_path / "a.json").write_text(json.dumps(rows))
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    (tmp_path / "a.csv").write_text("prompt,ground_truth,tag\n1+1=,2,math\n2+3=,5,math\n")
+    for name in ("a.json", "a.jsonl", "a.csv"):
+        assert read_records(tmp_path / name) == rows, name
+    both = load_records([str(tmp_path / "a.json"), str(tmp_path / "a.csv")], prompt_key="prompt", messages_key=None)
+    assert len(both) == 4
+
+
+@pytest.mark.parametrize(
+    ("content", "kwargs", "message"),
+    [
+        ('{"prompt": "x"}\n{bad', {"prompt_key": "prompt", "messages_key": None}, r"a\.jsonl:2: not valid JSON"),
+        ('{"question": "x"}\n', {"prompt_key": "prompt", "messages_key": None}, r"row 0 has no column 'prompt'"),
+        ('{"prompt": "x"}\n', {"prompt_key": "prompt", "messages_key": "messages"}, r"set exactly one of"),
+        ("", {"prompt_key": "prompt", "messages_key": None}, r"holds no rows"),
+    ],
+)
+def test_bad_data_names_the_file_row_and_key(tmp_path, content, kwargs, message):
+    (tmp_path / "a.jsonl").write_text(content)
+    with pytest.raises(DataError, match=message):
+        load_records(str(tmp_path / "a.jsonl"), **kwargs)
+    with pytest.raises(DataError, match=r"does not exist"):
+        read_records(tmp_path / "missing.jsonl")
+
+
+def test_messages_may_be_a_list_or_its_json_text():
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "1+1="}]
+    for value in (conversation, json.dumps(conversation)):
+        assert chat_messages({"messages": value}, prompt_key=None, messages_key="messages") == conversation
+    assert chat_messages({"q": "hi"}, prompt_key="q", messages_key=None) == [{"role": "user", "content": "hi"}]
+    with pytest.raises(DataError, match=r"not JSON"):
+        chat_messages({"messages": "[oops"}, prompt_key=None, messages_key="messages")
+
+
+def test_prompts_are_chat_formatted_left_padded_and_left_truncated(tmp_path):
+    from transformers import AutoTokenizer
+
+    from rl_engines.tiny_model import build_tiny_tokenizer
+
+    build_tiny_tokenizer(tmp_path, [f"{a}+{b}={a + b}" for a in range(20) for b in range(20)], vocab_size=256)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    texts = [prompt_text([{"role": "user", "content": q}], tokenizer, "native") for q in ("1+1=", "12+13+14=")]
+    assert texts[0].endswith("<|im_start|>assistant\n")
+    encoded = encode_prompts(texts, tokenizer, prompt_length=1000)
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    assert ids.shape[0] == 2 and bool(mask[:, -1].all())  # left padding: every row ends with a real token
+    assert tokenizer.decode(ids[0][mask[0].bool()]) == texts[0]
+    cut = encode_prompts(texts, tokenizer, prompt_length=5)
+    assert cut["input_ids"].shape[1] == 5 and tokenizer.decode(cut["input_ids"][1]).endswith("tant\n")  # the tail
+    with pytest.raises(DataError, match=r"template='alpaca' is not supported"):
+        prompt_text([{"role": "user", "content": "x"}], tokenizer, "alpaca")
+
+
+def test_sampler_covers_each_epoch_once_and_resumes_exactly():
+    sampler = PromptSampler(size=10, seed=3)
+    first_epoch = sampler.next_batch(4) + sampler.next_batch(4) + sampler.next_batch(2)
+    assert sorted(first_epoch) == list(range(10))
+    state = SamplerState(sampler.state.epoch, sampler.state.position)
+    expected = [sampler.next_batch(3) for _ in range(5)]
+    resumed = PromptSampler(size=10, seed=3, state=state)
+    assert [resumed.next_batch(3) for _ in range(5)] == expected
+    assert PromptSampler(size=10, seed=4).next_batch(10) != first_epoch
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "reward"),
+    [
+        ("so the answer is \\boxed{4}", "4", 1.0),
+        ("<answer>0.5</answer>", "\\frac{1}{2}", 1.0),
+        ("<answer>13</answer>", "12", 0.0),
+        ("I think <answer>1/2</answer>", "0.5", 1.0),
+        ("no answer here", "7", 0.0),
+    ],
+)
+def test_math_rule_uses_math_verify(response, truth, reward):
+    assert REWARD_FUNCTIONS.get("MathRuleRewardWorker")(response, {"ground_truth": truth}, None) == reward
+
+
+def test_router_picks_the_reward_by_tag_and_applies_the_length_penalty():
+    sections = {
+        "math_rule": RewardConfig.from_dict(
+            {"worker_cls": "roll.pipeline.rlvr.rewards.math_rule_reward_worker.MathRuleRewardWorker",
+             "tag_included": ["gsm8k"], "response_length_penalty_coef": 0.01}, "rewards.math_rule"),
+        "exact": RewardConfig.from_dict({"worker_cls": "x.ExactMatchRewardWorker"}, "rewards.exact"),
+    }  # fmt: skip
+    router = RewardRouter(sections)
+    assert router.score("<answer>4</answer>", {"tag": "gsm8k", "ground_truth": "4.0"}, 10) == pytest.approx(0.9)
+    assert router.score("<answer>4.0</answer>", {"tag": "other", "ground_truth": "4"}, 10) == 0.0  # exact match
+    assert extract_answer("a <answer>1</answer> b <answer>2</answer>") == "2"
+    with pytest.raises(ValueError, match=r"rewards\.judge: no reward function 'LLMJudgeRewardWorker'"):
+        RewardRouter({"judge": RewardConfig.from_dict({"worker_cls": "a.LLMJudgeRewardWorker"}, "rewards.judge")})
