@@ -1,0 +1,117 @@
+"""From scored rollouts to training targets, composed from rl-core: rewards -> token rewards (+KL) -> advantages
+-> rollout IS weights; and the actor / critic objectives. Shared by the RLVR and agentic pipelines.
+
+``AlgorithmSettings.from_config(config)`` reads the ROLL keys once (an object with the RLVR config's attributes);
+``compute_targets`` is then pure tensor math on one rollout batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl_core.advantages import AdvantageConfig, compute_advantages
+from rl_core.batch import RolloutBatch
+from rl_core.kl_control import build_kl_controller
+from rl_core.losses import LossCoefficients, PolicyLossConfig
+from rl_core.rewards import RewardConfig, RunningMoments, build_token_level_rewards, process_sequence_rewards
+from rl_core.rollout_is import RolloutISConfig, compute_rollout_is_weights
+from rl_engines.objectives import ActorObjective, CriticObjective
+
+
+@dataclass
+class AlgorithmSettings:
+    """rl-core configs built from the ROLL keys of a pipeline config."""
+
+    adv_estimator: str
+    advantage: AdvantageConfig
+    reward: RewardConfig
+    rollout_is: RolloutISConfig
+    actor: ActorObjective
+    critic: CriticObjective
+
+    @classmethod
+    def from_config(cls, config: Any, temperature: float = 1.0) -> AlgorithmSettings:
+        """Read ``adv_estimator``, gamma / lambd, reward_*, rollout_is_*, pg_* and loss coefficient keys."""
+        advantage = AdvantageConfig(gamma=config.gamma, lambd=config.lambd, whiten_advantages=config.whiten_advantages,
+                                    advantage_clip=config.advantage_clip)  # fmt: skip
+        reward = RewardConfig(reward_norm=config.reward_norm, reward_shift=config.reward_shift,
+                              reward_scale=config.reward_scale, reward_clip=config.reward_clip,
+                              whiten_rewards=config.whiten_rewards, add_len_reward=config.add_len_reward,
+                              add_token_level_kl=config.add_token_level_kl, kl_penalty=config.kl_penalty)  # fmt: skip
+        rollout_is = RolloutISConfig(
+            rollout_is_threshold=config.rollout_is_threshold, rollout_is=config.rollout_is,
+            rollout_is_threshold_lower=config.rollout_is_threshold_lower, rollout_is_level=config.rollout_is_level,
+            rollout_is_mode=config.rollout_is_mode, rollout_is_veto_threshold=config.rollout_is_veto_threshold,
+        )  # fmt: skip
+        rollout_is.validate()
+        policy = PolicyLossConfig(clip_ratio=config.pg_clip, clip_ratio_low=config.pg_clip_low,
+                                  clip_ratio_high=config.pg_clip_high,
+                                  clip_ratio_c=3.0 if config.dual_clip_loss else None)  # fmt: skip
+        coefficients = LossCoefficients(rl_loss_coef=config.rl_loss_coef, kl_loss_coef=config.kl_loss_coef,
+                                        entropy_loss_coef=config.entropy_loss_coef)  # fmt: skip
+        actor = ActorObjective(policy_loss=config.pg_variant, loss_agg_mode=config.loss_agg_mode,
+                               policy_loss_config=policy, coefficients=coefficients, use_kl_loss=config.use_kl_loss,
+                               kl_loss_type=config.kl_loss_type, temperature=temperature)  # fmt: skip
+        critic = CriticObjective(value_clip=config.value_clip, loss_agg_mode=config.loss_agg_mode)
+        return cls(config.adv_estimator, advantage, reward, rollout_is, actor, critic)
+
+
+class TargetBuilder:
+    """Stateful across steps (KL controller, running reward moments); one call per rollout batch."""
+
+    def __init__(self, settings: AlgorithmSettings, config: Any) -> None:
+        self.settings = settings
+        self.kl_controller = build_kl_controller(config.init_kl_coef, config.target_kl, config.kl_horizon)
+        self.running = RunningMoments()
+
+    def __call__(self, batch: RolloutBatch, scores: torch.Tensor, group_index: list[Any]) -> dict[str, float]:
+        """Add ``token_level_rewards``, ``advantages``, ``returns`` (and ``rollout_is_weights``) to ``batch``.
+
+        Reads ``response_mask``, ``old_log_probs``, optional ``ref_log_probs``, ``values``, ``rollout_log_probs``.
+        ``scores`` ``[B]`` are the verifiable rewards; ``group_index`` ``[B]`` the prompt id of each sample.
+        Returns the step's algorithm metrics.
+        """
+        settings, tensors = self.settings, batch.batch
+        mask = tensors["response_mask"]
+        rewards = process_sequence_rewards(scores, mask, config=settings.reward, group_index=group_index,
+                                           running=self.running)  # fmt: skip
+        token_rewards, batch_kl = build_token_level_rewards(
+            rewards, mask, config=settings.reward, kl_coef=self.kl_controller.value,
+            log_prob=tensors["old_log_probs"] if "ref_log_probs" in tensors else None,
+            ref_log_prob=tensors.get("ref_log_probs"),
+        )  # fmt: skip
+        metrics = {"critic/kl_coef": self.kl_controller.value}
+        if batch_kl is not None:
+            self.kl_controller.update(batch_kl, n_steps=len(batch))
+            metrics["critic/kl"] = batch_kl
+        advantages, returns = compute_advantages(settings.adv_estimator, token_rewards, mask,
+                                                 config=settings.advantage, values=tensors.get("values"),
+                                                 group_index=group_index)  # fmt: skip
+        tensors.update(token_level_rewards=token_rewards, advantages=advantages, returns=returns)
+        metrics.update(_is_weights(batch, settings.rollout_is))
+        valid = mask.to(torch.bool)
+        metrics.update({
+            "critic/score/mean": float(scores.mean()), "critic/rewards/mean": float(rewards.mean()),
+            "critic/advantages/mean": float(advantages[valid].mean()) if valid.any() else 0.0,
+            "critic/returns/mean": float(returns[valid].mean()) if valid.any() else 0.0,
+        })  # fmt: skip
+        return metrics
+
+
+def _is_weights(batch: RolloutBatch, config: RolloutISConfig) -> dict[str, float]:
+    """Rollout IS (verl PR): weights into the batch when applied; ``mismatch/`` metrics whenever enabled."""
+    tensors = batch.batch
+    if config.rollout_is_threshold is None or "rollout_log_probs" not in tensors:
+        return {}
+    weights, mask, metrics = compute_rollout_is_weights(
+        tensors["old_log_probs"], tensors["rollout_log_probs"], tensors["response_mask"],
+        level=config.rollout_is_level, mode=config.rollout_is_mode, threshold=config.rollout_is_threshold,
+        threshold_lower=config.rollout_is_threshold_lower, veto_threshold=config.rollout_is_veto_threshold,
+    )  # fmt: skip
+    if config.rollout_is and weights is not None:
+        tensors["rollout_is_weights"] = weights
+        tensors["response_mask"] = mask
+    return {key: float(value) for key, value in metrics.items()}

@@ -1,0 +1,202 @@
+"""The RLVR training loop: sample prompts -> generate -> verifiable rewards -> log-probs / values -> advantages ->
+PPO epochs -> weight sync, on the roles of rl-engines.
+
+This first version computes rewards on the driver and writes metrics to stdout and ``<output_dir>/metrics.jsonl``
+(the format ``rl-replay compare-metrics`` reads). Validation, checkpoints / resume, trackers, rollout mock and
+async generation are the next increments of issue 5.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from apps.common.algorithm import AlgorithmSettings, TargetBuilder
+from apps.rlvr.config import RLVRConfig
+from apps.rlvr.data import PromptSampler, chat_messages, encode_prompts, load_records, prompt_text
+from apps.rlvr.preflight import preflight
+from apps.rlvr.rewards import RewardRouter
+from rl_core.batch import RolloutBatch
+from rl_engines.placement import ClusterSpec
+from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
+from rl_engines.roles import Roles
+from rl_replay.metrics import append_metrics
+
+Timer = dict[str, float]
+
+
+class _Timed:
+    """``with timer("generate"):`` adds the block's seconds to ``timings["time/generate"]``."""
+
+    def __init__(self, timings: Timer) -> None:
+        self.timings = timings
+
+    def __call__(self, name: str) -> _Timed:
+        self._name = f"time/{name}"
+        return self
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.timings[self._name] = self.timings.get(self._name, 0.0) + time.perf_counter() - self._start
+
+
+class RLVRPipeline:
+    """Runs ``config.max_steps`` RLVR steps. ``preflight`` runs first: a bad config fails before Ray starts."""
+
+    def __init__(self, config: RLVRConfig, log: Callable[[str], None] = print) -> None:
+        self.config = config
+        self.log = log
+        self.report = preflight(config)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(config.actor_train.model_args.model_name_or_path))
+        data_args = config.actor_train.data_args
+        self.prompt_key, self.messages_key = data_args.get("prompt"), data_args.get("messages")
+        files = data_args.get("file_name")
+        if not files:
+            raise ValueError("actor_train.data_args.file_name is not set; point it at the training prompts.")
+        self.records = load_records(files, prompt_key=self.prompt_key, messages_key=self.messages_key)
+        self.template = str(data_args.get("template", "native"))
+        self.sampler = PromptSampler(len(self.records), config.seed)
+        self.router = RewardRouter(config.rewards)
+        generating = config.actor_infer.generating_args
+        self.settings = AlgorithmSettings.from_config(config, temperature=generating.temperature or 1.0)
+        self.targets = TargetBuilder(self.settings, config)
+        self.output_dir = Path(config.output_dir)
+        self.roles: Roles | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start Ray (CPU device slots when there is no GPU) and every role."""
+        cluster = ClusterSpec(self.config.num_nodes, self.config.num_gpus_per_node)
+        if not torch.cuda.is_available():
+            start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
+        else:
+            start_ray()
+        sections = {role: getattr(self.config, role) for role in ("actor_train", "actor_infer", "reference", "critic")}
+        sections = {role: section for role, section in sections.items() if section is not None}
+        self.roles = Roles(cluster, sections, rpc_timeout=self.config.rpc_timeout, system_envs=self.config.system_envs)
+        self.updater = self.roles.model_updater()
+
+    def stop(self) -> None:
+        """Stop every worker and Ray."""
+        if self.roles is not None:
+            self.roles.shutdown()
+            self.roles = None
+        stop_ray(remove_temp_dir=True)
+
+    def run(self) -> list[dict[str, float]]:
+        """All steps; returns each step's metrics (also logged and appended to metrics.jsonl)."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        history = []
+        self.start()
+        try:
+            for step in range(self.config.max_steps):
+                metrics = self.step(step)
+                history.append(metrics)
+                append_metrics(self.output_dir / "metrics.jsonl", step, metrics)
+                if step % self.config.logging_steps == 0:
+                    shown = {k: round(v, 4) for k, v in metrics.items() if k.split("/")[0] in ("actor", "critic")}
+                    self.log(f"[rlvr] step {step}: {shown}")
+        finally:
+            self.stop()
+        return history
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def _prompt_batch(self) -> RolloutBatch:
+        indices = self.sampler.next_batch(self.config.rollout_batch_size)
+        records = [self.records[i] for i in indices]
+        messages = [chat_messages(r, prompt_key=self.prompt_key, messages_key=self.messages_key) for r in records]
+        texts = [prompt_text(m, self.tokenizer, self.template) for m in messages]
+        tensors = encode_prompts(texts, self.tokenizer, self.config.prompt_length)
+        uids = [f"{self.sampler.state.epoch}:{index}" for index in indices]
+        batch = RolloutBatch.from_dict(tensors, {"record_index": indices, "prompt_uid": uids})
+        if self.config.is_num_return_sequences_expand:
+            batch = batch.repeat(self.config.num_return_sequences_in_group, interleave=True)
+        return batch
+
+    def _scores(self, rollout: RolloutBatch) -> torch.Tensor:
+        responses, mask = rollout.batch["responses"], rollout.batch["response_mask"]
+        scores = []
+        for row in range(len(rollout)):
+            length = int(mask[row].sum())
+            text = str(self.tokenizer.decode(responses[row, :length].tolist(), skip_special_tokens=True))
+            record = self.records[int(rollout.non_tensor_batch["record_index"][row])]
+            scores.append(self.router.score(text, record, length))
+        return torch.tensor(scores, dtype=torch.float32)
+
+    def step(self, step: int) -> dict[str, float]:
+        """One RLVR step; returns its metrics."""
+        assert self.roles is not None, "call start() first"
+        roles = self.roles
+        timings: Timer = {}
+        timer = _Timed(timings)
+        generating = self.config.actor_infer.generating_args
+        if self.config.is_num_return_sequences_expand:
+            from dataclasses import replace
+
+            generating = replace(generating, num_return_sequences=1)
+        with timer("generate"):
+            roles.activate("actor_infer")
+            rollout = roles["actor_infer"].call("generate", self._prompt_batch(), generating, dispatch="dp_split")
+        with timer("reward"):
+            scores = self._scores(rollout)
+        with timer("logprobs"):
+            self._score_with_roles(rollout)
+        with timer("advantages"):
+            metrics = self.targets(rollout, scores, list(rollout.non_tensor_batch["prompt_uid"]))
+        with timer("train"):
+            metrics.update(self._train(rollout, step))
+        with timer("sync"):
+            metrics.update(self.updater.sync())
+        metrics.update(timings)
+        metrics.update(_response_metrics(rollout))
+        return metrics
+
+    def _score_with_roles(self, rollout: RolloutBatch) -> None:
+        roles, temperature = self.roles, self.settings.actor.temperature
+        assert roles is not None
+        roles.activate("actor_train")
+        rollout.batch["old_log_probs"] = (
+            roles["actor_train"].call("compute_log_probs", rollout, temperature, dispatch="dp_split").batch["log_probs"]
+        )
+        if self.config.reference is not None:
+            rollout.batch["ref_log_probs"] = (
+                roles["reference"]
+                .call("compute_log_probs", rollout, temperature, dispatch="dp_split")
+                .batch["log_probs"]
+            )
+        if self.config.critic is not None:
+            rollout.batch["values"] = (
+                roles["critic"].call("compute_values", rollout, dispatch="dp_split").batch["values"]
+            )
+
+    def _train(self, rollout: RolloutBatch, step: int) -> dict[str, float]:
+        roles, metrics = self.roles, {}
+        assert roles is not None
+        for _ in range(self.config.ppo_epochs):
+            if self.config.critic is not None:
+                metrics.update(
+                    roles["critic"].call("train_step", rollout, self.settings.critic, dispatch="dp_split")[0]
+                )
+            if step >= self.config.critic_warmup:
+                metrics.update(
+                    roles["actor_train"].call("train_step", rollout, self.settings.actor, dispatch="dp_split")[0]
+                )
+        return metrics
+
+
+def _response_metrics(rollout: RolloutBatch) -> dict[str, Any]:
+    lengths = rollout.batch["response_mask"].sum(dim=-1).float()
+    reasons = np.asarray(rollout.non_tensor_batch["finish_reasons"])
+    return {
+        "response_length/mean": float(lengths.mean()),
+        "response_length/clip_ratio": float((reasons == "length").mean()),
+    }
