@@ -1,0 +1,94 @@
+"""`rl-ckpt convert`: Megatron-core <-> HuggingFace checkpoints (ROLL-compatible flag names)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from rl_ckpt.__about__ import __version__
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.hf_to_mcore import convert_hf_to_mcore
+from rl_ckpt.mcore_to_hf import convert_mcore_to_hf, open_mcore_checkpoint
+
+EXIT_OK, EXIT_VERIFY_FAILED, EXIT_ERROR = 0, 1, 2
+
+EPILOG = """\
+examples:
+  rl-ckpt convert --checkpoint_path ./output/checkpoint-100/actor_train --output_path ./hf_model
+      Megatron (any TP x PP, detected from the mp_rank_* folders) -> HuggingFace
+  rl-ckpt convert --checkpoint_path Qwen2.5-0.5B --output_path ./mcore --tp 2 --pp 2 --verify
+      HuggingFace -> Megatron at TP=2 x PP=2, then prove it by comparing logits
+
+exit status: 0 = converted (and verified), 1 = --verify found a logits difference over --verify_atol,
+2 = bad arguments or an unreadable / inconsistent checkpoint (the message names the file and the fix).
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of `rl-ckpt`."""
+    parser = argparse.ArgumentParser(
+        prog="rl-ckpt", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__
+    )
+    parser.add_argument("--version", action="version", version=f"rl-ckpt {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("convert", help="convert a checkpoint", epilog=EPILOG, formatter_class=parser.formatter_class)
+    p.add_argument("--checkpoint_path", required=True, type=Path, help="input: Megatron checkpoint or HF folder")
+    p.add_argument("--output_path", required=True, type=Path, help="output folder (created)")
+    p.add_argument("--direction", choices=["mcore2hf", "hf2mcore"], help="default: hf2mcore if input has config.json")
+    p.add_argument("--tp", type=int, default=1, help="hf2mcore: tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="hf2mcore: pipeline-parallel size")
+    p.add_argument("--make_vocab_size_divisible_by", type=int, default=128, help="hf2mcore: megatron's padding")
+    p.add_argument("--tokenizer_path", type=Path, help="mcore2hf: copy the tokenizer files from this folder")
+    p.add_argument("--vocab_size", type=int, help="mcore2hf: unpadded vocabulary size when the args lack it")
+    p.add_argument("--model_type", help="mcore2hf: HF model_type (qwen2, qwen3, llama, mistral) when args lack it")
+    p.add_argument("--max_shard_size", default="5GB", help="mcore2hf: safetensors shard size, e.g. 5GB, 500MB")
+    p.add_argument("--trust_checkpoint", action="store_true", help="unpickle rank files holding arbitrary objects")
+    p.add_argument("--verify", action="store_true", help="compare logits of source and result (needs transformers)")
+    p.add_argument("--verify_atol", type=float, default=1e-5, help="largest logits difference --verify accepts")
+    return parser
+
+
+def _convert(ns: argparse.Namespace) -> int:
+    src, out = ns.checkpoint_path, ns.output_path
+    if not src.exists():
+        raise CheckpointError(f"--checkpoint_path {src} does not exist")
+    direction = ns.direction or ("hf2mcore" if (src / "config.json").is_file() else "mcore2hf")
+    if direction == "hf2mcore":
+        layout = convert_hf_to_mcore(
+            src, out, ns.tp, ns.pp, make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by
+        )
+        print(f"[rl-ckpt] wrote Megatron checkpoint TP={layout.tp} x PP={layout.pp} to {layout.iteration_dir}")
+        ckpt = open_mcore_checkpoint(out)
+    else:
+        ckpt = open_mcore_checkpoint(
+            src, vocab_size=ns.vocab_size, model_type=ns.model_type, tokenizer_path=ns.tokenizer_path,
+            trust_checkpoint=ns.trust_checkpoint,
+        )  # fmt: skip
+        weight_map = convert_mcore_to_hf(ckpt, out, tokenizer_path=ns.tokenizer_path, max_shard_size=ns.max_shard_size)
+        files = len(set(weight_map.values()))
+        print(f"[rl-ckpt] wrote {ckpt.spec.model_type} HF model ({len(weight_map)} tensors, {files} shards) to {out}")
+    if not ns.verify:
+        return EXIT_OK
+    from rl_ckpt.verify import verify_hf_to_mcore, verify_mcore_to_hf
+
+    diff = verify_hf_to_mcore(src, ckpt) if direction == "hf2mcore" else verify_mcore_to_hf(ckpt, out)
+    ok = diff <= ns.verify_atol
+    verdict = "OK" if ok else "FAILED"
+    print(f"[rl-ckpt] verify: max abs logits difference {diff:.3e} (tolerance {ns.verify_atol:g}): {verdict}")
+    return EXIT_OK if ok else EXIT_VERIFY_FAILED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `rl-ckpt`; returns the exit status."""
+    ns = build_parser().parse_args(argv)
+    try:
+        return _convert(ns)
+    except CheckpointError as err:
+        print(f"rl-ckpt: error: {err}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

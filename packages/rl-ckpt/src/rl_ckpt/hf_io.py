@@ -1,0 +1,183 @@
+"""HuggingFace folders: lazy safetensors reading, a streaming sharded safetensors writer, config and tokenizer."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.spec import ModelSpec, hf_config_dict
+
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """``"5GB"`` -> 5_000_000_000 (decimal units as in transformers; KiB / MiB / GiB binary); ints pass through."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise CheckpointError(f"--max_shard_size {text!r} is not a size like 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+class HFCheckpoint:
+    """A HF model folder read lazily: one tensor at a time from its safetensors shard."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        config = path / "config.json"
+        if not config.is_file():
+            raise CheckpointError(f"{path} has no config.json; is --checkpoint_path a HuggingFace model folder?")
+        self.config: dict[str, Any] = json.loads(config.read_text(encoding="utf-8"))
+        self.weight_map = self._weight_map()
+        self._handles: dict[str, Any] = {}
+
+    def _weight_map(self) -> dict[str, str]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            return dict(json.loads(index.read_text(encoding="utf-8"))["weight_map"])
+        single = self.path / "model.safetensors"
+        if not single.is_file():
+            raise CheckpointError(
+                f"{self.path} has neither {INDEX_FILE} nor model.safetensors (only safetensors weights are read; "
+                "re-save the model with save_pretrained(..., safe_serialization=True))"
+            )
+        with safe_open(str(single), framework="pt") as f:
+            return dict.fromkeys(f.keys(), "model.safetensors")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        """Tensor ``name``; raises naming the folder when it is missing."""
+        if name not in self.weight_map:
+            raise CheckpointError(f"tensor {name!r} is missing from {self.path}")
+        file = self.weight_map[name]
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(self.path / file), framework="pt")
+        tensor: torch.Tensor = self._handles[file].get_tensor(name)
+        return tensor
+
+    def generation_config(self) -> dict[str, Any] | None:
+        """generation_config.json as a dict, when the folder has one."""
+        file = self.path / "generation_config.json"
+        return dict(json.loads(file.read_text(encoding="utf-8"))) if file.is_file() else None
+
+
+class ShardedSafetensorsWriter:
+    """Writes tensors as they come into ``model-0000X-of-0000Y.safetensors`` shards plus the index.
+
+    Holds at most one shard (``max_shard_bytes``, or one tensor when that is larger) in memory; a shard is written
+    as soon as it is full. Shards get their final ``-of-N`` names in :meth:`close`, when N is known.
+    """
+
+    def __init__(self, out_dir: Path, max_shard_bytes: int) -> None:
+        self.out_dir = out_dir
+        self.max_shard_bytes = max_shard_bytes
+        self._buffer: dict[str, torch.Tensor] = {}
+        self._buffer_bytes = 0
+        self._files: list[Path] = []
+        self._where: dict[str, int] = {}
+        self.total_bytes = 0
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Queue ``tensor`` as ``name``; raises when a name comes twice."""
+        if name in self._where or name in self._buffer:
+            raise CheckpointError(f"tensor {name!r} was produced twice; the checkpoint has duplicate layers")
+        size = tensor.numel() * tensor.element_size()
+        if self._buffer and self._buffer_bytes + size > self.max_shard_bytes:
+            self.flush()
+        self._buffer[name] = tensor.contiguous()
+        self._buffer_bytes += size
+        self.total_bytes += size
+        if self._buffer_bytes >= self.max_shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered tensors as the next shard and drop them."""
+        if not self._buffer:
+            return
+        path = self.out_dir / f".partial-{len(self._files) + 1:05d}.safetensors"
+        save_file(self._buffer, str(path), metadata={"format": "pt"})
+        self._where.update(dict.fromkeys(self._buffer, len(self._files)))
+        self._files.append(path)
+        self._buffer, self._buffer_bytes = {}, 0
+
+    def close(self) -> dict[str, str]:
+        """Flush, give the shards their final names, write the index; returns the weight map."""
+        self.flush()
+        n = len(self._files)
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for path, name in zip(self._files, names):
+            path.replace(self.out_dir / name)
+        weight_map = {key: names[i] for key, i in sorted(self._where.items())}
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+        return weight_map
+
+
+def write_hf_config(out_dir: Path, spec: ModelSpec, dtype: torch.dtype) -> None:
+    """config.json through transformers' config class when importable (validates it), else as plain JSON."""
+    cfg = hf_config_dict(spec, str(dtype).removeprefix("torch."))
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        return
+    kwargs = {k: v for k, v in cfg.items() if k != "model_type"}
+    AutoConfig.for_model(spec.model_type, **kwargs).save_pretrained(out_dir)
+
+
+def write_generation_config(out_dir: Path, generation: dict[str, Any] | None, tokenizer_path: Path | None) -> None:
+    """generation_config.json from the carried dict, else copied from the tokenizer folder, else not written."""
+    if generation is not None:
+        text = json.dumps(generation, indent=2) + "\n"
+        (out_dir / "generation_config.json").write_text(text, encoding="utf-8")
+    elif tokenizer_path is not None and (tokenizer_path / "generation_config.json").is_file():
+        shutil.copy2(tokenizer_path / "generation_config.json", out_dir / "generation_config.json")
+
+
+def copy_tokenizer(tokenizer_path: Path, out_dir: Path) -> list[str]:
+    """Copy the tokenizer files found in ``tokenizer_path``; raises when there are none."""
+    if not tokenizer_path.is_dir():
+        raise CheckpointError(f"--tokenizer_path {tokenizer_path} is not a folder")
+    copied = [name for name in TOKENIZER_FILES if (tokenizer_path / name).is_file()]
+    if not copied:
+        raise CheckpointError(f"--tokenizer_path {tokenizer_path} holds none of {', '.join(TOKENIZER_FILES)}")
+    for name in copied:
+        shutil.copy2(tokenizer_path / name, out_dir / name)
+    return copied
+
+
+def vocab_size_from_tokenizer(tokenizer_path: Path) -> int | None:
+    """The model vocabulary size known from a tokenizer folder: its config.json, else tokenizer.json's size."""
+    config = tokenizer_path / "config.json"
+    if config.is_file():
+        size = json.loads(config.read_text(encoding="utf-8")).get("vocab_size")
+        return int(size) if size else None
+    tok = tokenizer_path / "tokenizer.json"
+    if not tok.is_file():
+        return None
+    data = json.loads(tok.read_text(encoding="utf-8"))
+    ids = set(data.get("model", {}).get("vocab", {}).values()) | {t["id"] for t in data.get("added_tokens", [])}
+    return max(ids) + 1 if ids else None

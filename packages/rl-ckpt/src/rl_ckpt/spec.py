@@ -1,0 +1,181 @@
+"""ModelSpec: the architecture numbers a conversion needs, read from a HF config or from Megatron args."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.families import FAMILIES, guess_family_name
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shape of a dense decoder; every number is what both HF and Megatron need to lay out the tensors."""
+
+    model_type: str
+    """HF model_type, a key of ``FAMILIES``."""
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    """Number of key / value heads (GQA groups); equals num_attention_heads without GQA."""
+    head_dim: int
+    """Megatron ``kv_channels``; hidden_size // num_attention_heads unless the config says otherwise (Qwen3)."""
+    ffn_hidden_size: int
+    vocab_size: int
+    """Unpadded (HF / tokenizer) vocabulary size."""
+    tied_embeddings: bool
+    qkv_bias: bool
+    norm_epsilon: float
+    rotary_base: float
+    max_position_embeddings: int
+    hf_config: dict[str, Any] | None = None
+    """The original HF config.json when known (carried through Megatron args), written back verbatim."""
+
+    @property
+    def q_per_group(self) -> int:
+        """Query heads per key / value group."""
+        return self.num_attention_heads // self.num_query_groups
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether the family has Qwen3's q / k norms."""
+        return FAMILIES.get(self.model_type).qk_norm
+
+
+def _rope_theta(cfg: Mapping[str, Any]) -> float:
+    # transformers < 5 stores rope_theta at the top level, transformers >= 5 inside rope_parameters.
+    if "rope_theta" in cfg:
+        return float(cfg["rope_theta"])
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("rope_theta", 10000.0))
+
+
+def spec_from_hf_config(cfg: Mapping[str, Any]) -> ModelSpec:
+    """Read a HF config.json dict; raises CheckpointError for an unknown model_type or an unsupported option."""
+    family = FAMILIES.get(str(cfg.get("model_type")))
+    if cfg.get("mlp_bias"):
+        raise CheckpointError("config.json sets mlp_bias=true, which rl-ckpt does not convert yet")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    return ModelSpec(
+        model_type=family.name,
+        num_layers=int(cfg["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=family.qkv_bias(cfg),
+        norm_epsilon=float(cfg.get("rms_norm_eps", 1e-6)),
+        rotary_base=_rope_theta(cfg),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        hf_config=copy.deepcopy(dict(cfg)),
+    )
+
+
+def mcore_args(spec: ModelSpec, tp: int, pp: int, padded_vocab_size: int, divisible_by: int) -> dict[str, Any]:
+    """The ``args`` dict stored in every rank file (megatron-core stores an argparse Namespace with these names)."""
+    return {
+        "num_layers": spec.num_layers,
+        "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_attention_heads,
+        "group_query_attention": spec.num_query_groups != spec.num_attention_heads,
+        "num_query_groups": spec.num_query_groups,
+        "kv_channels": spec.head_dim,
+        "ffn_hidden_size": spec.ffn_hidden_size,
+        "tensor_model_parallel_size": tp,
+        "pipeline_model_parallel_size": pp,
+        "make_vocab_size_divisible_by": divisible_by,
+        "padded_vocab_size": padded_vocab_size,
+        "vocab_size": spec.vocab_size,
+        "untie_embeddings_and_output_weights": not spec.tied_embeddings,
+        "add_qkv_bias": spec.qkv_bias,
+        "add_bias_linear": False,
+        "qk_layernorm": spec.qk_norm,
+        "normalization": "RMSNorm",
+        "norm_epsilon": spec.norm_epsilon,
+        "swiglu": True,
+        "position_embedding_type": "rope",
+        "rotary_base": spec.rotary_base,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "model_type_hf": spec.model_type,
+        "hf_config": copy.deepcopy(spec.hf_config),
+    }
+
+
+def arg(args: object, key: str, default: Any = None) -> Any:
+    """``args[key]`` for a dict, ``args.key`` for megatron's argparse Namespace; ``default`` when absent."""
+    if isinstance(args, Mapping):
+        return args.get(key, default)
+    return getattr(args, key, default)
+
+
+def _vocab_size(args: object, hf_config: Mapping[str, Any] | None, override: int | None) -> int:
+    size = override or arg(args, "vocab_size") or (hf_config or {}).get("vocab_size")
+    if not size:
+        raise CheckpointError(
+            "the Megatron args do not record the unpadded vocabulary size; pass --vocab_size N or --tokenizer_path"
+        )
+    return int(size)
+
+
+def spec_from_mcore_args(args: object, vocab_size: int | None = None, model_type: str | None = None) -> ModelSpec:
+    """Read the ``args`` of a rank file (our dict or megatron-core's Namespace); flags override what it says."""
+    hf_config = arg(args, "hf_config")
+    heads = int(arg(args, "num_attention_heads"))
+    hidden = int(arg(args, "hidden_size"))
+    qkv_bias = bool(arg(args, "add_qkv_bias", False))
+    qk_norm = bool(arg(args, "qk_layernorm", False))
+    name = model_type or arg(args, "model_type_hf") or guess_family_name(qkv_bias, qk_norm)
+    groups = int(arg(args, "num_query_groups") or heads) if arg(args, "group_query_attention", True) else heads
+    return ModelSpec(
+        model_type=FAMILIES.get(name).name,
+        num_layers=int(arg(args, "num_layers")),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        head_dim=int(arg(args, "kv_channels") or hidden // heads),
+        ffn_hidden_size=int(arg(args, "ffn_hidden_size")),
+        vocab_size=_vocab_size(args, hf_config, vocab_size),
+        tied_embeddings=not bool(arg(args, "untie_embeddings_and_output_weights", False)),
+        qkv_bias=qkv_bias,
+        norm_epsilon=float(arg(args, "norm_epsilon", 1e-5)),
+        rotary_base=float(arg(args, "rotary_base", 10000.0)),
+        max_position_embeddings=int(arg(args, "max_position_embeddings", 4096)),
+        hf_config=copy.deepcopy(dict(hf_config)) if isinstance(hf_config, Mapping) else None,
+    )
+
+
+def hf_config_dict(spec: ModelSpec, dtype: str) -> dict[str, Any]:
+    """A HF config.json dict for ``spec``: the original one when it was carried along, else built from numbers."""
+    if spec.hf_config is not None:
+        carried = copy.deepcopy(spec.hf_config)
+        carried["vocab_size"] = spec.vocab_size
+        return carried
+    family = FAMILIES.get(spec.model_type)
+    cfg: dict[str, Any] = {
+        "architectures": [family.architecture],
+        "model_type": family.name,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.ffn_hidden_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_query_groups,
+        "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size,
+        "tie_word_embeddings": spec.tied_embeddings,
+        "rms_norm_eps": spec.norm_epsilon,
+        "rope_theta": spec.rotary_base,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "hidden_act": "silu",
+        "torch_dtype": dtype,
+    }
+    if family.fixed_qkv_bias is None:
+        cfg["attention_bias"] = spec.qkv_bias
+    return cfg

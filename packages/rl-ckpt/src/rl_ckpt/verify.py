@@ -1,0 +1,74 @@
+"""``--verify``: logits of the source model and of the converted model on a short fixed input (needs transformers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.mcore_to_hf import McoreCheckpoint, iter_hf_tensors
+from rl_ckpt.spec import hf_config_dict
+
+VERIFY_TOKENS = 16
+"""Length of the fixed verification input (one sequence)."""
+
+
+def verify_input(vocab_size: int) -> torch.Tensor:
+    """Fixed token ids [1, VERIFY_TOKENS] spread over the vocabulary (no tokenizer needed)."""
+    return (torch.arange(VERIFY_TOKENS, dtype=torch.long) * 7919 % vocab_size).unsqueeze(0)
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise CheckpointError("--verify needs transformers: pip install 'rl-ckpt[transformers]'") from None
+    return transformers
+
+
+def model_from_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Any:
+    """A float32 HF CausalLM built from a config dict and a full state dict (lm_head may be absent when tied)."""
+    tf = _transformers()
+    kwargs = {k: v for k, v in config.items() if k != "model_type"}
+    cfg = tf.AutoConfig.for_model(config["model_type"], **kwargs)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    allowed = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    if unexpected or set(missing) - allowed:
+        raise CheckpointError(f"converted tensors do not fit the model: missing {missing}, unexpected {unexpected}")
+    return model
+
+
+def model_from_folder(path: Path) -> Any:
+    """``AutoModelForCausalLM.from_pretrained(path)`` in float32 with eager attention."""
+    tf = _transformers()
+    return tf.AutoModelForCausalLM.from_pretrained(str(path), attn_implementation="eager").float()
+
+
+def logits_max_abs_diff(a: Any, b: Any, vocab_size: int) -> float:
+    """max |logits_a - logits_b| over the fixed input; logits [1, VERIFY_TOKENS, V]."""
+    ids = verify_input(vocab_size)
+    with torch.no_grad():
+        la = a.eval()(input_ids=ids).logits.float()
+        lb = b.eval()(input_ids=ids).logits.float()
+    if la.shape != lb.shape:
+        raise CheckpointError(f"logits shapes differ: {tuple(la.shape)} vs {tuple(lb.shape)}")
+    return float((la - lb).abs().max())
+
+
+def _merged_model(ckpt: McoreCheckpoint) -> Any:
+    tensors = dict(iter_hf_tensors(ckpt))
+    dtype = next(iter(tensors.values())).dtype
+    return model_from_tensors(hf_config_dict(ckpt.spec, str(dtype).removeprefix("torch.")), tensors)
+
+
+def verify_hf_to_mcore(hf_path: Path, ckpt: McoreCheckpoint) -> float:
+    """Logits of the original HF model vs the model rebuilt from the written Megatron checkpoint."""
+    return logits_max_abs_diff(model_from_folder(hf_path), _merged_model(ckpt), ckpt.spec.vocab_size)
+
+
+def verify_mcore_to_hf(ckpt: McoreCheckpoint, hf_path: Path) -> float:
+    """Logits of the model merged from the Megatron rank files vs the written HF folder loaded by transformers."""
+    return logits_max_abs_diff(_merged_model(ckpt), model_from_folder(hf_path), ckpt.spec.vocab_size)
