@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
-# The README's first command: install everything, then run the main job.
-# Until the RLVR app exists (issue 5) the main job is the rl-core benchmark: rollout importance sampling +
-# PPO loss + aggregation on 128 x 4096 tokens, against a memory-copy roofline measured in the same run.
+# The README's first command: install everything, then run the main job: a tiny RLVR run (GRPO on single-digit
+# addition) on the CPU that prints its reward rising. Extra arguments are config overrides (e.g. max_steps=20).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python benchmarks/bench_rl_core.py "$@"
+exec .venv/bin/python -m apps.rlvr.demo "$@"

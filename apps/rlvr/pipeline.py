@@ -28,6 +28,8 @@ from rl_engines.roles import Roles
 from rl_replay.metrics import append_metrics
 
 Timer = dict[str, float]
+LOGGED = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "mismatch/mismatch_kl",
+          "response_length/mean", "time/step")  # fmt: skip
 
 
 class _Timed:
@@ -103,7 +105,7 @@ class RLVRPipeline:
                 history.append(metrics)
                 append_metrics(self.output_dir / "metrics.jsonl", step, metrics)
                 if step % self.config.logging_steps == 0:
-                    shown = {k: round(v, 4) for k, v in metrics.items() if k.split("/")[0] in ("actor", "critic")}
+                    shown = " ".join(f"{k}={metrics[k]:.4g}" for k in LOGGED if k in metrics)
                     self.log(f"[rlvr] step {step}: {shown}")
         finally:
             self.stop()
@@ -156,6 +158,7 @@ class RLVRPipeline:
             metrics.update(self._train(rollout, step))
         with timer("sync"):
             metrics.update(self.updater.sync())
+        timings["time/step"] = sum(timings.values())
         metrics.update(timings)
         metrics.update(_response_metrics(rollout))
         return metrics

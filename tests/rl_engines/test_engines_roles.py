@@ -47,10 +47,15 @@ def role_configs(model_dir, infer_devices):
 @pytest.fixture(scope="module", params=["colocated", "separate"])
 def roles(request, ray_instance, tiny_model_dir):
     infer_devices = [0, 1] if request.param == "colocated" else [2, 3]
+    before = _slots()  # other runs on this machine may hold slots of their own
     with Roles(CLUSTER, role_configs(tiny_model_dir, infer_devices), rpc_timeout=120,
                system_envs={"RL_TEST_FLAG": request.param}) as started:  # fmt: skip
         yield started
-    assert not list(SHM_DIR.glob("rl_sync_*")), "colocated sync left shared-memory slots behind"
+    assert not _slots() - before, "colocated sync left shared-memory slots behind"
+
+
+def _slots() -> set[str]:
+    return {path.name for path in SHM_DIR.glob("rl_sync_*")}
 
 
 def test_generate_score_train_sync_and_rescore(roles, tiny_model_dir, tmp_path):
@@ -72,11 +77,12 @@ def test_generate_score_train_sync_and_rescore(roles, tiny_model_dir, tmp_path):
     assert {"actor/pg_loss", "actor/grad_norm", "actor/lr", "actor/pg_clipfrac"} <= set(metrics[0])
 
     roles.activate("actor_infer")
+    slots_before = _slots()
     sync = roles.model_updater(bucket_bytes=100_000).sync()
     assert sync["model_update/tensors"] == 26  # 27 HF names; the tied lm_head travels once
     assert sync["model_update/buckets"] >= 3 and sync["time/model_update"] > 0
     if colocated:
-        assert len(list(SHM_DIR.glob("rl_sync_*"))) == 2  # the two reusable slots of train rank 0
+        assert len(_slots() - slots_before) == 2  # the two reusable slots of train rank 0
     new_train = roles["actor_train"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
     new_infer = roles["actor_infer"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
     torch.testing.assert_close(new_infer[mask], new_train[mask], atol=1e-6, rtol=0)
