@@ -22,13 +22,13 @@ from rl_engines.tiny_model import build_tiny_causal_lm, build_tiny_tokenizer
 class Recipe:
     """Everything that shapes the cached model; a change rebuilds it."""
 
-    version: int = 2
-    hidden: int = 128
+    version: int = 3
+    hidden: int = 256
     layers: int = 2
-    heads: int = 4
+    heads: int = 8
     kv_heads: int = 2
-    sft_steps: int = 600
-    lr: float = 3e-3
+    sft_steps: int = 150
+    lr: float = 1e-3
     seed: int = 0
 
 

@@ -97,6 +97,7 @@ class RLVRPipeline:
     def run(self) -> list[dict[str, float]]:
         """All steps; returns each step's metrics (also logged and appended to metrics.jsonl)."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a new run (resume will append instead)
         history = []
         self.start()
         try:
