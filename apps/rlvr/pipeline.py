@@ -8,6 +8,7 @@ async generation are the next increments of issue 5.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from apps.common.algorithm import AlgorithmSettings, TargetBuilder
+from apps.common.plots import plot_metrics
 from apps.rlvr.config import RLVRConfig
 from apps.rlvr.data import PromptSampler, chat_messages, encode_prompts, load_records, prompt_text
 from apps.rlvr.preflight import preflight
@@ -108,9 +110,38 @@ class RLVRPipeline:
                 if step % self.config.logging_steps == 0:
                     shown = " ".join(f"{k}={metrics[k]:.4g}" for k in LOGGED if k in metrics)
                     self.log(f"[rlvr] step {step}: {shown}")
+                if (step + 1) % self.config.save_steps == 0 or step + 1 == self.config.max_steps:
+                    self.save(step)
         finally:
             self.stop()
+        plot = plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir / "curves.png")
+        if plot is not None:
+            self.log(f"[rlvr] curves: {plot}")
         return history
+
+    def checkpoint_dir(self, step: int) -> Path:
+        """``checkpoint_config.output_dir`` (ROLL) or ``<output_dir>/checkpoints``, then ``checkpoint-<step>``."""
+        root = self.config.checkpoint_config.get("output_dir") or self.output_dir / "checkpoints"
+        return Path(root) / f"checkpoint-{step}"
+
+    def save(self, step: int) -> Path:
+        """Atomic resumable checkpoints of the training roles, a HuggingFace folder of the policy, and the
+        driver's own state (data position, KL controller, running reward moments)."""
+        assert self.roles is not None
+        folder = self.checkpoint_dir(step)
+        for role in ("actor_train", "critic"):
+            if role in self.roles.groups:
+                self.roles[role].call("save_checkpoint", str(folder / role))
+        self.roles["actor_train"].call("save_hf", str(folder / "actor_hf"))
+        state = {
+            "step": step,
+            "sampler": {"epoch": self.sampler.state.epoch, "position": self.sampler.state.position},
+            "kl_coef": self.targets.kl_controller.value,
+            "running_moments": self.targets.running.state_dict(),
+        }
+        (folder / "pipeline_state.json").write_text(json.dumps(state, indent=2))
+        self.log(f"[rlvr] saved checkpoint {folder} (HF model: {folder / 'actor_hf'})")
+        return folder
 
     # ---- one step ------------------------------------------------------------------------------------------
     def _prompt_batch(self) -> RolloutBatch:

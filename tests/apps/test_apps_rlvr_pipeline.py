@@ -68,6 +68,21 @@ def test_two_grpo_steps_run_and_log_metrics(setup):
                     "time/model_update", "mismatch/mismatch_kl", "response_length/mean"):  # fmt: skip
             assert key in metrics, key
         assert metrics["model_update/tensors"] == 26
+    # The last step is saved: a HuggingFace folder that transformers loads and generates with, resumable role
+    # checkpoints, the driver's state, and the PNG of the curves.
+    checkpoint = setup / "out" / "checkpoints" / "checkpoint-1"
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(checkpoint / "actor_hf"))
+    model = AutoModelForCausalLM.from_pretrained(str(checkpoint / "actor_hf"))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "1+2="}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)  # fmt: skip
+    generated = model.generate(**prompt, max_new_tokens=3, do_sample=False)
+    assert generated.shape[1] > prompt["input_ids"].shape[1]
+    assert (checkpoint / "actor_train" / "COMPLETE").exists()
+    state = json.loads((checkpoint / "pipeline_state.json").read_text())
+    assert state["step"] == 1 and state["sampler"]["position"] == 8  # 2 steps x 4 prompts of 16
+    assert (setup / "out" / "curves.png").stat().st_size > 1000
 
 
 def test_a_bad_config_exits_2_before_anything_starts(setup, capsys):
