@@ -100,9 +100,13 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_override(root: dict[str, Any], item: str) -> None:
-    """Apply one Hydra-style ``a.b.c=value`` override (value parsed as YAML; ``+a.b=value`` adds a new key)."""
+    """Apply one Hydra-style ``a.b.c=value`` override (value parsed as YAML).
+
+    A key the file does not spell out is added (the typed config knows every valid key and rejects the rest by
+    name), so ``resume_from_checkpoint=true`` works on a file that leaves it at its default; Hydra's ``+key=``
+    spelling is accepted too.
+    """
     key, sep, raw = item.partition("=")
-    adding = key.startswith("+")
     key = key.lstrip("+")
     if not sep or not key:
         raise ConfigFileError(f"override {item!r} must look like key=value (e.g. max_steps=10 or actor_train.x=1).")
@@ -110,13 +114,11 @@ def apply_override(root: dict[str, Any], item: str) -> None:
     node = root
     for depth, part in enumerate(parts[:-1]):
         child = node.get(part)
-        if child is None and adding:
+        if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
             raise ConfigFileError(f"override {item!r}: {'.'.join(parts[: depth + 1])} is not a mapping in the config.")
         node = child
-    if parts[-1] not in node and not adding:
-        raise ConfigFileError(f"override {item!r}: the config has no key {key!r}; prefix it with + to add it.")
     node[parts[-1]] = yaml.safe_load(raw) if raw else None
 
 

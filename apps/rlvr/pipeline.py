@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,11 @@ import torch
 from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.plots import plot_metrics
 from apps.rlvr.config import RLVRConfig
-from apps.rlvr.data import PromptSampler, chat_messages, encode_prompts, load_records, prompt_text
+from apps.rlvr.data import PromptSampler, SamplerState, load_records
 from apps.rlvr.preflight import preflight
 from apps.rlvr.rewards import RewardRouter
+from apps.rlvr.rollout import PromptSource
+from apps.rlvr.validation import Validator
 from rl_core.batch import RolloutBatch
 from rl_engines.placement import ClusterSpec
 from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
@@ -66,10 +69,15 @@ class RLVRPipeline:
         files = data_args.get("file_name")
         if not files:
             raise ValueError("actor_train.data_args.file_name is not set; point it at the training prompts.")
-        self.records = load_records(files, prompt_key=self.prompt_key, messages_key=self.messages_key)
-        self.template = str(data_args.get("template", "native"))
-        self.sampler = PromptSampler(len(self.records), config.seed)
+        records = load_records(files, prompt_key=self.prompt_key, messages_key=self.messages_key)
+        template = str(data_args.get("template", "native"))
+        self.prompts = PromptSource(records, self.tokenizer, template, self.prompt_key, self.messages_key,
+                                    config.prompt_length)  # fmt: skip
+        self.sampler = PromptSampler(len(records), config.seed)
         self.router = RewardRouter(config.rewards)
+        self.validator = (
+            Validator.from_config(config, self.prompts) if config.validation and config.eval_steps else None
+        )
         generating = config.actor_infer.generating_args
         self.settings = AlgorithmSettings.from_config(config, temperature=generating.temperature or 1.0)
         self.targets = TargetBuilder(self.settings, config)
@@ -99,12 +107,17 @@ class RLVRPipeline:
     def run(self) -> list[dict[str, float]]:
         """All steps; returns each step's metrics (also logged and appended to metrics.jsonl)."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a new run (resume will append instead)
+        resume_from = self.resume_folder()
+        if resume_from is None:
+            (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a new run; a resumed one appends
         history = []
         self.start()
         try:
-            for step in range(self.config.max_steps):
+            first = 0 if resume_from is None else self.resume(resume_from) + 1
+            for step in range(first, self.config.max_steps):
                 metrics = self.step(step)
+                if self.validator is not None and step % self.config.eval_steps == 0:
+                    metrics.update(self.validator(self.roles))
                 history.append(metrics)
                 append_metrics(self.output_dir / "metrics.jsonl", step, metrics)
                 if step % self.config.logging_steps == 0:
@@ -118,6 +131,45 @@ class RLVRPipeline:
         if plot is not None:
             self.log(f"[rlvr] curves: {plot}")
         return history
+
+    def resume_folder(self) -> Path | None:
+        """The checkpoint ``resume_from_checkpoint`` names: a path, or (true) the latest complete one."""
+        value = self.config.resume_from_checkpoint
+        if value is False:
+            return None
+        if value is not True:
+            folder = Path(str(value))
+        else:
+            root = self.checkpoint_dir(0).parent
+            done = [p for p in root.glob("checkpoint-*") if (p / "pipeline_state.json").exists()]
+            if not done:
+                raise FileNotFoundError(
+                    f"resume_from_checkpoint: true, but {root} holds no complete checkpoint; run without it first."
+                )
+            folder = max(done, key=lambda p: int(p.name.split("-")[-1]))
+        if not (folder / "pipeline_state.json").exists():
+            raise FileNotFoundError(
+                f"resume_from_checkpoint={value!r}: {folder} is not a complete checkpoint (no pipeline_state.json)."
+            )
+        return folder
+
+    def resume(self, folder: Path) -> int:
+        """Restore roles, data position, KL controller and reward moments from ``folder``; returns its step.
+
+        The inference role then receives the restored weights, so the next step continues exactly where the
+        saved run would have.
+        """
+        assert self.roles is not None
+        state = json.loads((folder / "pipeline_state.json").read_text())
+        for role in ("actor_train", "critic"):
+            if role in self.roles.groups:
+                self.roles[role].call("load_checkpoint", str(folder / role))
+        self.sampler.state = SamplerState(**state["sampler"])
+        self.targets.kl_controller.load_state_dict(state["kl_controller"])
+        self.targets.running.load_state_dict(state["running_moments"])
+        self.updater.sync()
+        self.log(f"[rlvr] resumed from {folder} (step {state['step']})")
+        return int(state["step"])
 
     def checkpoint_dir(self, step: int) -> Path:
         """``checkpoint_config.output_dir`` (ROLL) or ``<output_dir>/checkpoints``, then ``checkpoint-<step>``."""
@@ -136,7 +188,7 @@ class RLVRPipeline:
         state = {
             "step": step,
             "sampler": {"epoch": self.sampler.state.epoch, "position": self.sampler.state.position},
-            "kl_coef": self.targets.kl_controller.value,
+            "kl_controller": self.targets.kl_controller.state_dict(),
             "running_moments": self.targets.running.state_dict(),
         }
         (folder / "pipeline_state.json").write_text(json.dumps(state, indent=2))
@@ -146,25 +198,11 @@ class RLVRPipeline:
     # ---- one step ------------------------------------------------------------------------------------------
     def _prompt_batch(self) -> RolloutBatch:
         indices = self.sampler.next_batch(self.config.rollout_batch_size)
-        records = [self.records[i] for i in indices]
-        messages = [chat_messages(r, prompt_key=self.prompt_key, messages_key=self.messages_key) for r in records]
-        texts = [prompt_text(m, self.tokenizer, self.template) for m in messages]
-        tensors = encode_prompts(texts, self.tokenizer, self.config.prompt_length)
         uids = [f"{self.sampler.state.epoch}:{index}" for index in indices]
-        batch = RolloutBatch.from_dict(tensors, {"record_index": indices, "prompt_uid": uids})
+        batch = self.prompts.batch(indices, uids)
         if self.config.is_num_return_sequences_expand:
             batch = batch.repeat(self.config.num_return_sequences_in_group, interleave=True)
         return batch
-
-    def _scores(self, rollout: RolloutBatch) -> torch.Tensor:
-        responses, mask = rollout.batch["responses"], rollout.batch["response_mask"]
-        scores = []
-        for row in range(len(rollout)):
-            length = int(mask[row].sum())
-            text = str(self.tokenizer.decode(responses[row, :length].tolist(), skip_special_tokens=True))
-            record = self.records[int(rollout.non_tensor_batch["record_index"][row])]
-            scores.append(self.router.score(text, record, length))
-        return torch.tensor(scores, dtype=torch.float32)
 
     def step(self, step: int) -> dict[str, float]:
         """One RLVR step; returns its metrics."""
@@ -173,15 +211,15 @@ class RLVRPipeline:
         timings: Timer = {}
         timer = _Timed(timings)
         generating = self.config.actor_infer.generating_args
+        if generating.seed is None:  # a seed per step: a resumed run samples what the uninterrupted one did
+            generating = replace(generating, seed=self.config.seed * 100_003 + step)
         if self.config.is_num_return_sequences_expand:
-            from dataclasses import replace
-
             generating = replace(generating, num_return_sequences=1)
         with timer("generate"):
             roles.activate("actor_infer")
             rollout = roles["actor_infer"].call("generate", self._prompt_batch(), generating, dispatch="dp_split")
         with timer("reward"):
-            scores = self._scores(rollout)
+            scores = self.prompts.scores(rollout, self.router)
         with timer("logprobs"):
             self._score_with_roles(rollout)
         with timer("advantages"):

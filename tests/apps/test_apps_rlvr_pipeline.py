@@ -39,6 +39,11 @@ actor_infer:
 reference:
   device_mapping: [0, 1]
   strategy_args: {{strategy_name: hf_infer}}
+eval_steps: 1
+val_batch_size: 3
+validation:
+  data_args: {{file_name: {data}}}
+  generating_args: {{max_new_tokens: 8, temperature: 0.0, num_return_sequences: 1}}
 rewards:
   math_rule:
     worker_cls: roll.pipeline.rlvr.rewards.math_rule_reward_worker.MathRuleRewardWorker
@@ -64,6 +69,8 @@ def test_two_grpo_steps_run_and_log_metrics(setup):
     steps = [json.loads(line) for line in lines]
     assert [s["step"] for s in steps] == [0, 1]
     for metrics in steps:
+        assert metrics["val/samples"] == 16  # every validation prompt once, the padded batches trimmed
+        assert 0.0 <= metrics["val/score/mean"] <= 1.0 and "val/score/math_rule" in metrics
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "time/generate",
                     "time/model_update", "mismatch/mismatch_kl", "response_length/mean"):  # fmt: skip
             assert key in metrics, key
@@ -88,3 +95,20 @@ def test_two_grpo_steps_run_and_log_metrics(setup):
 def test_a_bad_config_exits_2_before_anything_starts(setup, capsys):
     assert main(["--config_path", str(setup), "--config_name", "rlvr", "adv_estimator=gae"]) == 2
     assert "adv_estimator: gae needs a value model" in capsys.readouterr().err
+
+
+def test_resume_after_a_stop_equals_the_uninterrupted_run(setup):
+    base = ["--config_path", str(setup), "--config_name", "rlvr", "eval_steps=0"]
+    whole, parts = setup / "whole", setup / "parts"
+    assert main([*base, "max_steps=3", f"output_dir={whole}"]) == 0
+    assert main([*base, "max_steps=2", f"output_dir={parts}"]) == 0  # saves checkpoint-1 at its last step
+    assert main([*base, "max_steps=3", f"output_dir={parts}", "resume_from_checkpoint=true"]) == 0
+
+    def step(folder, number):
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        return next(row for row in rows if row["step"] == number)
+
+    uninterrupted, resumed = step(whole, 2), step(parts, 2)
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl",
+                "mismatch/mismatch_kl"):  # fmt: skip
+        assert resumed[key] == pytest.approx(uninterrupted[key], abs=1e-6), key

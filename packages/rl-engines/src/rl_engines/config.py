@@ -118,7 +118,7 @@ class GeneratingArgs:
     stop_strings: list[str] | None = None
     """Extra strings that end a response (besides the tokenizer's EOS)."""
     seed: int | None = None
-    """Sampling seed; with it a generate call is reproducible."""
+    """Sampling seed (offset by the worker's rank); with it a generate call is reproducible."""
 
     def validate(self, prefix: str) -> None:
         """Raise :class:`WorkerConfigError` naming ``<prefix>.<key>`` for the first bad value."""

@@ -6,6 +6,7 @@ of given tokens with a frozen copy). Weights arrive from the train strategy thro
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -68,8 +69,8 @@ class HfInferStrategy:
         args.validate(f"{self.role}.generating_args")
         self.reload()
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            if args.seed is not None:
-                torch.manual_seed(args.seed)
+            if args.seed is not None:  # offset by rank: data-parallel workers must not draw the same numbers
+                torch.manual_seed(args.seed + int(os.environ.get("RANK", "0")))
             parts = [
                 sample_responses(self.model, self.tokenizer, micro, args, self.device)
                 for micro in batch.split(self.config.infer_batch_size)

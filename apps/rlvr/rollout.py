@@ -1,0 +1,50 @@
+"""Prompt batches for generation and verifiable scores of generated batches; shared by training and validation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from apps.rlvr.data import chat_messages, encode_prompts, prompt_text
+from apps.rlvr.rewards import RewardRouter
+from rl_core.batch import RolloutBatch
+
+
+@dataclass
+class PromptSource:
+    """Records plus how to turn them into chat prompts."""
+
+    records: list[dict[str, Any]]
+    tokenizer: Any
+    template: str
+    prompt_key: str | None
+    messages_key: str | None
+    prompt_length: int
+
+    def batch(self, indices: Sequence[int], uids: Sequence[str]) -> RolloutBatch:
+        """Left-padded prompts ``[B, P]`` with ``record_index`` and ``prompt_uid`` per sample."""
+        records = [self.records[i] for i in indices]
+        messages = [chat_messages(r, prompt_key=self.prompt_key, messages_key=self.messages_key) for r in records]
+        texts = [prompt_text(m, self.tokenizer, self.template) for m in messages]
+        tensors = encode_prompts(texts, self.tokenizer, self.prompt_length)
+        return RolloutBatch.from_dict(tensors, {"record_index": list(indices), "prompt_uid": list(uids)})
+
+    def scores(self, rollout: RolloutBatch, router: RewardRouter) -> torch.Tensor:
+        """The reward of every generated response ``[B]``."""
+        responses, mask = rollout.batch["responses"], rollout.batch["response_mask"]
+        scores = []
+        for row in range(len(rollout)):
+            length = int(mask[row].sum())
+            text = str(self.tokenizer.decode(responses[row, :length].tolist(), skip_special_tokens=True))
+            record = self.records[int(rollout.non_tensor_batch["record_index"][row])]
+            scores.append(router.score(text, record, length))
+        return torch.tensor(scores, dtype=torch.float32)
+
+
+def padded_indices(indices: list[int], multiple: int) -> list[int]:
+    """``indices`` repeated cyclically up to a multiple of ``multiple`` (equal shards for dp_split)."""
+    missing = (-len(indices)) % multiple
+    return indices + [indices[i % len(indices)] for i in range(missing)]
