@@ -8,6 +8,7 @@ from pathlib import Path
 
 DEFAULT_CURVES = (
     ("critic/score/mean", "reward (score)"),
+    ("val/score/mean", "validation score"),
     ("actor/pg_loss", "policy loss"),
     ("actor/kl_loss", "KL loss"),
     ("mismatch/mismatch_kl", "train / rollout mismatch KL"),

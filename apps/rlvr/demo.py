@@ -45,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     first, last = sum(scores[:window]) / window, sum(scores[-window:]) / window
     print(f"[demo] mean reward (fraction of correct sums): first {window} steps {first:.3f} -> last {window} "
           f"steps {last:.3f}; metrics in {output / 'metrics.jsonl'}; {time.perf_counter() - start:.0f} s")  # fmt: skip
+    validation = [(i, step["val/score/mean"]) for i, step in enumerate(history) if "val/score/mean" in step]
+    if len(validation) > 1:
+        print(f"[demo] greedy accuracy on all prompts: step {validation[0][0]} {validation[0][1]:.3f} -> step "
+              f"{validation[-1][0]} {validation[-1][1]:.3f}")  # fmt: skip
     return 0
 
 
