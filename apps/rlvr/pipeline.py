@@ -24,7 +24,7 @@ from apps.rlvr.config import RLVRConfig
 from apps.rlvr.data import PromptSampler, SamplerState, load_records
 from apps.rlvr.preflight import preflight
 from apps.rlvr.rewards import RewardRouter
-from apps.rlvr.rollout import PromptSource
+from apps.rlvr.rollout import PromptSource, padded_indices
 from apps.rlvr.validation import Validator
 from rl_core.batch import RolloutBatch
 from rl_engines.placement import ClusterSpec
@@ -217,7 +217,13 @@ class RLVRPipeline:
             generating = replace(generating, num_return_sequences=1)
         with timer("generate"):
             roles.activate("actor_infer")
-            rollout = roles["actor_infer"].call("generate", self._prompt_batch(), generating, dispatch="dp_split")
+            prompts = self._prompt_batch()
+            # Inference workers need equal shares: pad with repeated prompts, then drop their samples (ROLL runs
+            # e.g. 64 prompts on 12 workers). The padding comes last, so the first rows are the real samples.
+            world = roles["actor_infer"].world_size
+            padded = prompts.index(padded_indices(list(range(len(prompts))), world))
+            rollout = roles["actor_infer"].call("generate", padded, generating, dispatch="dp_split")
+            rollout = rollout.slice(0, len(prompts) * generating.num_return_sequences)
         with timer("reward"):
             scores = self.prompts.scores(rollout, self.router)
         with timer("logprobs"):

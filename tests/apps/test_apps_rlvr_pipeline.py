@@ -112,3 +112,13 @@ def test_resume_after_a_stop_equals_the_uninterrupted_run(setup):
     for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl",
                 "mismatch/mismatch_kl"):  # fmt: skip
         assert resumed[key] == pytest.approx(uninterrupted[key], abs=1e-6), key
+
+
+def test_prompts_need_not_divide_over_the_inference_workers(setup):
+    """3 prompts on 2 inference workers (ROLL runs 64 on 12): generation is padded, the padding dropped."""
+    overrides = ["max_steps=1", "eval_steps=0", "rollout_batch_size=3", f"output_dir={setup / 'odd'}",
+                 "actor_train.training_args.per_device_train_batch_size=3",
+                 "actor_train.training_args.gradient_accumulation_steps=1"]  # fmt: skip
+    assert main(["--config_path", str(setup), "--config_name", "rlvr", *overrides]) == 0
+    (row,) = [json.loads(line) for line in (setup / "odd" / "metrics.jsonl").read_text().splitlines()]
+    assert "actor/pg_loss" in row
