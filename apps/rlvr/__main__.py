@@ -9,6 +9,7 @@ from pathlib import Path
 
 from apps.common.yaml_config import load_config
 from apps.rlvr.config import RLVRConfig
+from rl_replay.errors import ReplayError
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -28,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from apps.rlvr.pipeline import RLVRPipeline
 
         pipeline = RLVRPipeline(config)
-    except ValueError as err:
+    except (ValueError, FileNotFoundError, ReplayError) as err:  # bad config, missing file, missing dump
         print(f"config error: {err}", file=sys.stderr)
         return 2
     pipeline.run()

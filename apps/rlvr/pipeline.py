@@ -27,9 +27,11 @@ from apps.rlvr.rewards import RewardRouter
 from apps.rlvr.rollout import PromptSource, padded_indices
 from apps.rlvr.validation import Validator
 from rl_core.batch import RolloutBatch
+from rl_engines.config import GeneratingArgs
 from rl_engines.placement import ClusterSpec
 from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.roles import Roles
+from rl_replay import RolloutReplay
 from rl_replay.metrics import append_metrics
 
 Timer = dict[str, float]
@@ -75,6 +77,11 @@ class RLVRPipeline:
                                     config.prompt_length)  # fmt: skip
         self.sampler = PromptSampler(len(records), config.seed)
         self.router = RewardRouter(config.rewards)
+        # rollout_mock (rl-replay) at the scheduler layer: everything after the rollout does not know.
+        self.replay = RolloutReplay.from_config(config.rollout_mock)
+        self.get_rollout = self._rollout if self.replay is None else self.replay.wrap(self._rollout, step="step")
+        if self.replay is not None and self.replay.mode == "mock":
+            self.replay.check_max_steps(config.max_steps)
         self.validator = (
             Validator.from_config(config, self.prompts) if config.validation and config.eval_steps else None
         )
@@ -196,6 +203,20 @@ class RLVRPipeline:
         return folder
 
     # ---- one step ------------------------------------------------------------------------------------------
+    def _rollout(self, *, step: int, generating: GeneratingArgs) -> RolloutBatch:
+        """The scheduler layer: prompts -> responses -> verifiable ``scores``. rollout_mock dumps or replays it."""
+        assert self.roles is not None
+        self.roles.activate("actor_infer")
+        prompts = self._prompt_batch()
+        # Inference workers need equal shares: pad with repeated prompts, then drop their samples (ROLL runs e.g.
+        # 64 prompts on 12 workers). The padding comes last, so the first rows are the real samples.
+        world = self.roles["actor_infer"].world_size
+        padded = prompts.index(padded_indices(list(range(len(prompts))), world))
+        rollout = self.roles["actor_infer"].call("generate", padded, generating, dispatch="dp_split")
+        rollout = rollout.slice(0, len(prompts) * generating.num_return_sequences)
+        rollout.batch["scores"] = self.prompts.scores(rollout, self.router)
+        return rollout  # type: ignore[no-any-return]
+
     def _prompt_batch(self) -> RolloutBatch:
         indices = self.sampler.next_batch(self.config.rollout_batch_size)
         uids = [f"{self.sampler.state.epoch}:{index}" for index in indices]
@@ -207,7 +228,6 @@ class RLVRPipeline:
     def step(self, step: int) -> dict[str, float]:
         """One RLVR step; returns its metrics."""
         assert self.roles is not None, "call start() first"
-        roles = self.roles
         timings: Timer = {}
         timer = _Timed(timings)
         generating = self.config.actor_infer.generating_args
@@ -215,17 +235,9 @@ class RLVRPipeline:
             generating = replace(generating, seed=self.config.seed * 100_003 + step)
         if self.config.is_num_return_sequences_expand:
             generating = replace(generating, num_return_sequences=1)
-        with timer("generate"):
-            roles.activate("actor_infer")
-            prompts = self._prompt_batch()
-            # Inference workers need equal shares: pad with repeated prompts, then drop their samples (ROLL runs
-            # e.g. 64 prompts on 12 workers). The padding comes last, so the first rows are the real samples.
-            world = roles["actor_infer"].world_size
-            padded = prompts.index(padded_indices(list(range(len(prompts))), world))
-            rollout = roles["actor_infer"].call("generate", padded, generating, dispatch="dp_split")
-            rollout = rollout.slice(0, len(prompts) * generating.num_return_sequences)
-        with timer("reward"):
-            scores = self.prompts.scores(rollout, self.router)
+        with timer("rollout"):
+            rollout = self.get_rollout(step=step, generating=generating)
+        scores = rollout.batch["scores"]
         with timer("logprobs"):
             self._score_with_roles(rollout)
         with timer("advantages"):

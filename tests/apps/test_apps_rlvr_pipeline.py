@@ -71,7 +71,7 @@ def test_two_grpo_steps_run_and_log_metrics(setup):
     for metrics in steps:
         assert metrics["val/samples"] == 16  # every validation prompt once, the padded batches trimmed
         assert 0.0 <= metrics["val/score/mean"] <= 1.0 and "val/score/math_rule" in metrics
-        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "time/generate",
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "time/rollout",
                     "time/model_update", "mismatch/mismatch_kl", "response_length/mean"):  # fmt: skip
             assert key in metrics, key
         assert metrics["model_update/tensors"] == 26
@@ -122,3 +122,25 @@ def test_prompts_need_not_divide_over_the_inference_workers(setup):
     assert main(["--config_path", str(setup), "--config_name", "rlvr", *overrides]) == 0
     (row,) = [json.loads(line) for line in (setup / "odd" / "metrics.jsonl").read_text().splitlines()]
     assert "actor/pg_loss" in row
+
+
+def test_dump_then_mock_twice_gives_identical_training_metrics(setup):
+    """The rollout-dump-mock guide's workflow: dump once, replay; compare-metrics exits 0 (exact)."""
+    import subprocess
+    import sys
+
+    dumps = setup / "dumps"
+    base = ["--config_path", str(setup), "--config_name", "rlvr", "eval_steps=0", "max_steps=2"]
+    mock = ["+rollout_mock.enable=true", "+rollout_mock.mode=mock", f"+rollout_mock.dump_dir={dumps}"]
+    dump = ["+rollout_mock.enable=true", "+rollout_mock.mode=dump", f"+rollout_mock.dump_dir={dumps}"]
+    assert main([*base, *dump, f"output_dir={setup / 'dumped'}"]) == 0
+    assert sorted(p.name for p in (dumps / "train").iterdir()) == ["step_000000.safetensors", "step_000001.safetensors"]
+    for run in ("mock_a", "mock_b"):
+        assert main([*base, *mock, f"output_dir={setup / run}"]) == 0
+    for other in ("mock_b", "dumped"):
+        result = subprocess.run(
+            [sys.executable, "-m", "rl_replay", "compare-metrics", str(setup / "mock_a"), str(setup / other)],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert main([*base[:-1], "max_steps=3", *mock, f"output_dir={setup / 'too_far'}"]) == 2  # only 2 steps dumped
