@@ -15,7 +15,6 @@ from typing import Any
 from rl_engines.config import GeneratingArgs, WorkerConfig, WorkerConfigError, build_dataclass
 
 ROLE_KEYS = ("actor_train", "actor_infer", "reference", "critic")
-TRACKERS = ("stdout", "tensorboard", "wandb")
 
 
 @dataclass

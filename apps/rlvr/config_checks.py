@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from apps.common.trackers import TRACKERS
 from rl_core.advantages import ADV_ESTIMATORS
 from rl_core.kl import KL_ESTIMATORS
 from rl_core.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
@@ -11,7 +12,6 @@ from rl_core.rewards import REWARD_NORMS
 from rl_core.rollout_is import IS_LEVELS, IS_MODES
 from rl_engines.config import WorkerConfigError
 
-TRACKERS = ("stdout", "tensorboard", "wandb")
 NORM_TYPES = (None, "batch", "group")
 
 # key -> smallest allowed value
@@ -76,8 +76,7 @@ def check_choices(config: Any) -> None:
     _check_registry(REWARD_NORMS, "reward_norm", config.reward_norm, allow_none=True)
     _check_registry(IS_LEVELS, "rollout_is_level", config.rollout_is_level)
     _check_registry(IS_MODES, "rollout_is_mode", config.rollout_is_mode)
-    if config.track_with not in TRACKERS:
-        _fail(f"track_with={config.track_with!r} is not supported; use one of {list(TRACKERS)}.")
+    _check_registry(TRACKERS, "track_with", config.track_with)
     for key in ("norm_mean_type", "norm_std_type"):
         if getattr(config, key) not in NORM_TYPES:
             _fail(f"{key}={getattr(config, key)!r}: use batch, group or null.")

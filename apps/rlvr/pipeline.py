@@ -20,6 +20,7 @@ import torch
 
 from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.plots import plot_metrics
+from apps.common.trackers import StdoutTracker, build_trackers
 from apps.rlvr.config import RLVRConfig
 from apps.rlvr.data import PromptSampler, SamplerState, load_records
 from apps.rlvr.preflight import preflight
@@ -118,6 +119,9 @@ class RLVRPipeline:
         if resume_from is None:
             (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a new run; a resumed one appends
         history = []
+        stdout = StdoutTracker(output_dir=self.output_dir, exp_name="rlvr", shown=LOGGED, log=self.log)
+        trackers = build_trackers(self.config.track_with, output_dir=self.output_dir, exp_name=self.config.exp_name,
+                                  kwargs=self.config.tracker_kwargs, stdout=stdout)  # fmt: skip
         self.start()
         try:
             first = 0 if resume_from is None else self.resume(resume_from) + 1
@@ -128,11 +132,13 @@ class RLVRPipeline:
                 history.append(metrics)
                 append_metrics(self.output_dir / "metrics.jsonl", step, metrics)
                 if step % self.config.logging_steps == 0:
-                    shown = " ".join(f"{k}={metrics[k]:.4g}" for k in LOGGED if k in metrics)
-                    self.log(f"[rlvr] step {step}: {shown}")
+                    for tracker in trackers:
+                        tracker.log(step, metrics)
                 if (step + 1) % self.config.save_steps == 0 or step + 1 == self.config.max_steps:
                     self.save(step)
         finally:
+            for tracker in trackers:
+                tracker.close()
             self.stop()
         plot = plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir / "curves.png")
         if plot is not None:

@@ -11,6 +11,7 @@ from rl_engines.tiny_model import build_tiny_causal_lm, build_tiny_tokenizer
 
 CONFIG = """\
 exp_name: tiny_rlvr
+track_with: tensorboard
 seed: 7
 output_dir: {out}
 num_gpus_per_node: 2
@@ -90,6 +91,10 @@ def test_two_grpo_steps_run_and_log_metrics(setup):
     state = json.loads((checkpoint / "pipeline_state.json").read_text())
     assert state["step"] == 1 and state["sampler"]["position"] == 8  # 2 steps x 4 prompts of 16
     assert (setup / "out" / "curves.png").stat().st_size > 1000
+    from rl_replay.metrics import read_metrics
+
+    events = read_metrics(str(setup / "out" / "tensorboard" / "tiny_rlvr"))
+    assert sorted(events) == [0, 1] and "actor/pg_loss" in events[1]
 
 
 def test_a_bad_config_exits_2_before_anything_starts(setup, capsys):

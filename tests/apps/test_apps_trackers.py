@@ -1,0 +1,38 @@
+"""Trackers by track_with: the stdout line, TensorBoard event files (read back), wandb's missing-package error."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from apps.common.trackers import StdoutTracker, build_trackers
+from apps.rlvr.config import RLVRConfig
+from rl_engines.config import WorkerConfigError
+from rl_replay.metrics import read_metrics
+
+
+def test_tensorboard_events_hold_what_was_logged(tmp_path):
+    lines: list[str] = []
+    stdout = StdoutTracker(output_dir=tmp_path, exp_name="rlvr", shown=("actor/pg_loss",), log=lines.append)
+    trackers = build_trackers("tensorboard", output_dir=tmp_path, exp_name="exp", kwargs={}, stdout=stdout)
+    for step, loss in enumerate((0.5, 0.25)):
+        for tracker in trackers:
+            tracker.log(step, {"actor/pg_loss": loss, "critic/score/mean": 1.0 - loss})
+    for tracker in trackers:
+        tracker.close()
+    assert lines == ["[rlvr] step 0: actor/pg_loss=0.5", "[rlvr] step 1: actor/pg_loss=0.25"]
+    logged = read_metrics(str(tmp_path / "tensorboard" / "exp"))
+    assert logged[0]["actor/pg_loss"] == pytest.approx(0.5) and logged[1]["critic/score/mean"] == pytest.approx(0.75)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_wandb_without_the_package_says_how_to_fix(tmp_path):
+    stdout = StdoutTracker(output_dir=tmp_path, exp_name="rlvr")
+    with pytest.raises(ValueError, match=r"track_with: wandb needs the wandb package \(`pip install wandb`\)"):
+        build_trackers("wandb", output_dir=tmp_path, exp_name="exp", kwargs={"project": "p"}, stdout=stdout)
+
+
+def test_an_unknown_tracker_is_rejected_naming_the_key():
+    with pytest.raises(WorkerConfigError, match=r"track_with='mlflow' is not supported; valid values"):
+        RLVRConfig.from_dict({"track_with": "mlflow"})
