@@ -9,7 +9,6 @@ async generation are the next increments of issue 5.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 
 from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.plots import plot_metrics
+from apps.common.timeline import Timeline
 from apps.common.trackers import StdoutTracker, build_trackers
 from apps.rlvr.config import RLVRConfig
 from apps.rlvr.data import PromptSampler, SamplerState, load_records
@@ -38,23 +38,6 @@ from rl_replay.metrics import append_metrics
 Timer = dict[str, float]
 LOGGED = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "mismatch/mismatch_kl",
           "response_length/mean", "time/step")  # fmt: skip
-
-
-class _Timed:
-    """``with timer("generate"):`` adds the block's seconds to ``timings["time/generate"]``."""
-
-    def __init__(self, timings: Timer) -> None:
-        self.timings = timings
-
-    def __call__(self, name: str) -> _Timed:
-        self._name = f"time/{name}"
-        return self
-
-    def __enter__(self) -> None:
-        self._start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.timings[self._name] = self.timings.get(self._name, 0.0) + time.perf_counter() - self._start
 
 
 class RLVRPipeline:
@@ -91,6 +74,7 @@ class RLVRPipeline:
         self.targets = TargetBuilder(self.settings, config)
         self.output_dir = Path(config.output_dir)
         self.roles: Roles | None = None
+        self.timeline = Timeline()
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -140,6 +124,7 @@ class RLVRPipeline:
             for tracker in trackers:
                 tracker.close()
             self.stop()
+        self.timeline.write(self.output_dir / "timeline.json")
         plot = plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir / "curves.png")
         if plot is not None:
             self.log(f"[rlvr] curves: {plot}")
@@ -235,7 +220,7 @@ class RLVRPipeline:
         """One RLVR step; returns its metrics."""
         assert self.roles is not None, "call start() first"
         timings: Timer = {}
-        timer = _Timed(timings)
+        timer = self.timeline.timer(timings, step)
         generating = self.config.actor_infer.generating_args
         if generating.seed is None:  # a seed per step: a resumed run samples what the uninterrupted one did
             generating = replace(generating, seed=self.config.seed * 100_003 + step)

@@ -93,6 +93,9 @@ def test_two_grpo_steps_run_and_log_metrics(setup):
     assert (setup / "out" / "curves.png").stat().st_size > 1000
     from rl_replay.metrics import read_metrics
 
+    trace = json.loads((setup / "out" / "timeline.json").read_text())["traceEvents"]  # opens in Perfetto
+    assert {e["name"] for e in trace} >= {"rollout", "logprobs", "advantages", "train", "sync"}
+    assert all(e["ph"] == "X" and e["dur"] > 0 for e in trace) and {e["args"]["step"] for e in trace} == {0, 1}
     events = read_metrics(str(setup / "out" / "tensorboard" / "tiny_rlvr"))
     assert sorted(events) == [0, 1] and "actor/pg_loss" in events[1]
 

@@ -1,0 +1,55 @@
+"""Step timings as a trace file that Perfetto (ui.perfetto.dev) and chrome://tracing open.
+
+``with timer("train"):`` adds the block's seconds to ``timings["time/train"]`` (the step's metrics) and records a
+complete event (Chrome trace format, ``ph: X``, microseconds) that ``write`` saves as ``timeline.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+
+class Timeline:
+    """Collects phase events across steps."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.origin = time.perf_counter()
+
+    def timer(self, timings: dict[str, float], step: int) -> PhaseTimer:
+        """A context-manager factory for one step's phases."""
+        return PhaseTimer(self, timings, step)
+
+    def write(self, path: Path) -> Path:
+        """Save the trace (``{"traceEvents": [...]}``)."""
+        path.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
+        return path
+
+
+class PhaseTimer:
+    """``with timer("generate"): ...`` times one phase of a step."""
+
+    def __init__(self, timeline: Timeline, timings: dict[str, float], step: int) -> None:
+        self.timeline, self.timings, self.step = timeline, timings, step
+        self._name = ""
+        self._start = 0.0
+
+    def __call__(self, name: str) -> PhaseTimer:
+        self._name = name
+        return self
+
+    def __enter__(self) -> None:
+        self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        end = time.perf_counter()
+        key = f"time/{self._name}"
+        self.timings[key] = self.timings.get(key, 0.0) + end - self._start
+        self.timeline.events.append({
+            "name": self._name, "cat": "step", "ph": "X", "pid": 0, "tid": 0,
+            "ts": (self._start - self.timeline.origin) * 1e6, "dur": (end - self._start) * 1e6,
+            "args": {"step": self.step},
+        })  # fmt: skip
