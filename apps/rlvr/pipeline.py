@@ -67,7 +67,9 @@ class RLVRPipeline:
         if self.replay is not None and self.replay.mode == "mock":
             self.replay.check_max_steps(config.max_steps)
         self.validator = (
-            Validator.from_config(config, self.prompts) if config.validation and config.eval_steps else None
+            Validator.from_config(config, self.prompts, self.router)
+            if config.validation and config.eval_steps
+            else None
         )
         generating = config.actor_infer.generating_args
         self.settings = AlgorithmSettings.from_config(config, temperature=generating.temperature or 1.0)

@@ -26,7 +26,7 @@ class Validator:
         self.prompts, self.router, self.generating, self.batch_size = prompts, router, generating, batch_size
 
     @classmethod
-    def from_config(cls, config: RLVRConfig, train_prompts: PromptSource) -> Validator:
+    def from_config(cls, config: RLVRConfig, train_prompts: PromptSource, router: RewardRouter) -> Validator:
         """Validation data (``validation.data_args``, prompt / messages columns as for training) and sampling."""
         assert config.validation is not None
         data_args = config.validation.data_args
@@ -40,7 +40,6 @@ class Validator:
         records = load_records(files, prompt_key=prompt_key, messages_key=messages_key)
         prompts = replace(train_prompts, records=records, prompt_key=prompt_key, messages_key=messages_key,
                           template=str(data_args.get("template", train_prompts.template)))  # fmt: skip
-        router = RewardRouter(config.rewards)
         return cls(prompts, router, config.validation.generating_args, config.val_batch_size or len(records))
 
     def __call__(self, roles: Any) -> dict[str, float]:

@@ -19,6 +19,28 @@ from rl_engines.tiny_model import build_tiny_causal_lm, build_tiny_tokenizer
 CORPUS = [f"{a}+{b}={a + b}" for a in range(40) for b in range(40)] + ["the answer is <answer>7</answer>"]
 
 
+# Adapters whose engine is not importable here are skipped with the reason (issue 6 adds them).
+ENGINE_OF = {"deepspeed_train": "deepspeed", "megatron_train": "megatron", "megatron_infer": "megatron",
+             "vllm": "vllm", "sglang": "sglang"}  # fmt: skip
+
+
+def strategies_of_kind(kind: str) -> list[str]:
+    """Registered strategy names of ``kind`` ("train" or "infer"): the contract suites' parameters."""
+    from rl_engines.strategies import STRATEGIES
+
+    return [name for name in STRATEGIES.names() if STRATEGIES.get(name).kind == kind]
+
+
+def require_engine(name: str) -> str:
+    """``name`` itself, or a pytest skip naming the engine package that is not installed."""
+    import importlib.util
+
+    module = ENGINE_OF.get(name)
+    if module is not None and importlib.util.find_spec(module) is None:
+        pytest.skip(f"{name}: engine {module} is not installed")
+    return name
+
+
 def make_tiny_model(path: Path, *, tie: bool = True, seed: int = 0) -> Path:
     """A tokenizer + random Qwen2 model folder at ``path``."""
     build_tiny_tokenizer(path, CORPUS, vocab_size=256)

@@ -5,36 +5,31 @@ In-process; expected log-probs come from an independent un-padded reference (see
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from engine_fixtures import (
     prompt_batch,
     reference_log_probs,
+    require_engine,
     rollout_batch,
+    strategies_of_kind,
     tiny_model_dir,
     tiny_untied_model_dir,
     worker_config,
 )
 
 from rl_engines.config import GeneratingArgs
-from rl_engines.strategies import STRATEGIES, create_strategy
+from rl_engines.strategies import create_strategy
 from rl_engines.weight_sync import expand_aliases, iter_buckets, pack_for_store, unpack_from_store
 
 __all__ = ["tiny_model_dir", "tiny_untied_model_dir"]
 
-ENGINE_OF = {"vllm": "vllm", "sglang": "sglang", "megatron_infer": "megatron"}
-INFER = [name for name in STRATEGIES.names() if STRATEGIES.get(name).kind == "infer"]
 QUESTIONS = ["1+2=", "10+12=", "what is 3+3?"]
 
 
-@pytest.fixture(params=INFER)
+@pytest.fixture(params=strategies_of_kind("infer"))
 def strategy_name(request: pytest.FixtureRequest) -> str:
-    module = ENGINE_OF.get(request.param)
-    if module is not None and importlib.util.find_spec(module) is None:
-        pytest.skip(f"{request.param}: engine {module} is not installed")
-    return str(request.param)
+    return require_engine(str(request.param))
 
 
 def make(strategy_name, model_dir, role="actor_infer", **generating_args):

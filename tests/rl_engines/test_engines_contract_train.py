@@ -6,36 +6,31 @@ Expected values come from an independent slow reference (fresh HF model, one un-
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from dataclasses import replace
 
 import pytest
 import torch
-from engine_fixtures import reference_log_probs, rollout_batch, tiny_model_dir, worker_config
+from engine_fixtures import (
+    reference_log_probs,
+    require_engine,
+    rollout_batch,
+    strategies_of_kind,
+    tiny_model_dir,
+    worker_config,
+)
 
 from rl_core.batch import BatchSizeError
 from rl_core.losses import LossCoefficients
 from rl_engines.objectives import ActorObjective, CriticObjective
-from rl_engines.strategies import STRATEGIES, create_strategy
+from rl_engines.strategies import create_strategy
 
 __all__ = ["tiny_model_dir"]
 
-# Adapters whose engine is not importable here are skipped with the reason (issue 6 adds them).
-ENGINE_OF = {"deepspeed_train": "deepspeed", "megatron_train": "megatron.core"}
-TRAIN = [name for name in STRATEGIES.names() if STRATEGIES.get(name).kind == "train"]
 
-
-def _engine_missing(name: str) -> bool:
-    module = ENGINE_OF.get(name)
-    return module is not None and importlib.util.find_spec(module.split(".")[0]) is None
-
-
-@pytest.fixture(params=TRAIN)
+@pytest.fixture(params=strategies_of_kind("train"))
 def strategy_name(request: pytest.FixtureRequest) -> str:
-    if _engine_missing(request.param):
-        pytest.skip(f"{request.param}: engine {ENGINE_OF[request.param]} is not installed")
-    return str(request.param)
+    return require_engine(str(request.param))
 
 
 def make(strategy_name, model_dir, role="actor_train", **training_args):

@@ -7,7 +7,6 @@ Batch layout (verl / ROLL): ``prompts [B, P]`` left-padded, ``responses [B, R]``
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -131,8 +130,3 @@ def forward_values(model: nn.Module, batch: RolloutBatch, device: torch.device) 
     resp_len = response_length(batch)
     out = model(**model_inputs(batch, device), use_cache=False)
     return out.logits[:, -resp_len - 1 : -1, 0].float()  # type: ignore[no-any-return]
-
-
-def micro_batches(batch: RolloutBatch, size: int) -> Iterator[RolloutBatch]:
-    """Consecutive slices of ``size`` samples (infer_batch_size)."""
-    yield from batch.split(size)
