@@ -213,17 +213,19 @@ class RLVRConfig:
     max_len_mask: bool = False
     """Drop responses cut at response_length from the loss."""
     error_max_len_clip: bool = False
-    """Treat truncated responses as wrong."""
+    """Keep only correct (score 1) samples and wrong (score 0) ones shorter than error_max_len_threshold."""
+    error_max_len_threshold: int | None = None
+    """Response tokens from which a wrong sample leaves the loss (null = response_length)."""
     difficulty_mask: bool = False
-    """Drop prompt groups whose mean reward is outside [low, high] thresholds."""
+    """Drop prompt groups whose mean score is not strictly between the two thresholds."""
     difficulty_low_threshold: float = 0.0
-    """Lower mean-reward bound of difficulty_mask."""
+    """A group is kept only if its mean score is > this."""
     difficulty_high_threshold: float = 1.0
-    """Upper mean-reward bound of difficulty_mask."""
+    """A group is kept only if its mean score is < this."""
     difficulty_loss_weight: bool = False
-    """Weight samples by prompt difficulty."""
+    """Weight samples by 0.5 + 1.5 x the data's ``difficulty`` column (in [0, 1])."""
     length_loss_weight: bool = False
-    """Weight samples by response length."""
+    """Weight samples by 1.5 - their min-max normalised response length (longer weighs less)."""
     # ---- rollout importance sampling (verl) ------------------------------------------------------------------
     rollout_is: bool = False
     """Apply the IS weights to the loss (False = metrics only when a threshold is set)."""

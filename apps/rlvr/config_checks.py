@@ -48,6 +48,11 @@ def check_ranges(config: Any) -> None:
             f"sequence_length ({config.sequence_length}) must be >= prompt_length + response_length "
             f"({config.prompt_length} + {config.response_length}); raise it or shorten the lengths."
         )
+    if float(config.async_generation_ratio) != int(config.async_generation_ratio):
+        _fail(
+            f"async_generation_ratio must be a whole number of batches to generate ahead (0 = synchronous, 1, 2, "
+            f"...), got {config.async_generation_ratio}."
+        )
     if config.generate_opt_level not in (0, 1):
         _fail(
             f"generate_opt_level must be 0 (batch generate) or 1 (request scheduler), got {config.generate_opt_level}."

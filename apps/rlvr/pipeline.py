@@ -1,13 +1,15 @@
 """The RLVR training loop: sample prompts -> generate -> verifiable rewards -> log-probs / values -> advantages ->
 PPO epochs -> weight sync, on the roles of rl-engines.
 
-This first version computes rewards on the driver and writes metrics to stdout and ``<output_dir>/metrics.jsonl``
-(the format ``rl-replay compare-metrics`` reads). Validation, checkpoints / resume, trackers, rollout mock and
-async generation are the next increments of issue 5.
+Generation goes through a ``GenerationQueue`` (``async_generation_ratio`` steps ahead; 0 = synchronous) wrapped
+by rl-replay's rollout_mock at the scheduler layer; validation every ``eval_steps``; resumable checkpoints every
+``save_steps``; metrics to ``<output_dir>/metrics.jsonl`` (the format ``rl-replay compare-metrics`` reads) and the
+configured tracker; a Perfetto ``timeline.json`` and a ``curves.png`` at the end.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import replace
@@ -19,10 +21,14 @@ import torch
 
 from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.plots import plot_metrics
+from apps.common.progress import StepProgress
+from apps.common.sample_filters import SampleShaping, apply_sample_masks, apply_sample_weights
 from apps.common.timeline import Timeline
 from apps.common.trackers import StdoutTracker, build_trackers
 from apps.rlvr.config import RLVRConfig
 from apps.rlvr.data import PromptSampler, SamplerState, load_records
+from apps.rlvr.dynamic_sampling import DynamicSampler
+from apps.rlvr.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
 from apps.rlvr.preflight import preflight
 from apps.rlvr.rewards import RewardRouter
 from apps.rlvr.rollout import PromptSource, padded_indices
@@ -43,9 +49,12 @@ LOGGED = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_nor
 class RLVRPipeline:
     """Runs ``config.max_steps`` RLVR steps. ``preflight`` runs first: a bad config fails before Ray starts."""
 
-    def __init__(self, config: RLVRConfig, log: Callable[[str], None] = print) -> None:
+    def __init__(
+        self, config: RLVRConfig, log: Callable[[str], None] = print, progress_bar: bool | None = None
+    ) -> None:
         self.config = config
         self.log = log
+        self.progress_bar = progress_bar  # None: shown when stderr is a terminal
         self.report = preflight(config)
         from transformers import AutoTokenizer
 
@@ -64,19 +73,23 @@ class RLVRPipeline:
         # rollout_mock (rl-replay) at the scheduler layer: everything after the rollout does not know.
         self.replay = RolloutReplay.from_config(config.rollout_mock)
         self.get_rollout = self._rollout if self.replay is None else self.replay.wrap(self._rollout, step="step")
+        self.dynamic = DynamicSampler.from_config(config, lambda i: self.router.section_for(self.prompts.records[i]))
+        self.queue = GenerationQueue(self._submit, int(config.async_generation_ratio), config.max_steps - 1)
         if self.replay is not None and self.replay.mode == "mock":
             self.replay.check_max_steps(config.max_steps)
         self.validator = (
-            Validator.from_config(config, self.prompts, self.router)
+            Validator.from_config(config, self.prompts, self.router, self.replay)
             if config.validation and config.eval_steps
             else None
         )
         generating = config.actor_infer.generating_args
         self.settings = AlgorithmSettings.from_config(config, temperature=generating.temperature or 1.0)
         self.targets = TargetBuilder(self.settings, config)
+        self.shaping = SampleShaping.from_config(config)
         self.output_dir = Path(config.output_dir)
         self.roles: Roles | None = None
         self.timeline = Timeline()
+        self._waits: dict[str, float] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -90,9 +103,11 @@ class RLVRPipeline:
         sections = {role: section for role, section in sections.items() if section is not None}
         self.roles = Roles(cluster, sections, rpc_timeout=self.config.rpc_timeout, system_envs=self.config.system_envs)
         self.updater = self.roles.model_updater()
+        self.router.start_workers(self.config.rpc_timeout, self.config.system_envs)
 
     def stop(self) -> None:
         """Stop every worker and Ray."""
+        self.router.shutdown()
         if self.roles is not None:
             self.roles.shutdown()
             self.roles = None
@@ -105,16 +120,20 @@ class RLVRPipeline:
         if resume_from is None:
             (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a new run; a resumed one appends
         history = []
+        progress = StepProgress(self.config.max_steps, 0, desc=self.config.exp_name, enabled=self.progress_bar)
+        if self.log is print:  # log lines above the bar
+            self.log = progress.write
         stdout = StdoutTracker(output_dir=self.output_dir, exp_name="rlvr", shown=LOGGED, log=self.log)
         trackers = build_trackers(self.config.track_with, output_dir=self.output_dir, exp_name=self.config.exp_name,
                                   kwargs=self.config.tracker_kwargs, stdout=stdout)  # fmt: skip
         self.start()
         try:
             first = 0 if resume_from is None else self.resume(resume_from) + 1
+            progress.bar.update(first)
             for step in range(first, self.config.max_steps):
                 metrics = self.step(step)
                 if self.validator is not None and step % self.config.eval_steps == 0:
-                    metrics.update(self.validator(self.roles))
+                    metrics.update(self.validate(step))
                 history.append(metrics)
                 append_metrics(self.output_dir / "metrics.jsonl", step, metrics)
                 if step % self.config.logging_steps == 0:
@@ -122,7 +141,9 @@ class RLVRPipeline:
                         tracker.log(step, metrics)
                 if (step + 1) % self.config.save_steps == 0 or step + 1 == self.config.max_steps:
                     self.save(step)
+                progress.update(metrics)
         finally:
+            progress.close()
             for tracker in trackers:
                 tracker.close()
             self.stop()
@@ -131,6 +152,15 @@ class RLVRPipeline:
         if plot is not None:
             self.log(f"[rlvr] curves: {plot}")
         return history
+
+    def validate(self, step: int) -> dict[str, float]:
+        """Validation with the weights just synced; generation running ahead pauses (drains) first."""
+        assert self.roles is not None and self.validator is not None
+        paused = self.queue.drain()
+        metrics = self.validator(self.roles, step)
+        if self.queue.ratio:
+            metrics["time/validation_pause"] = paused
+        return metrics
 
     def resume_folder(self) -> Path | None:
         """The checkpoint ``resume_from_checkpoint`` names: a path, or (true) the latest complete one."""
@@ -187,7 +217,7 @@ class RLVRPipeline:
         self.roles["actor_train"].call("save_hf", str(folder / "actor_hf"))
         state = {
             "step": step,
-            "sampler": {"epoch": self.sampler.state.epoch, "position": self.sampler.state.position},
+            "sampler": dataclasses.asdict(self.queue.resume_state() or self.sampler.state),
             "kl_controller": self.targets.kl_controller.state_dict(),
             "running_moments": self.targets.running.state_dict(),
         }
@@ -196,22 +226,48 @@ class RLVRPipeline:
         return folder
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def _rollout(self, *, step: int, generating: GeneratingArgs) -> RolloutBatch:
+    def _rollout(self, *, step: int) -> RolloutBatch:
         """The scheduler layer: prompts -> responses -> verifiable ``scores``. rollout_mock dumps or replays it."""
+        rollout, waited = self.queue.take(step)
+        rollout = self._scored(rollout)
+        if self.dynamic.active:  # query filters / extra prompts: refill with fresh generations of this policy
+            more = lambda prompts: self._scored(self._submit(step, step, prompts).result())  # noqa: E731
+            rollout, metrics = self.dynamic.fill(rollout, more)
+            waited.update(metrics)
+        self._waits = waited
+        return rollout
+
+    def _scored(self, rollout: RolloutBatch) -> RolloutBatch:
+        rollout.batch["scores"] = self.prompts.scores(rollout, self.router)
+        if self.shaping.difficulty_loss_weight:
+            rollout.non_tensor_batch["difficulty"] = self.prompts.column(rollout, "difficulty")
+        return rollout
+
+    def _submit(self, step: int, version: int, count: int | None = None) -> PendingRollout:
+        """Draw ``step``'s prompts (the step's batch plus the extra prompts of dynamic sampling, or ``count``)
+        and queue their generation on actor_infer (the weights after ``version`` training steps)."""
         assert self.roles is not None
         self.roles.activate("actor_infer")
-        prompts = self._prompt_batch()
+        before = dataclasses.replace(self.sampler.state)
+        prompts = self._prompt_batch(count or self.config.rollout_batch_size + self.dynamic.extra)
+        generating = self._generating(step)
         # Inference workers need equal shares: pad with repeated prompts, then drop their samples (ROLL runs e.g.
         # 64 prompts on 12 workers). The padding comes last, so the first rows are the real samples.
         world = self.roles["actor_infer"].world_size
         padded = prompts.index(padded_indices(list(range(len(prompts))), world))
-        rollout = self.roles["actor_infer"].call("generate", padded, generating, dispatch="dp_split")
-        rollout = rollout.slice(0, len(prompts) * generating.num_return_sequences)
-        rollout.batch["scores"] = self.prompts.scores(rollout, self.router)
-        return rollout  # type: ignore[no-any-return]
+        future = self.roles["actor_infer"].call_async("generate", padded, generating, dispatch="dp_split")
+        return PendingRollout(step, version, len(prompts) * generating.num_return_sequences, future, before)
 
-    def _prompt_batch(self) -> RolloutBatch:
-        indices = self.sampler.next_batch(self.config.rollout_batch_size)
+    def _generating(self, step: int) -> GeneratingArgs:
+        generating = self.config.actor_infer.generating_args
+        if generating.seed is None:  # a seed per step: a resumed run samples what the uninterrupted one did
+            generating = replace(generating, seed=self.config.seed * 100_003 + step)
+        if self.config.is_num_return_sequences_expand:
+            generating = replace(generating, num_return_sequences=1)
+        return generating
+
+    def _prompt_batch(self, count: int) -> RolloutBatch:
+        indices = self.sampler.next_batch(count)
         uids = [f"{self.sampler.state.epoch}:{index}" for index in indices]
         batch = self.prompts.batch(indices, uids)
         if self.config.is_num_return_sequences_expand:
@@ -223,25 +279,29 @@ class RLVRPipeline:
         assert self.roles is not None, "call start() first"
         timings: Timer = {}
         timer = self.timeline.timer(timings, step)
-        generating = self.config.actor_infer.generating_args
-        if generating.seed is None:  # a seed per step: a resumed run samples what the uninterrupted one did
-            generating = replace(generating, seed=self.config.seed * 100_003 + step)
-        if self.config.is_num_return_sequences_expand:
-            generating = replace(generating, num_return_sequences=1)
+        self._waits = {}
         with timer("rollout"):
-            rollout = self.get_rollout(step=step, generating=generating)
+            rollout = self.get_rollout(step=step)
         scores = rollout.batch["scores"]
         with timer("logprobs"):
             self._score_with_roles(rollout)
         with timer("advantages"):
-            metrics = self.targets(rollout, scores, list(rollout.non_tensor_batch["prompt_uid"]))
+            groups = list(rollout.non_tensor_batch["prompt_uid"])
+            scores, metrics = apply_sample_masks(rollout, scores, groups, self.shaping)
+            metrics.update(self.targets(rollout, scores, groups))
+            metrics.update(apply_sample_weights(rollout, self.shaping))
         with timer("train"):
-            metrics.update(self._train(rollout, step))
+            if metrics.get("mask/final_mask_sum_eq_0"):  # every sample masked: nothing to learn from (ROLL skips)
+                self.log(f"[rlvr] step {step}: the sample masks left no token to train on; skipping training")
+            else:
+                metrics.update(self._train(rollout, step))
         with timer("sync"):
             metrics.update(self.updater.sync())
         timings["time/step"] = sum(timings.values())
         metrics.update(timings)
+        metrics.update(self._waits)
         metrics.update(_response_metrics(rollout))
+        metrics.update(staleness_metrics(rollout, step))
         return metrics
 
     def _score_with_roles(self, rollout: RolloutBatch) -> None:

@@ -82,7 +82,7 @@ def _check_required_roles(config: RLVRConfig) -> None:
 def _check_async(config: RLVRConfig, placement: PlacementPlan) -> None:
     if config.async_generation_ratio > 0 and placement.is_colocated("actor_train", "actor_infer"):
         raise PreflightError(
-            f"async_generation_ratio={config.async_generation_ratio} needs actor_infer on devices of its own, but "
+            f"async_generation_ratio={config.async_generation_ratio:g} needs actor_infer on devices of its own, but "
             "actor_train.device_mapping and actor_infer.device_mapping overlap; separate them (e.g. train on "
             "0-3, infer on 4-7) or set async_generation_ratio: 0."
         )

@@ -4,19 +4,27 @@ A reward function maps ``(response_text, record, spec)`` to a float. The section
 last component (ROLL's ``...MathRuleRewardWorker``), else the section's name (``math_rule``); users add their own
 with ``@REWARD_FUNCTIONS.register("my_reward")``. Each sample goes to the reward whose ``tag_included`` lists the
 record's ``tag`` (a section without tags takes every sample no other section claims).
+
+A section whose ``world_size`` is set is scored by that many CPU Ray actors (``apps.rlvr.reward_workers``) once
+``RewardRouter.start_workers`` has run; the other sections (and every section before that) are scored in the driver.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from apps.rlvr.config import RewardConfig, RewardSpec
 from rl_core.registry import Registry
 
+if TYPE_CHECKING:
+    from apps.rlvr.reward_workers import RewardWorkers
+
 RewardFn = Callable[[str, dict[str, Any], RewardSpec], float]
 REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function", "rewards.<name>.worker_cls")
+
+T = TypeVar("T")
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 
@@ -74,14 +82,46 @@ def reward_function(name: str, section: RewardConfig) -> RewardFn:
     return REWARD_FUNCTIONS.get(wanted)
 
 
+def penalized_reward(
+    function: RewardFn, response: str, record: dict[str, Any], spec: RewardSpec, response_tokens: int
+) -> float:
+    """``function``'s reward of one response minus ``spec.response_length_penalty_coef`` per response token."""
+    return function(response, record, spec) - spec.response_length_penalty_coef * response_tokens
+
+
+def worker_counts(sections: dict[str, RewardConfig]) -> dict[str, int]:
+    """``worker.world_size`` of every section that sets it (those are scored by Ray actors).
+
+    Raises ``ValueError`` naming ``rewards.<name>.world_size`` when one is not an int >= 1.
+    """
+    counts: dict[str, int] = {}
+    for name, section in sections.items():
+        size = section.worker.world_size
+        if size is None:
+            continue
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(
+                f"rewards.{name}.world_size must be an int >= 1 (reward actors on Ray), got {size!r}; "
+                "leave it unset to score this reward in the driver."
+            )
+        counts[name] = size
+    return counts
+
+
 class RewardRouter:
-    """Scores samples with the reward section their tag belongs to, adding the response-length penalty."""
+    """Scores samples with the reward section their tag belongs to, adding the response-length penalty.
+
+    Sections with ``world_size`` are scored by Ray actors after ``start_workers``; until then (and for the other
+    sections) ``score_many`` scores in the driver. Call ``shutdown`` to stop the actors.
+    """
 
     def __init__(self, sections: dict[str, RewardConfig]) -> None:
         if not sections:
             raise ValueError("no reward sections configured")
         self.sections = sections
         self.functions = {name: reward_function(name, section) for name, section in sections.items()}
+        self.worker_counts = worker_counts(sections)
+        self.workers: RewardWorkers | None = None
         self.by_tag: dict[str, str] = {}
         for name, section in sections.items():
             for tag in section.spec.tag_included:
@@ -91,6 +131,22 @@ class RewardRouter:
                 self.by_tag[tag] = name
         untagged = [name for name, section in sections.items() if not section.spec.tag_included]
         self.default = untagged[0] if untagged else None
+
+    def start_workers(self, rpc_timeout: float, system_envs: dict[str, str]) -> None:
+        """Start the Ray actors of every section with ``world_size`` (Ray must be running); no-op when none has."""
+        if self.workers is not None:
+            raise RuntimeError("the reward workers are already started; call shutdown() before starting them again.")
+        if not self.worker_counts:
+            return
+        from apps.rlvr.reward_workers import RewardWorkers  # here, not at the top: that module imports this one
+
+        self.workers = RewardWorkers(self.sections, self.functions, rpc_timeout=rpc_timeout, system_envs=system_envs)
+
+    def shutdown(self) -> None:
+        """Kill the reward actors (idempotent); later calls score every section in the driver."""
+        workers, self.workers = self.workers, None
+        if workers is not None:
+            workers.shutdown()
 
     def section_for(self, record: dict[str, Any]) -> str:
         """The reward section name for a record (by its ``tag``)."""
@@ -105,8 +161,42 @@ class RewardRouter:
         )
 
     def score(self, response: str, record: dict[str, Any], response_tokens: int) -> float:
-        """The reward of one response."""
+        """The reward of one response, scored in the driver."""
         name = self.section_for(record)
-        spec = self.sections[name].spec
-        reward = self.functions[name](response, record, spec)
-        return reward - spec.response_length_penalty_coef * response_tokens
+        return penalized_reward(self.functions[name], response, record, self.sections[name].spec, response_tokens)
+
+    def score_many(self, texts: list[str], records: list[dict[str, Any]], lengths: list[int]) -> list[float]:
+        """The reward of every response, in order; ``lengths`` are response tokens.
+
+        Every worker-backed section's share is sent to its actors first (all sections run in parallel), the
+        driver scores the other sections meanwhile, then the actors' scores are gathered. Raises the worker
+        errors of ``rl_engines.worker_group`` naming ``rewards.<name>``.
+        """
+        if not len(texts) == len(records) == len(lengths):
+            raise ValueError(
+                f"score_many needs one record and one length per text, got {len(texts)} texts, "
+                f"{len(records)} records and {len(lengths)} lengths."
+            )
+        rows_of: dict[str, list[int]] = {}
+        for row, record in enumerate(records):
+            rows_of.setdefault(self.section_for(record), []).append(row)
+        workers = self.workers
+        futures = {
+            name: workers.score_async(name, _take(rows, texts), _take(rows, records), _take(rows, lengths))
+            for name, rows in rows_of.items()
+            if workers is not None and name in workers
+        }
+        scores = [0.0] * len(texts)
+        for name, rows in rows_of.items():
+            if name not in futures:
+                function, spec = self.functions[name], self.sections[name].spec
+                for i in rows:
+                    scores[i] = penalized_reward(function, texts[i], records[i], spec, lengths[i])
+        for name, future in futures.items():
+            for i, score in zip(rows_of[name], future.get()):
+                scores[i] = score
+        return scores
+
+
+def _take(rows: list[int], values: list[T]) -> list[T]:
+    return [values[row] for row in rows]

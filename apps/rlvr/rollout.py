@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from apps.rlvr.data import chat_messages, encode_prompts, prompt_text
@@ -33,15 +34,25 @@ class PromptSource:
         return RolloutBatch.from_dict(tensors, {"record_index": list(indices), "prompt_uid": list(uids)})
 
     def scores(self, rollout: RolloutBatch, router: RewardRouter) -> torch.Tensor:
-        """The reward of every generated response ``[B]``."""
-        responses, mask = rollout.batch["responses"], rollout.batch["response_mask"]
-        scores = []
-        for row in range(len(rollout)):
-            length = int(mask[row].sum())
-            text = str(self.tokenizer.decode(responses[row, :length].tolist(), skip_special_tokens=True))
-            record = self.records[int(rollout.non_tensor_batch["record_index"][row])]
-            scores.append(router.score(text, record, length))
-        return torch.tensor(scores, dtype=torch.float32)
+        """The reward of every generated response ``[B]``: decoded here, scored by ``router.score_many`` at once."""
+        responses, mask = rollout.batch["responses"], rollout.batch["response_mask"]  # [B, R]
+        lengths = [int(length) for length in mask.sum(dim=-1).tolist()]  # [B]
+        texts = [
+            str(self.tokenizer.decode(responses[row, :length].tolist(), skip_special_tokens=True))
+            for row, length in enumerate(lengths)
+        ]
+        records = [self.records[int(index)] for index in rollout.non_tensor_batch["record_index"]]
+        return torch.tensor(router.score_many(texts, records, lengths), dtype=torch.float32)
+
+    def column(self, rollout: RolloutBatch, key: str) -> np.ndarray:
+        """Each sample's record value of ``key`` (a data column such as ``difficulty``); names the key if absent."""
+        values = []
+        for index in rollout.non_tensor_batch["record_index"]:
+            record = self.records[int(index)]
+            if key not in record:
+                raise KeyError(f"data record {int(index)} has no {key!r} column (columns: {sorted(record)}).")
+            values.append(record[key])
+        return np.asarray(values, dtype=object)
 
 
 def padded_indices(indices: list[int], multiple: int) -> list[int]:

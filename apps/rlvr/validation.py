@@ -2,7 +2,8 @@
 
 Generation runs on actor_infer (synced with the latest weights), in ``val_batch_size`` prompts at a time; the
 last batch is padded to the inference world size and the padding is dropped before scoring. Reported as
-``val/score/mean`` (and per reward section, ``val/score/<name>``).
+``val/score/mean`` (and per reward section, ``val/score/<name>``). rollout_mock dumps / replays the scored
+validation rollout of each evaluated step as split ``val``.
 """
 
 from __future__ import annotations
@@ -14,19 +15,29 @@ from apps.rlvr.config import RLVRConfig
 from apps.rlvr.data import load_records
 from apps.rlvr.rewards import RewardRouter
 from apps.rlvr.rollout import PromptSource, padded_indices
+from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
+from rl_replay import RolloutReplay
 
 
 class Validator:
     """Scores the validation set with the current policy."""
 
     def __init__(
-        self, prompts: PromptSource, router: RewardRouter, generating: GeneratingArgs, batch_size: int
+        self,
+        prompts: PromptSource,
+        router: RewardRouter,
+        generating: GeneratingArgs,
+        batch_size: int,
+        replay: RolloutReplay | None = None,
     ) -> None:
         self.prompts, self.router, self.generating, self.batch_size = prompts, router, generating, batch_size
+        self.get_rollout = self._rollout if replay is None else replay.wrap(self._rollout, split="val", step="step")
 
     @classmethod
-    def from_config(cls, config: RLVRConfig, train_prompts: PromptSource, router: RewardRouter) -> Validator:
+    def from_config(
+        cls, config: RLVRConfig, train_prompts: PromptSource, router: RewardRouter, replay: RolloutReplay | None = None
+    ) -> Validator:
         """Validation data (``validation.data_args``, prompt / messages columns as for training) and sampling."""
         assert config.validation is not None
         data_args = config.validation.data_args
@@ -40,27 +51,35 @@ class Validator:
         records = load_records(files, prompt_key=prompt_key, messages_key=messages_key)
         prompts = replace(train_prompts, records=records, prompt_key=prompt_key, messages_key=messages_key,
                           template=str(data_args.get("template", train_prompts.template)))  # fmt: skip
-        return cls(prompts, router, config.validation.generating_args, config.val_batch_size or len(records))
+        batch_size = config.val_batch_size or len(records)
+        return cls(prompts, router, config.validation.generating_args, batch_size, replay)
 
-    def __call__(self, roles: Any) -> dict[str, float]:
-        """Generate for every validation prompt and average the rewards."""
+    def __call__(self, roles: Any, step: int) -> dict[str, float]:
+        """Generate for every validation prompt and average the rewards (``val/score/...``)."""
+        return self.metrics(self.get_rollout(roles=roles, step=step))
+
+    def _rollout(self, *, roles: Any, step: int) -> RolloutBatch:
+        """Every validation prompt's responses with ``scores``; rollout_mock dumps / replays this (split val)."""
         world = roles["actor_infer"].world_size
-        total, count = 0.0, 0
-        per_section: dict[str, list[float]] = {}
         everything = list(range(len(self.prompts.records)))
+        parts = []
         for start in range(0, len(everything), self.batch_size):
             indices = everything[start : start + self.batch_size]
             padded = padded_indices(indices, world)
             batch = self.prompts.batch(padded, [f"val:{i}" for i in padded])
             rollout = roles["actor_infer"].call("generate", batch, self.generating, dispatch="dp_split")
-            keep = len(indices) * self.generating.num_return_sequences  # padding comes last
-            rollout = rollout.slice(0, keep)
-            scores = self.prompts.scores(rollout, self.router)
-            total += float(scores.sum())
-            count += len(scores)
-            for row, score in enumerate(scores.tolist()):
-                record = self.prompts.records[int(rollout.non_tensor_batch["record_index"][row])]
-                per_section.setdefault(self.router.section_for(record), []).append(score)
-        metrics = {"val/score/mean": total / max(count, 1), "val/samples": float(count)}
+            parts.append(rollout.slice(0, len(indices) * self.generating.num_return_sequences))  # padding is last
+        rollout = RolloutBatch.concat(parts)
+        rollout.batch["scores"] = self.prompts.scores(rollout, self.router)
+        return rollout
+
+    def metrics(self, rollout: RolloutBatch) -> dict[str, float]:
+        """Mean score overall and per reward section."""
+        scores = rollout.batch["scores"].tolist()
+        per_section: dict[str, list[float]] = {}
+        for row, score in enumerate(scores):
+            record = self.prompts.records[int(rollout.non_tensor_batch["record_index"][row])]
+            per_section.setdefault(self.router.section_for(record), []).append(score)
+        metrics = {"val/score/mean": sum(scores) / max(len(scores), 1), "val/samples": float(len(scores))}
         metrics.update({f"val/score/{name}": sum(v) / len(v) for name, v in per_section.items()})
         return metrics

@@ -117,7 +117,7 @@ def test_the_small_config_passes():
         ({"rollout_mock": {"enable": True, "mode": "replay"}}, WorkerConfigError, r"rollout_mock\.mode"),
         ({"adv_estimator": "gae"}, PreflightError, r"adv_estimator: gae needs a value model; add a `critic`"),
         ({"use_kl_loss": True}, PreflightError, r"use_kl_loss need a `reference` section"),
-        ({"async_generation_ratio": 1}, PreflightError, r"async_generation_ratio=1\.0 needs actor_infer on devices"),
+        ({"async_generation_ratio": 1}, PreflightError, r"async_generation_ratio=1 needs actor_infer on devices"),
         ({"actor_infer__device_mapping": [2, 3, 4]}, PlacementError,
          r"actor_infer\.device_mapping uses device ids \[4\]"),
         ({"actor_infer__generating_args__max_new_tokens": 32}, PreflightError, r"max_new_tokens \(32\) exceeds"),

@@ -138,13 +138,17 @@ def test_dump_then_mock_twice_gives_identical_training_metrics(setup):
     import sys
 
     dumps = setup / "dumps"
-    base = ["--config_path", str(setup), "--config_name", "rlvr", "eval_steps=0", "max_steps=2"]
+    base = ["--config_path", str(setup), "--config_name", "rlvr", "eval_steps=1", "max_steps=2"]
     mock = ["+rollout_mock.enable=true", "+rollout_mock.mode=mock", f"+rollout_mock.dump_dir={dumps}"]
     dump = ["+rollout_mock.enable=true", "+rollout_mock.mode=dump", f"+rollout_mock.dump_dir={dumps}"]
     assert main([*base, *dump, f"output_dir={setup / 'dumped'}"]) == 0
-    assert sorted(p.name for p in (dumps / "train").iterdir()) == ["step_000000.safetensors", "step_000001.safetensors"]
+    steps = ["step_000000.safetensors", "step_000001.safetensors"]
+    assert sorted(p.name for p in (dumps / "train").iterdir()) == steps
+    assert sorted(p.name for p in (dumps / "val").iterdir()) == steps  # the validation scheduler's split
     for run in ("mock_a", "mock_b"):
         assert main([*base, *mock, f"output_dir={setup / run}"]) == 0
+    rows = {run: _rows(setup / run) for run in ("dumped", "mock_a")}
+    assert [r["val/score/mean"] for r in rows["mock_a"]] == [r["val/score/mean"] for r in rows["dumped"]]
     for other in ("mock_b", "dumped"):
         result = subprocess.run(
             [sys.executable, "-m", "rl_replay", "compare-metrics", str(setup / "mock_a"), str(setup / other)],
@@ -152,3 +156,53 @@ def test_dump_then_mock_twice_gives_identical_training_metrics(setup):
         )  # fmt: skip
         assert result.returncode == 0, result.stdout + result.stderr
     assert main([*base[:-1], "max_steps=3", *mock, f"output_dir={setup / 'too_far'}"]) == 2  # only 2 steps dumped
+
+
+def _rows(folder):
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_async_generation_runs_one_step_ahead_on_separate_devices(setup):
+    """async_generation_ratio=1: train on slot 0, infer on slot 1; staleness 0 at step 0, then 1; validation
+    pauses generation; rollout IS compares the trained policy with the behaviour policy's log-probs. Rewards are
+    scored by two reward workers on Ray."""
+    overrides = ["max_steps=3", "eval_steps=2", "async_generation_ratio=1", f"output_dir={setup / 'async'}",
+                 "actor_train.device_mapping=[0]", "reference.device_mapping=[0]", "actor_infer.device_mapping=[1]",
+                 "actor_train.training_args.per_device_train_batch_size=4",
+                 "entropy_loss_coef=0.1",  # a gradient even when every reward is 0: the weights move
+                 "+rewards.math_rule.world_size=2"]  # fmt: skip
+    assert main(["--config_path", str(setup), "--config_name", "rlvr", *overrides]) == 0
+    rows = _rows(setup / "async")
+    assert [r["async/staleness/max"] for r in rows] == [0.0, 1.0, 1.0]
+    assert [r["async/staleness/mean"] for r in rows] == [0.0, 1.0, 1.0]
+    assert "time/validation_pause" in rows[0] and "val/score/mean" in rows[2] and "val/score/mean" not in rows[1]
+    assert all("mismatch/mismatch_kl" in r and "time/generate_wait" in r for r in rows)
+    # A stale batch was sampled by older weights, so the behaviour and trained policies differ there.
+    assert abs(rows[1]["mismatch/mismatch_kl"]) > 100 * abs(rows[0]["mismatch/mismatch_kl"])
+
+
+def test_async_generation_needs_separate_devices(setup, capsys):
+    assert main(["--config_path", str(setup), "--config_name", "rlvr", "async_generation_ratio=1"]) == 2
+    assert "async_generation_ratio=1 needs actor_infer on devices of its own" in capsys.readouterr().err
+    assert main(["--config_path", str(setup), "--config_name", "rlvr", "async_generation_ratio=0.5"]) == 2
+    assert "async_generation_ratio must be a whole number" in capsys.readouterr().err
+
+
+def test_sample_masks_reach_the_loop_and_an_all_masked_step_skips_training(setup):
+    """Every tiny-model response runs into response_length, so max_len_mask leaves nothing to train on."""
+    overrides = ["max_steps=1", "eval_steps=0", "max_len_mask=true", f"output_dir={setup / 'masked'}"]
+    assert main(["--config_path", str(setup), "--config_name", "rlvr", *overrides]) == 0
+    (row,) = _rows(setup / "masked")
+    assert row["actor/max_len_mask_ratio"] == 0.0 and row["mask/final_mask_sum_eq_0"] == 1.0
+    assert "actor/pg_loss" not in row and row["response_length/clip_ratio"] == 1.0
+
+
+def test_additional_prompts_are_generated_and_the_surplus_dropped(setup):
+    overrides = ["max_steps=1", "eval_steps=0", "is_use_additional_prompts=true", "max_additional_running_prompts=2",
+                 "+rewards.math_rule.query_filter_config.type=mean_filter",
+                 "+rewards.math_rule.query_filter_config.filter_args.threshold_down=-1",
+                 f"output_dir={setup / 'dynamic'}"]  # fmt: skip
+    assert main(["--config_path", str(setup), "--config_name", "rlvr", *overrides]) == 0
+    (row,) = _rows(setup / "dynamic")
+    assert row["dynamic_sampling/generated_groups"] == 6.0 and row["dynamic_sampling/rounds"] == 1.0
+    assert "actor/pg_loss" in row
