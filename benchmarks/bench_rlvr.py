@@ -11,7 +11,7 @@
    async step is ``max(g, r) + s``. Overlap efficiency = (sync step - async step) / (sync step - ideal) with
    ``async_generation_ratio: 1``. Goal: >= 90%.
 
-Run: python benchmarks/bench_rlvr.py [--steps 12] [--skip-overhead] [--skip-async]
+Run: python benchmarks/bench_rlvr.py [--steps 12] [--skip-overhead] [--skip-async] [--response-length 40]
 """
 
 from __future__ import annotations
@@ -136,9 +136,9 @@ def bench_overhead(folder: Path, steps: int) -> None:
     print(f"framework overhead (Ray + dispatch + serialisation): {overhead:.1%} of the step (goal <= 10%)")
 
 
-def bench_async(folder: Path, steps: int) -> None:
+def bench_async(folder: Path, steps: int, response_length: int) -> None:
     separate = ["num_gpus_per_node=2", "actor_train.device_mapping=[0]", "actor_infer.device_mapping=[1]",
-                "actor_train.training_args.gradient_accumulation_steps=8", "response_length=12"]  # fmt: skip
+                "actor_train.training_args.gradient_accumulation_steps=8", f"response_length={response_length}"]  # fmt: skip
     runs = {}
     for ratio in (0, 1):
         config = bench_config(folder / f"ratio{ratio}", [*separate, f"async_generation_ratio={ratio}"])
@@ -164,12 +164,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip-overhead", action="store_true")
     parser.add_argument("--skip-async", action="store_true")
+    parser.add_argument("--response-length", type=int, default=40, help="async part: balances generate and train")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench_rlvr_") as tmp:
         if not args.skip_overhead:
             bench_overhead(Path(tmp), args.steps)
         if not args.skip_async:
-            bench_async(Path(tmp), args.steps)
+            bench_async(Path(tmp), args.steps, args.response_length)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ The pipeline also always writes ``metrics.jsonl`` (rl-replay's format), whatever
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -66,9 +67,13 @@ class TensorboardTracker:
         self.writer.close()
 
 
+WANDB_DIRS = ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR")
+
+
 @TRACKERS.register("wandb")
 class WandbTracker:
-    """Weights & Biases; offline (no account needed) unless ``tracker_kwargs.mode: online``."""
+    """Weights & Biases; offline (no account needed) unless ``tracker_kwargs.mode: online``. Runs, cache, config
+    and data go under ``tracker_kwargs.dir`` (default ``output_dir``) unless the WANDB_*_DIR variables say else."""
 
     def __init__(self, *, output_dir: Path, exp_name: str, **kwargs: Any) -> None:
         try:
@@ -83,7 +88,15 @@ class WandbTracker:
         kwargs.setdefault("mode", "offline")
         kwargs.setdefault("name", exp_name)
         kwargs.setdefault("dir", str(output_dir))
-        self.run = wandb.init(**kwargs)
+        # Nothing under ~ unless asked: wandb's service process takes these directories when init starts it.
+        root = Path(kwargs["dir"]) / "wandb"
+        dirs = {v: str(root / v.split("_")[1].lower()) for v in WANDB_DIRS if v not in os.environ}
+        os.environ.update(dirs)
+        try:
+            self.run = wandb.init(**kwargs)
+        finally:
+            for variable in dirs:
+                os.environ.pop(variable, None)
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """``wandb.log`` at ``step``."""

@@ -37,6 +37,7 @@ from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
 from rl_engines.placement import ClusterSpec
 from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
+from rl_engines.request_scheduler import ScheduledGeneration
 from rl_engines.roles import Roles
 from rl_replay import RolloutReplay
 from rl_replay.metrics import append_metrics
@@ -251,11 +252,14 @@ class RLVRPipeline:
         before = dataclasses.replace(self.sampler.state)
         prompts = self._prompt_batch(count or self.config.rollout_batch_size + self.dynamic.extra)
         generating = self._generating(step)
-        # Inference workers need equal shares: pad with repeated prompts, then drop their samples (ROLL runs e.g.
-        # 64 prompts on 12 workers). The padding comes last, so the first rows are the real samples.
-        world = self.roles["actor_infer"].world_size
-        padded = prompts.index(padded_indices(list(range(len(prompts))), world))
-        future = self.roles["actor_infer"].call_async("generate", padded, generating, dispatch="dp_split")
+        group = self.roles["actor_infer"]
+        if self.config.generate_opt_level == 1:  # chunks to whichever worker has room
+            chunk = self.config.actor_infer.infer_batch_size
+            future: Any = ScheduledGeneration(group, prompts, generating, chunk_prompts=chunk,
+                                              max_running_requests=self.config.max_running_requests)  # fmt: skip
+        else:  # equal shares: pad with repeated prompts (dropped again: they come last; ROLL runs 64 on 12 workers)
+            padded = prompts.index(padded_indices(list(range(len(prompts))), group.world_size))
+            future = group.call_async("generate", padded, generating, dispatch="dp_split")
         return PendingRollout(step, version, len(prompts) * generating.num_return_sequences, future, before)
 
     def _generating(self, step: int) -> GeneratingArgs:
@@ -295,8 +299,9 @@ class RLVRPipeline:
                 self.log(f"[rlvr] step {step}: the sample masks left no token to train on; skipping training")
             else:
                 metrics.update(self._train(rollout, step))
-        with timer("sync"):
-            metrics.update(self.updater.sync())
+        with timer("sync"):  # actor_infer.model_update_frequency: steps between weight syncs
+            if (step + 1) % self.config.actor_infer.model_update_frequency == 0:
+                metrics.update(self.updater.sync())
         timings["time/step"] = sum(timings.values())
         metrics.update(timings)
         metrics.update(self._waits)

@@ -123,13 +123,21 @@ def test_resume_after_a_stop_equals_the_uninterrupted_run(setup):
 
 
 def test_prompts_need_not_divide_over_the_inference_workers(setup):
-    """3 prompts on 2 inference workers (ROLL runs 64 on 12): generation is padded, the padding dropped."""
+    """3 prompts on 2 inference workers (ROLL runs 64 on 12): generation is padded, the padding dropped; or,
+    with generate_opt_level 1, scheduled prompt by prompt."""
     overrides = ["max_steps=1", "eval_steps=0", "rollout_batch_size=3", f"output_dir={setup / 'odd'}",
                  "actor_train.training_args.per_device_train_batch_size=3",
                  "actor_train.training_args.gradient_accumulation_steps=1"]  # fmt: skip
     assert main(["--config_path", str(setup), "--config_name", "rlvr", *overrides]) == 0
     (row,) = [json.loads(line) for line in (setup / "odd" / "metrics.jsonl").read_text().splitlines()]
     assert "actor/pg_loss" in row
+    # generate_opt_level 1: one prompt per request, at most 2 in flight, to whichever worker has room
+    scheduler = ["generate_opt_level=1", "max_running_requests=2", "actor_infer.infer_batch_size=1"]
+    common = [item for item in overrides if not item.startswith("output_dir")]
+    assert main(["--config_path", str(setup), "--config_name", "rlvr", *common, *scheduler,
+                 f"output_dir={setup / 'scheduled'}"]) == 0  # fmt: skip
+    (row,) = _rows(setup / "scheduled")
+    assert "actor/pg_loss" in row and row["response_length/mean"] > 0
 
 
 def test_dump_then_mock_twice_gives_identical_training_metrics(setup):
@@ -189,12 +197,17 @@ def test_async_generation_needs_separate_devices(setup, capsys):
 
 
 def test_sample_masks_reach_the_loop_and_an_all_masked_step_skips_training(setup):
-    """Every tiny-model response runs into response_length, so max_len_mask leaves nothing to train on."""
-    overrides = ["max_steps=1", "eval_steps=0", "max_len_mask=true", f"output_dir={setup / 'masked'}"]
+    """Every tiny-model response runs into response_length, so max_len_mask leaves nothing to train on; the
+    weight sync follows actor_infer.model_update_frequency."""
+    overrides = ["max_steps=2", "eval_steps=0", "max_len_mask=true", f"output_dir={setup / 'masked'}",
+                 "actor_infer.model_update_frequency=2"]  # fmt: skip
     assert main(["--config_path", str(setup), "--config_name", "rlvr", *overrides]) == 0
-    (row,) = _rows(setup / "masked")
-    assert row["actor/max_len_mask_ratio"] == 0.0 and row["mask/final_mask_sum_eq_0"] == 1.0
-    assert "actor/pg_loss" not in row and row["response_length/clip_ratio"] == 1.0
+    rows = _rows(setup / "masked")
+    for row in rows:
+        assert row["actor/max_len_mask_ratio"] == 0.0 and row["mask/final_mask_sum_eq_0"] == 1.0
+        assert "actor/pg_loss" not in row and row["response_length/clip_ratio"] == 1.0
+    # actor_infer.model_update_frequency=2: weights are synced every second step
+    assert "time/model_update" not in rows[0] and "time/model_update" in rows[1]
 
 
 def test_additional_prompts_are_generated_and_the_surplus_dropped(setup):

@@ -346,6 +346,11 @@ class WorkerGroup:
         return self._role
 
     @property
+    def rpc_timeout(self) -> float:
+        """Seconds every call may take (ROLL ``rpc_timeout``)."""
+        return self._rpc_timeout
+
+    @property
     def world_size(self) -> int:
         """Number of workers (ranks)."""
         return self._world_size

@@ -1,0 +1,30 @@
+"""docs/rlvr-config-reference.md is generated from the config dataclasses and must match them."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from apps.common.config_reference import field_docs, reference
+from apps.rlvr.config import RLVRConfig
+from rl_engines.config import GeneratingArgs, TrainingArgs, WorkerConfig
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "rlvr-config-reference.md"
+
+
+def test_the_reference_in_docs_is_up_to_date():
+    assert DOC.read_text() == reference(), (
+        "docs/rlvr-config-reference.md is stale: run `python -m apps.common.config_reference > "
+        "docs/rlvr-config-reference.md`"
+    )
+
+
+def test_every_key_has_its_documentation_line():
+    for cls in (RLVRConfig, WorkerConfig, TrainingArgs, GeneratingArgs):
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"{cls.__name__}: fields without a doc line: {missing}"
+
+
+def test_a_row_shows_type_default_and_meaning():
+    assert "| `async_generation_ratio` | float | `0.0` | Batches generation may run ahead" in reference()
