@@ -138,7 +138,8 @@ def bench_overhead(folder: Path, steps: int) -> None:
 
 def bench_async(folder: Path, steps: int, response_length: int) -> None:
     separate = ["num_gpus_per_node=2", "actor_train.device_mapping=[0]", "actor_infer.device_mapping=[1]",
-                "actor_train.training_args.gradient_accumulation_steps=8", f"response_length={response_length}"]  # fmt: skip
+                "actor_train.training_args.gradient_accumulation_steps=8",
+                f"response_length={response_length}"]  # fmt: skip
     runs = {}
     for ratio in (0, 1):
         config = bench_config(folder / f"ratio{ratio}", [*separate, f"async_generation_ratio={ratio}"])
