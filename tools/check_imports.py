@@ -2,7 +2,8 @@
 
 apps -> rl_engines -> rl_core; rl_replay and rl_ckpt import no sibling; nothing imports apps.
 rl_core may import only torch, numpy and the standard library. Heavy engines are allowed in rl_engines only
-inside its adapter modules (checked once those exist). Exit 1 listing every violation.
+inside its adapter modules: ``strategies/<engine>*.py`` or ``strategies/<engine>/`` (``ADAPTER_IMPORTS``). Exit 1
+listing every violation.
 """
 
 from __future__ import annotations
@@ -30,6 +31,25 @@ ALLOWED_SIBLINGS: dict[str, set[str]] = {
     "rl_engines": {"rl_core"},
 }
 
+# rl_engines adapter modules: an engine (or rl_ckpt's Megatron <-> HF mapping) is importable only from
+# rl_engines/strategies/<prefix>*.py or rl_engines/strategies/<prefix>/...
+ADAPTER_IMPORTS: dict[str, str] = {
+    "deepspeed": "deepspeed",
+    "megatron": "megatron",
+    "rl_ckpt": "megatron",
+    "vllm": "vllm",
+    "sglang": "sglang",
+}
+
+
+def adapter_allows(package: str, path: Path, module: str) -> bool:
+    """Whether ``path`` (inside ``package``) is the adapter module that may import the engine ``module``."""
+    prefix = ADAPTER_IMPORTS.get(module)
+    if package != "rl_engines" or prefix is None:
+        return False
+    relative = path.relative_to(ROOT / RULES[package][0]).parts
+    return len(relative) >= 2 and relative[0] == "strategies" and relative[1].startswith(prefix)
+
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:
     """(line, top-level module) for every absolute import in ``path``."""
@@ -52,7 +72,7 @@ def violations_of(package: str) -> list[str]:
     problems = []
     for path in sorted(root.rglob("*.py")):
         for line, module in imported_modules(path):
-            if module not in allowed:
+            if module not in allowed and not adapter_allows(package, path, module):
                 kind = "sibling package" if module in SIBLINGS else "third-party module"
                 problems.append(f"{path.relative_to(ROOT)}:{line}: {package} must not import {kind} '{module}'")
     return problems
