@@ -16,7 +16,8 @@ fi
 echo "[setup] creating $VENV and installing torch 2.13.0 (CPU), the packages and the dev tools ..."
 [[ -x $VENV/bin/python ]] || "$PY" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check torch==2.13.0
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+# DS_BUILD_OPS=0: DeepSpeed builds no C++/CUDA ops at install (the CPU path needs none)
+DS_BUILD_OPS=0 DS_ACCELERATOR=cpu "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 for pkg in "${PACKAGES[@]}"; do
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$pkg"
 done

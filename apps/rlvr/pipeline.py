@@ -34,6 +34,7 @@ from apps.rlvr.rewards import RewardRouter
 from apps.rlvr.rollout import PromptSource, padded_indices
 from apps.rlvr.validation import Validator
 from rl_core.batch import RolloutBatch
+from rl_core.batch_size import minibatch_major_order
 from rl_engines.config import GeneratingArgs
 from rl_engines.placement import ClusterSpec
 from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
@@ -332,14 +333,20 @@ class RLVRPipeline:
         assert roles is not None
         for _ in range(self.config.ppo_epochs):
             if self.config.critic is not None:
-                metrics.update(
-                    roles["critic"].call("train_step", rollout, self.settings.critic, dispatch="dp_split")[0]
-                )
+                metrics.update(self._train_role("critic", rollout, self.settings.critic))
             if step >= self.config.critic_warmup:
-                metrics.update(
-                    roles["actor_train"].call("train_step", rollout, self.settings.actor, dispatch="dp_split")[0]
-                )
+                metrics.update(self._train_role("actor_train", rollout, self.settings.actor))
         return metrics
+
+    def _train_role(self, role: str, rollout: RolloutBatch, objective: Any) -> dict[str, float]:
+        """One PPO epoch of ``role``. The samples are reordered so that every optimizer step's mini-batch is the
+        same set of samples whatever the data-parallel size (ranks cut their shards into mini-batches)."""
+        assert self.roles is not None
+        plan = self.report.train_plans[role]  # data-parallel ranks: world / model-parallel size
+        order = minibatch_major_order(len(rollout), plan.samples_per_step // plan.samples_per_dp_rank,
+                                      plan.optimizer_steps_per_rollout)  # fmt: skip
+        ordered = rollout.index(order)
+        return self.roles[role].call("train_step", ordered, objective, dispatch="dp_split")[0]  # type: ignore[no-any-return]
 
 
 def _response_metrics(rollout: RolloutBatch) -> dict[str, Any]:

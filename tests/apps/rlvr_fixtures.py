@@ -50,11 +50,11 @@ rewards:
 """
 
 
-def make_setup(root: Path) -> Path:
-    """Model, data and ``rlvr.yaml`` under ``root``; returns ``root``."""
+def make_setup(root: Path, **model: int) -> Path:
+    """Model (``model`` overrides build_tiny_causal_lm's sizes), data and ``rlvr.yaml`` under ``root``."""
     corpus = [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)]
     build_tiny_tokenizer(root / "model", corpus, vocab_size=256)
-    build_tiny_causal_lm(root / "model", vocab_size=259)
+    build_tiny_causal_lm(root / "model", vocab_size=259, **model)
     rows = [{"prompt": f"{a}+{b}=", "ground_truth": str(a + b)} for a in range(4) for b in range(4)]
     (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     config = CONFIG.format(out=root / "out", model=root / "model", data=root / "train.jsonl")

@@ -13,11 +13,11 @@ from rlvr_fixtures import make_setup
 from apps.rlvr.alignment import ALIGNED, alignment_matrix, parse_variant
 
 # Rewards with a learning signal on the random tiny model: REINFORCE on a length penalty, plus entropy and KL terms;
-# two PPO epochs so approx_kl (ppo_kl) is not trivially 0. One optimizer step per epoch: mini-batches are cut from
-# each rank's shard (as in verl and ROLL), so with several per epoch their composition would depend on the ranks.
+# two PPO epochs of two optimizer steps each, so approx_kl (ppo_kl) is not trivially 0 and the mini-batches must be
+# the same sets of samples on one and on two ranks (the pipeline orders samples mini-batch-major for that).
 BASE = ["max_steps=3", "adv_estimator=reinforce", "entropy_loss_coef=0.05", "ppo_epochs=2",
         "+rewards.math_rule.response_length_penalty_coef=0.01",
-        "actor_train.training_args.per_device_train_batch_size=2"]  # fmt: skip
+        "actor_train.training_args.per_device_train_batch_size=1"]  # fmt: skip
 VARIANTS = {
     "fsdp2_dp2": ["actor_train.training_args.gradient_accumulation_steps=2"],
     "fsdp2_dp1": ["actor_train.device_mapping=[0]", "actor_train.training_args.gradient_accumulation_steps=4"],

@@ -71,3 +71,17 @@ def test_non_positive_values_named():
         plan_train_batch("actor_train", rollout_batch_size=8, num_return_sequences_in_group=1,
                          per_device_train_batch_size=1, gradient_accumulation_steps=0,
                          layout=ParallelLayout(1))  # fmt: skip
+
+
+def test_minibatch_major_order_gives_every_rank_a_slice_of_each_global_minibatch():
+    from rl_core.batch_size import minibatch_major_order
+
+    # 8 samples, 2 ranks, 2 mini-batches: global mini-batch 0 = {0,1,2,3}, 1 = {4,5,6,7}
+    order = minibatch_major_order(8, shards=2, minibatches=2)
+    assert order == [0, 1, 4, 5, 2, 3, 6, 7]
+    rank0, rank1 = order[:4], order[4:]
+    assert sorted(rank0[:2] + rank1[:2]) == [0, 1, 2, 3] and sorted(rank0[2:] + rank1[2:]) == [4, 5, 6, 7]
+    assert minibatch_major_order(6, shards=1, minibatches=3) == list(range(6))  # one rank: unchanged
+    assert minibatch_major_order(6, shards=3, minibatches=1) == list(range(6))  # one mini-batch: unchanged
+    with pytest.raises(BatchSizeError, match="7 samples do not split into 2 shards x 1 mini-batches"):
+        minibatch_major_order(7, shards=2, minibatches=1)

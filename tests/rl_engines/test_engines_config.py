@@ -118,3 +118,13 @@ def test_an_unknown_strategy_name_lists_the_registered_ones(tiny_model_dir):
     config = worker_config(tiny_model_dir, "reference", strategy_args={"strategy_name": "megatron_inference"})
     with pytest.raises(ValueError, match=r"reference\.strategy_args\.strategy_name='megatron_inference' is not a"):
         create_strategy(config, "reference")
+
+
+def test_a_missing_engine_names_the_install_command():
+    from rl_engines.strategies.base import require_engine_package
+
+    with pytest.raises(
+        ImportError, match=r"strategy_name=vllm needs the no_such_engine_pkg package.*rl-engines\[vllm\]"
+    ):
+        require_engine_package("no_such_engine_pkg", "vllm", "vllm")
+    require_engine_package("torch", "fsdp2_train", "-")  # importable: nothing raised

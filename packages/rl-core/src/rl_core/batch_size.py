@@ -142,3 +142,25 @@ def lr_decay_steps(max_steps: int, plan: TrainBatchPlan, ppo_epochs: int = 1) ->
             "set max_steps >= 1 and ppo_epochs >= 1"
         )
     return steps
+
+
+def minibatch_major_order(samples: int, shards: int, minibatches: int) -> list[int]:
+    """Sample order that makes each optimizer step's mini-batch independent of the data-parallel size.
+
+    Ranks receive contiguous shards (``shards`` of them) and cut each into ``minibatches`` contiguous mini-batches;
+    without reordering, global mini-batch ``j`` is then a different set of samples for every shard count. Sent in
+    this order, rank ``r``'s ``j``-th mini-batch is the ``r``-th slice of the global mini-batch ``j`` =
+    samples ``[j * M, (j + 1) * M)`` with ``M = samples / minibatches``, whatever ``shards`` is. Returns the
+    permutation ``[samples]`` to index the batch with.
+    """
+    if samples % (shards * minibatches):
+        raise BatchSizeError(
+            f"{samples} samples do not split into {shards} shards x {minibatches} mini-batches of equal size"
+        )
+    per_minibatch, per_slice = samples // minibatches, samples // (minibatches * shards)
+    return [
+        j * per_minibatch + r * per_slice + i
+        for r in range(shards)
+        for j in range(minibatches)
+        for i in range(per_slice)
+    ]

@@ -131,3 +131,14 @@ def ensure_process_group(timeout_s: float = 1800.0) -> None:
     store = dist.HashStore()  # type: ignore[attr-defined]
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+
+
+def require_engine_package(module: str, strategy: str, extra: str) -> None:
+    """Fail early, naming the install command, when ``strategy``'s engine ``module`` is not importable."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(
+            f"strategy_name={strategy} needs the {module} package, which is not installed in this worker's "
+            f"environment: pip install 'rl-engines[{extra}]' (see docs/engines.md), or pick another strategy_name."
+        )

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from rl_core.batch import BatchSizeError, RolloutBatch
+from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfig
 from rl_engines.objectives import Objective
 from rl_engines.strategies import checkpointing
@@ -29,8 +29,8 @@ from rl_engines.strategies.base import STRATEGIES, ensure_process_group, reject_
 from rl_engines.strategies.model_io import (
     TORCH_DTYPES,
     enable_activation_checkpointing,
-    forward_log_probs,
-    forward_values,
+    forward_outputs,
+    infer_in_slices,
     load_model,
     load_tokenizer,
 )
@@ -38,9 +38,15 @@ from rl_engines.strategies.train_utils import (
     MetricAccumulator,
     build_optimizer,
     build_scheduler,
-    global_batch_info,
+    check_minibatch,
+    check_objective,
+    minibatch_info,
     offload_optimizer_state,
     reload_optimizer_state,
+    require_causal_lm,
+    require_value_head,
+    run_minibatches,
+    token_share,
 )
 
 # strategy_config key -> accepted types (ROLL's fsdp2_train keys)
@@ -159,37 +165,26 @@ class Fsdp2TrainStrategy:
         return found
 
     # ---- forward -------------------------------------------------------------------------------------------
-    def _outputs(self, batch: RolloutBatch, objective: Objective | None, *, temperature: float,
-                 with_entropy: bool) -> dict[str, torch.Tensor]:  # fmt: skip
-        if self.value_head:
-            return {"values": forward_values(self.model, batch, self.device)}
-        if objective is not None:
-            temperature, with_entropy = objective.temperature, objective.needs_entropy
-        log_probs, entropy = forward_log_probs(
-            self.model, batch, self.device, temperature=temperature, with_entropy=with_entropy
-        )
-        return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
+    def _outputs(self, batch: RolloutBatch, *, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+        return forward_outputs(self.model, batch, self.device, value_head=self.value_head, temperature=temperature,
+                               with_entropy=with_entropy)  # fmt: skip
 
     @torch.no_grad()
     def _infer(self, batch: RolloutBatch, **kwargs: Any) -> RolloutBatch:
         self.reload()  # a colocated role may have offloaded us; computing needs the weights on the device
         self.model.eval()
-        parts = [self._outputs(mb, None, **kwargs) for mb in batch.split(self.config.infer_batch_size)]
-        tensors = {key: torch.cat([p[key] for p in parts]).cpu() for key in parts[0]}
-        return RolloutBatch(tensors, meta_info=dict(batch.meta_info))
+        return infer_in_slices(batch, self.config.infer_batch_size, lambda micro: self._outputs(micro, **kwargs))
 
     def compute_log_probs(
         self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
     ) -> RolloutBatch:
         """``log_probs [B, R]`` (and ``entropy``) of the responses under the current weights, no gradients."""
-        if self.value_head:
-            raise RuntimeError(f"{self.role} has a value head; call compute_values")
+        require_causal_lm(self.role, self.value_head)
         return self._infer(batch, temperature=temperature, with_entropy=with_entropy)
 
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
         """Critic ``values [B, R]``."""
-        if not self.value_head:
-            raise RuntimeError(f"{self.role} is a causal LM without a value head; set it up as the critic role")
+        require_value_head(self.role, self.value_head)
         return self._infer(batch, temperature=1.0, with_entropy=False)
 
     # ---- training ------------------------------------------------------------------------------------------
@@ -199,51 +194,23 @@ class Fsdp2TrainStrategy:
         ``batch`` is this rank's shard; every rank must hold the same number of samples. Returns metrics
         summed over ranks: loss values equal the full mini-batch loss, plus ``grad_norm`` and ``lr``.
         """
-        if (objective.output == "values") != self.value_head:
-            raise ValueError(
-                f"{self.role}: {type(objective).__name__} trains '{objective.output}', but this model is "
-                f"{'a value head' if self.value_head else 'a causal LM'}; pass CriticObjective to the critic role "
-                "and ActorObjective to actor_train."
-            )
-        args = self.config.training_args
-        micro, minibatch = (
-            args.per_device_train_batch_size,
-            args.per_device_train_batch_size * args.gradient_accumulation_steps,
-        )
-        if len(batch) % minibatch:
-            raise BatchSizeError(
-                f"{self.role} got {len(batch)} samples per rank, not a multiple of {self.role}.training_args."
-                f"per_device_train_batch_size ({micro}) x gradient_accumulation_steps "
-                f"({args.gradient_accumulation_steps}) = {minibatch}. Fix the batch sizes so that "
-                "rollout_batch_size x num_return_sequences_in_group is a multiple of "
-                f"{minibatch} x the role's data-parallel size."
-            )
+        check_objective(self.role, objective, self.value_head)
+        micro, minibatch = check_minibatch(self.role, len(batch), self.config.training_args)
         self.reload()
         self.model.train()
-        metrics = MetricAccumulator()
-        norms, skipped, lrs = [], 0, []
-        for mini in batch.split(minibatch):
-            lrs.append(self.scheduler.get_last_lr()[0])  # the rate this step applies
-            grad_norm = self._optimizer_step(mini.split(micro), objective, metrics)
-            norms.append(grad_norm)
-            skipped += int(not math.isfinite(grad_norm))
-        result = metrics.result()
-        finite = [norm for norm in norms if math.isfinite(norm)]  # skipped steps are counted, not averaged in
-        grad_norm = sum(finite) / len(finite) if finite else math.nan
-        result.update(grad_norm=grad_norm, lr=sum(lrs) / len(lrs), skipped_steps=skipped)
-        return result
+        return run_minibatches(batch, micro, minibatch, self.scheduler,
+                               lambda micros, metrics: self._optimizer_step(micros, objective, metrics))  # fmt: skip
 
     def _optimizer_step(self, micros: list[RolloutBatch], objective: Objective, metrics: MetricAccumulator) -> float:
         assert self.optimizer is not None
-        full_mask = torch.cat([m.batch["response_mask"] for m in micros])
-        info = global_batch_info(full_mask)
+        info = minibatch_info(micros)
         self.optimizer.zero_grad(set_to_none=True)
         for index, micro in enumerate(micros):
             self.model.set_requires_gradient_sync(index == len(micros) - 1)  # reduce-scatter once per step
-            loss, values = objective(self._outputs(micro, objective, temperature=1.0, with_entropy=False), micro, info)
+            outputs = self._outputs(micro, temperature=objective.temperature, with_entropy=objective.needs_entropy)
+            loss, values = objective(outputs, micro, info)
             loss.backward()  # type: ignore[no-untyped-call]
-            tokens = float(micro.batch["response_mask"].to(torch.bool).sum())
-            metrics.add(values, tokens / max(info.num_tokens, 1.0))
+            metrics.add(values, token_share(micro, info))
         metrics.end_minibatch()
         max_norm = self.config.training_args.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else math.inf)

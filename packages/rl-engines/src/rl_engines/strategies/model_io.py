@@ -7,6 +7,7 @@ Batch layout (verl / ROLL): ``prompts [B, P]`` left-padded, ``responses [B, R]``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -130,3 +131,23 @@ def forward_values(model: nn.Module, batch: RolloutBatch, device: torch.device) 
     resp_len = response_length(batch)
     out = model(**model_inputs(batch, device), use_cache=False)
     return out.logits[:, -resp_len - 1 : -1, 0].float()  # type: ignore[no-any-return]
+
+
+def forward_outputs(
+    model: nn.Module, batch: RolloutBatch, device: torch.device, *, value_head: bool, temperature: float,
+    with_entropy: bool,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """``values`` of a value-head model, else ``log_probs`` (and ``entropy``); ``[B, R]`` each, on ``device``."""
+    if value_head:
+        return {"values": forward_values(model, batch, device)}
+    log_probs, entropy = forward_log_probs(model, batch, device, temperature=temperature, with_entropy=with_entropy)
+    return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
+
+
+def infer_in_slices(
+    batch: RolloutBatch, slice_size: int, forward: Callable[[RolloutBatch], dict[str, torch.Tensor]]
+) -> RolloutBatch:
+    """``forward`` over ``slice_size``-sample slices of ``batch`` (``infer_batch_size``), concatenated on the CPU."""
+    parts = [forward(micro) for micro in batch.split(slice_size)]
+    tensors = {key: torch.cat([p[key] for p in parts]).cpu() for key in parts[0]}
+    return RolloutBatch(tensors, meta_info=dict(batch.meta_info))

@@ -1,17 +1,20 @@
-"""Pieces of a training step that do not depend on the sharding engine: optimizer, schedule, metrics, offload."""
+"""Pieces of a training step that do not depend on the sharding engine: optimizer, schedule, the checks and the
+mini-batch loop of ``train_step``, metrics, offload."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from rl_core.batch import BatchSizeError, RolloutBatch
 from rl_core.losses import GlobalBatchInfo
 from rl_engines.config import TrainingArgs
-from rl_engines.objectives import ADDITIVE_METRICS
+from rl_engines.objectives import ADDITIVE_METRICS, Objective
 
 DECAYING_SCHEDULES = {"linear", "cosine", "cosine_with_restarts", "polynomial", "cosine_with_min_lr",
                       "cosine_warmup_with_min_lr", "warmup_stable_decay"}  # fmt: skip
@@ -54,6 +57,49 @@ def build_scheduler(
         )
     except ValueError as err:
         raise ValueError(f"{prefix}.lr_scheduler_type={args.lr_scheduler_type!r}: {err}") from None
+
+
+def require_causal_lm(role: str, value_head: bool) -> None:
+    """``compute_log_probs``'s check: a value-head model has no log-probs."""
+    if value_head:
+        raise RuntimeError(f"{role} has a value head; call compute_values")
+
+
+def require_value_head(role: str, value_head: bool) -> None:
+    """``compute_values``'s check: a causal LM has no values."""
+    if not value_head:
+        raise RuntimeError(f"{role} is a causal LM without a value head; set it up as the critic role")
+
+
+def check_objective(role: str, objective: Objective, value_head: bool) -> None:
+    """The objective must train what the model outputs: ``values`` for a value head, ``log_probs`` otherwise."""
+    if (objective.output == "values") != value_head:
+        raise ValueError(
+            f"{role}: {type(objective).__name__} trains '{objective.output}', but this model is "
+            f"{'a value head' if value_head else 'a causal LM'}; pass CriticObjective to the critic role "
+            "and ActorObjective to actor_train."
+        )
+
+
+def check_minibatch(
+    role: str, samples: int, args: TrainingArgs, *, per: str = "per rank", dp_note: str = ""
+) -> tuple[int, int]:
+    """``(micro-batch size, mini-batch size)`` of ``args``; BatchSizeError unless they divide ``samples``.
+
+    ``per`` says what ``samples`` counts (``"per rank"``); ``dp_note`` follows "the role's data-parallel size" in
+    the message (how the engine defines it).
+    """
+    micro = args.per_device_train_batch_size
+    minibatch = micro * args.gradient_accumulation_steps
+    if samples % minibatch:
+        raise BatchSizeError(
+            f"{role} got {samples} samples {per}, not a multiple of {role}.training_args."
+            f"per_device_train_batch_size ({micro}) x gradient_accumulation_steps "
+            f"({args.gradient_accumulation_steps}) = {minibatch}. Fix the batch sizes so that "
+            "rollout_batch_size x num_return_sequences_in_group is a multiple of "
+            f"{minibatch} x the role's data-parallel size{dp_note}."
+        )
+    return micro, minibatch
 
 
 def global_batch_info(response_mask: torch.Tensor, group: dist.ProcessGroup | None = None) -> GlobalBatchInfo:
@@ -103,6 +149,44 @@ class MetricAccumulator:
         values = all_reduce_sum(torch.tensor([self._sums[n] for n in names], dtype=torch.float64))
         count = max(self._minibatches, 1)
         return {name: float(v) / count for name, v in zip(names, values.tolist())}
+
+
+OptimizerStep = Callable[[list[RolloutBatch], MetricAccumulator], float]
+"""One mini-batch's optimizer step over its micro-batches; adds their metrics, returns the gradient norm."""
+
+
+def run_minibatches(
+    batch: RolloutBatch, micro: int, minibatch: int, scheduler: Any, optimizer_step: OptimizerStep
+) -> dict[str, float]:
+    """``optimizer_step`` on each ``minibatch``-sample slice of ``batch`` split into ``micro``-sample micro-batches.
+
+    Returns the metrics summed over DP ranks and averaged over mini-batches, plus ``grad_norm`` (mean over the
+    steps with a finite norm; NaN when none), ``lr`` (mean of the rates the steps applied) and ``skipped_steps``.
+    """
+    metrics = MetricAccumulator()
+    norms, lrs = [], []
+    for mini in batch.split(minibatch):
+        lrs.append(scheduler.get_last_lr()[0])  # the rate this step applies
+        norms.append(optimizer_step(mini.split(micro), metrics))
+    result = metrics.result()
+    finite = [norm for norm in norms if math.isfinite(norm)]  # skipped steps are counted, not averaged in
+    result.update(
+        grad_norm=sum(finite) / len(finite) if finite else math.nan,
+        lr=sum(lrs) / len(lrs),
+        skipped_steps=len(norms) - len(finite),
+    )
+    return result
+
+
+def minibatch_info(micros: list[RolloutBatch], group: dist.ProcessGroup | None = None) -> GlobalBatchInfo:
+    """:func:`global_batch_info` of the micro-batches of one mini-batch together."""
+    return global_batch_info(torch.cat([m.batch["response_mask"] for m in micros]), group)
+
+
+def token_share(micro: RolloutBatch, info: GlobalBatchInfo) -> float:
+    """The micro-batch's valid tokens / the mini-batch's (all ranks): its weight in :class:`MetricAccumulator`."""
+    tokens = float(micro.batch["response_mask"].to(torch.bool).sum())
+    return tokens / max(info.num_tokens, 1.0)
 
 
 def offload_optimizer_state(optimizer: torch.optim.Optimizer) -> list[tuple[int, str, torch.device]]:

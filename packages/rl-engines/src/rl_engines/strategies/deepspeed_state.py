@@ -1,0 +1,106 @@
+"""``deepspeed_train``'s state: full weights out of ZeRO partitions, atomic checkpoints and HF export.
+
+Checkpoint layout of ``<path>/`` (same contract as ``fsdp2_train``'s): ``deepspeed/state/`` (DeepSpeed's engine
+checkpoint: module, ZeRO optimizer partitions, ``zero_to_fp32.py``), ``trainer_state.pt`` (LR scheduler, global
+step), ``rng_rank<R>.pt``, ``meta.json``, ``COMPLETE``. Everything goes to ``<path>.tmp-<step>`` first and rank 0
+renames it into place after every rank finished. DeepSpeed is imported only inside functions.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rl_engines.strategies.checkpointing import (
+    load_trainer_state,
+    require_complete,
+    save_trainer_state,
+    write_checkpoint_atomically,
+    write_hf_folder_atomically,
+)
+
+ENGINE_DIR, ENGINE_TAG = "deepspeed", "state"
+
+
+def iter_full_weights(module: torch.nn.Module, *, fp32_masters: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors under the module's state_dict (HF) names; a collective under ZeRO-3 and for masters.
+
+    ``fp32_masters``: return the optimizer's fp32 master copy of each parameter (bf16 / fp16 training keeps the
+    module itself in low precision), like ``fsdp2_train`` returns its fp32 parameters. Tied weights are gathered
+    once and yielded under each of their names.
+    """
+    state = module.state_dict(keep_vars=True)
+    tied: dict[int, list[str]] = {}
+    for name, value in state.items():
+        tied.setdefault(id(value), []).append(name)
+    for names in tied.values():
+        full = _full_tensor(state[names[0]], fp32_masters=fp32_masters)
+        for name in names:
+            yield name, full
+
+
+def _full_tensor(value: torch.Tensor, *, fp32_masters: bool) -> torch.Tensor:
+    from deepspeed.runtime.zero import GatheredParameters
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    if fp32_masters and isinstance(value, torch.nn.Parameter):
+        master = safe_get_full_fp32_param(value)
+        if master is not None:
+            return master.detach()  # type: ignore[no-any-return]
+    if hasattr(value, "ds_id"):  # a ZeRO-3 partition: all-gather, copy out, re-partition
+        with GatheredParameters([value], modifier_rank=None):
+            return value.detach().clone()
+    return value.detach()
+
+
+def save(strategy: Any, path: str) -> None:
+    """Write ``strategy``'s checkpoint to ``path`` atomically (every rank calls; a collective)."""
+
+    def write(tmp: Path, rank: int) -> None:
+        strategy.engine.save_checkpoint(str(tmp / ENGINE_DIR), tag=ENGINE_TAG, save_latest=False)
+        meta = {"role": strategy.role, "world_size": dist.get_world_size(), "zero_stage": strategy.zero_stage,
+                "global_step": strategy.global_step}  # fmt: skip
+        save_trainer_state(strategy, tmp, rank, meta)
+
+    write_checkpoint_atomically(path, strategy.global_step, write)
+
+
+def load(strategy: Any, path: str) -> None:
+    """Restore a checkpoint written by :func:`save` (same world size and ZeRO stage; RNG per rank)."""
+    root = require_complete(path, strategy.role)
+    meta = json.loads((root / "meta.json").read_text())
+    here = {"world_size": dist.get_world_size(), "zero_stage": strategy.zero_stage}
+    if strategy.zero_stage > 0 and any(meta[key] != value for key, value in here.items()):
+        raise ValueError(
+            f"{strategy.role}: {path} was written at world size {meta['world_size']} with ZeRO stage "
+            f"{meta['zero_stage']}; this run has {here['world_size']} / {here['zero_stage']}. DeepSpeed ZeRO "
+            "checkpoints reload only at the layout they were written with; export full weights with save_hf (or "
+            f"{ENGINE_DIR}/{ENGINE_TAG}/../zero_to_fp32.py) and start from those."
+        )
+    loaded, _ = strategy.engine.load_checkpoint(
+        str(root / ENGINE_DIR), tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+    )
+    if loaded is None:
+        raise FileNotFoundError(f"{strategy.role}: DeepSpeed found no engine checkpoint under {root / ENGINE_DIR}.")
+    load_trainer_state(strategy, root)
+
+
+def save_hf(strategy: Any, path: str) -> None:
+    """Gather full (fp32 master) weights and write a HuggingFace folder on rank 0, atomically (every rank calls)."""
+    rank = dist.get_rank()
+    state_dict = {}
+    for name, value in strategy.named_weights():
+        if rank == 0:
+            state_dict[name] = value.to("cpu", copy=True)
+
+    def write(tmp: Path) -> None:
+        strategy.engine.module.save_pretrained(str(tmp), state_dict=state_dict)
+
+    if rank == 0:
+        write_hf_folder_atomically(path, write, strategy.tokenizer)
+    dist.barrier()

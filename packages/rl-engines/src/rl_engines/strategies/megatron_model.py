@@ -1,0 +1,244 @@
+"""A Megatron-core ``GPTModel`` built from a HF folder, loaded with this rank's shards, and its forward pass.
+
+Supported families are rl_ckpt's dense decoders (Qwen2 / Qwen3 / Llama / Mistral: RMSNorm, SwiGLU, RoPE, GQA,
+optional QKV bias and qk-norm, tied or untied embeddings), built from Megatron's local (non Transformer-Engine)
+layer spec. megatron is imported inside functions only, so this module imports without it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rl_ckpt.hf_io import HFCheckpoint
+from rl_ckpt.layout import padded_vocab_size
+from rl_ckpt.spec import ModelSpec, spec_from_hf_config
+from rl_core.batch import RolloutBatch
+from rl_engines.strategies.megatron_config import MegatronOptions
+from rl_engines.strategies.megatron_ops import vocab_parallel_log_probs
+from rl_engines.strategies.megatron_weights import RankLayout, WeightLoader
+from rl_engines.strategies.model_io import model_inputs, response_length
+
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
+"""Megatron's default vocabulary padding (rows past the tokenizer's vocabulary are masked out of every softmax)."""
+
+
+def read_spec(model_path: str, role: str) -> ModelSpec:
+    """The architecture of a HF folder; raises naming ``model_name_or_path`` for what Megatron cannot build."""
+    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    try:
+        spec = spec_from_hf_config(config)
+    except Exception as err:  # rl_ckpt names the unsupported model_type / option
+        raise ValueError(f"{role}.model_args.model_name_or_path={model_path!r}: {err}") from None
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise ValueError(
+            f"{role}.model_args.model_name_or_path={model_path!r} uses rope scaling {rope!r}, which megatron_train / "
+            "megatron_infer do not build yet; use fsdp2_train / hf_infer for this model."
+        )
+    if config.get("use_sliding_window"):
+        raise ValueError(f"{role}: sliding-window attention ({model_path}) is not supported by the Megatron adapter.")
+    return spec
+
+
+def init_model_parallel(options: MegatronOptions, seed: int, role: str) -> None:
+    """Megatron's process groups for this layout (reused when already set up with the same sizes) and RNG."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    tp = options.tensor_model_parallel_size
+    if parallel_state.model_parallel_is_initialized():
+        if parallel_state.get_tensor_model_parallel_world_size() != tp:
+            raise RuntimeError(
+                f"{role}: this process already runs Megatron with tensor_model_parallel_size="
+                f"{parallel_state.get_tensor_model_parallel_world_size()}; one process holds one Megatron layout."
+            )
+    else:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(
+    spec: ModelSpec, options: MegatronOptions, params_dtype: torch.dtype, device: torch.device
+) -> Any:
+    """Megatron's TransformerConfig for ``spec``: no dropout, no fused CUDA kernels (they need Apex / TE)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=options.tensor_model_parallel_size,
+        sequence_parallel=options.sequence_parallel,
+        recompute_granularity=options.recompute_granularity,
+        recompute_method=options.recompute_method,
+        recompute_num_layers=options.recompute_num_layers,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        use_cpu_initialization=device.type == "cpu",
+        perform_initialization=True,  # overwritten by the HF weights, but it also tags TP-split weights
+        bias_dropout_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+
+
+class ValueHead(nn.Module):
+    """The critic's ``score`` head ([1, H] + bias, replicated on every TP rank) in place of GPTModel's output layer."""
+
+    def __init__(self, hidden_size: int, sequence_parallel: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None) -> tuple[Any, None]:
+        """``hidden [S, B, H]`` (sequence-split under SP) -> ``values [S, B, 1]``; GPTModel's output-layer call."""
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+        return nn.functional.linear(hidden, self.weight, self.bias), None
+
+
+@dataclass
+class MegatronModel:
+    """One rank's GPTModel plus what its forward pass and weight mapping need."""
+
+    module: Any
+    role: str
+    layout: RankLayout
+    tp_group: Any
+    sequence_parallel: bool
+    device: torch.device
+    loader: WeightLoader = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.loader = WeightLoader(self.module, self.layout, self.role)
+
+    @property
+    def vocab_start(self) -> int:
+        """First vocabulary id of this rank's logits slice."""
+        return self.layout.tp_rank * self.layout.padded_vocab // self.layout.tp
+
+    def run(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``ids [B, S]``, ``mask [B, S]`` (True = real token) -> ``[B, S, Vp/tp]`` logits (``[B, S, 1]`` values)."""
+        length = ids.shape[1]
+        if self.sequence_parallel:  # the sequence must split evenly over the TP ranks: pad on the right
+            extra = -length % self.layout.tp
+            ids = nn.functional.pad(ids, (0, extra))
+            mask = nn.functional.pad(mask, (0, extra))
+        seq = ids.shape[1]
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=self.device).tril()
+        blocked = ~(causal.unsqueeze(0) & mask.unsqueeze(1)).unsqueeze(1)  # [B, 1, S, S], True = masked
+        # RoPE is relative, so Megatron's 0..S-1 positions equal HF's left-padding-aware position_ids here.
+        positions = torch.arange(seq, device=self.device).expand_as(ids)
+        out = self.module(ids, positions, blocked)  # [B, S, Vp/tp], in the parameters' dtype
+        return out[:, :length]  # type: ignore[no-any-return]
+
+    def forward(self, batch: RolloutBatch) -> torch.Tensor:
+        """Outputs at the positions that predict the responses: ``[B, R, Vp/tp]`` logits (row t predicts response
+        token t) or ``[B, R, 1]`` values. Padding: prompts left, responses right (see model_io)."""
+        inputs = model_inputs(batch, self.device)
+        out = self.run(inputs["input_ids"], inputs["attention_mask"].bool())
+        length, resp = out.shape[1], response_length(batch)
+        return out[:, length - resp - 1 : length - 1]
+
+    def outputs(self, batch: RolloutBatch, *, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+        """``values`` (value head) or ``log_probs`` (and ``entropy``) of the responses, ``[B, R]`` float32."""
+        out = self.forward(batch)
+        if self.layout.value_head:
+            return {"values": out[..., 0].float()}
+        log_probs, entropy = vocab_parallel_log_probs(
+            out, batch.batch["responses"].to(self.device), vocab_start=self.vocab_start,
+            vocab_size=self.layout.spec.vocab_size, temperature=temperature, with_entropy=with_entropy,
+            group=self.tp_group,
+        )  # fmt: skip
+        return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
+
+
+def build_model(
+    model_path: str,
+    options: MegatronOptions,
+    *,
+    role: str,
+    params_dtype: torch.dtype,
+    device: torch.device,
+    value_head: bool,
+    seed: int,
+) -> MegatronModel:
+    """This rank's GPTModel in ``params_dtype`` (also the compute dtype) with the HF folder's weights; a critic
+    gets a fresh ``score`` head (HF's init)."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = read_spec(model_path, role)
+    tp = options.tensor_model_parallel_size
+    for key, value in (("num_attention_heads", spec.num_attention_heads), ("num_key_value_heads",
+                       spec.num_query_groups), ("intermediate_size", spec.ffn_hidden_size)):  # fmt: skip
+        if value % tp:
+            raise ValueError(
+                f"{role}.strategy_args.strategy_config.tensor_model_parallel_size={tp} does not divide the model's "
+                f"{key}={value} ({model_path}/config.json); Megatron splits them over TP ranks. Pick a divisor."
+            )
+    padded = padded_vocab_size(spec.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
+    module = GPTModel(
+        transformer_config(spec, options, params_dtype, device),
+        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm),
+        vocab_size=padded,
+        max_sequence_length=spec.max_position_embeddings,
+        share_embeddings_and_output_weights=spec.tied_embeddings and not value_head,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rotary_base),
+    )
+    if value_head:
+        module.output_layer = ValueHead(spec.hidden_size, options.sequence_parallel, params_dtype)
+    module.to(device)
+    layout = RankLayout(spec, parallel_state.get_tensor_model_parallel_rank(), tp, padded, value_head)
+    group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+    model = MegatronModel(module, role, layout, group, options.sequence_parallel, device)
+    load_folder(model, model_path, seed)
+    return model
+
+
+def load_folder(model: MegatronModel, model_path: str, seed: int) -> None:
+    """Load every tensor of the HF folder into this rank; initialise a missing value head like HF does."""
+    source = HFCheckpoint(Path(model_path))
+    hf_config = source.config
+    if model.layout.value_head:
+        generator = torch.Generator().manual_seed(seed)  # the same head on every TP rank
+        head = model.module.output_layer
+        std = float(hf_config.get("initializer_range", 0.02))
+        head.weight.data.copy_(torch.randn(head.weight.shape, generator=generator) * std)
+        head.bias.data.zero_()
+        model.loader.written.update({"output_layer.weight", "output_layer.bias"})
+    names = [name for name in source.weight_map if name != "lm_head.weight" or not model.layout.value_head]
+    model.loader.load((name, source.get(name)) for name in names)
+    missing = model.loader.missing()
+    if missing:
+        raise ValueError(f"{model_path}: the folder lacks tensors for the Megatron parameters {missing}")
+    if dist.is_initialized() and model.tp_group is not None:
+        dist.barrier(group=model.tp_group)

@@ -1,0 +1,142 @@
+"""Collective math of the Megatron strategies, in plain torch.distributed (no megatron import).
+
+Vocabulary-parallel log-softmax and entropy (each tensor-parallel rank holds a slice of the vocabulary), the
+gradient norm and data-parallel gradient sum, and the exchange that gives every rank of a model-parallel group the
+same batch. Every function is exact for a group of one, so it is testable in a single process.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rl_core.batch import RolloutBatch
+from rl_engines.strategies.train_utils import all_reduce_sum
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) forward, identity backward: every rank computes the same loss from the sum, so each rank's
+    gradient of its own summand is the gradient of the sum (Megatron's ``reduce_from_tensor_model_parallel_region``)."""
+
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        total = value.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def sum_over_ranks(value: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Differentiable sum of ``value`` over ``group`` (identity for a group of one or None)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return value
+    return _SumOverRanks.apply(value, group)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def vocab_parallel_log_probs(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(logits / temperature)`` at ``targets`` over a vocabulary split across ``group``.
+
+    ``logits [B, R, Vl]`` is this rank's slice of the (padded) vocabulary, columns ``vocab_start .. + Vl``;
+    columns at or past ``vocab_size`` (Megatron's vocabulary padding) are excluded, so the result equals the
+    unpadded model's. ``targets [B, R]`` are global token ids. Entropy ``H = log Z - E_p[z]`` of the same
+    distribution when asked. Both ``[B, R]`` float32, differentiable, identical on every rank of ``group``.
+    """
+    scaled = logits.float() / temperature if temperature != 1.0 else logits.float()
+    ids = torch.arange(vocab_start, vocab_start + scaled.shape[-1], device=scaled.device)
+    padding = ids >= vocab_size  # [Vl]
+    scaled = scaled.masked_fill(padding, float("-inf"))
+    peak = scaled.detach().max(dim=-1).values  # [B, R]; a shift, so no gradient is needed
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    shifted = scaled - peak.unsqueeze(-1)  # -inf at padding
+    exp = shifted.exp()
+    log_z = sum_over_ranks(exp.sum(dim=-1), group).log()  # log sum_v exp(z_v - peak)
+    local = (targets >= vocab_start) & (targets < vocab_start + scaled.shape[-1])
+    index = (targets - vocab_start).clamp(0, scaled.shape[-1] - 1).unsqueeze(-1)
+    picked = shifted.gather(-1, index).squeeze(-1).masked_fill(~local, 0.0)
+    log_probs = sum_over_ranks(picked, group) - log_z
+    if not with_entropy:
+        return log_probs, None
+    weighted = (exp * shifted.masked_fill(padding, 0.0)).sum(dim=-1)  # sum_v exp(z_v) z_v on this slice
+    mean_logit = sum_over_ranks(weighted, group) / log_z.exp()
+    return log_probs, log_z - mean_logit
+
+
+def gather_vocab(logits: torch.Tensor, vocab_size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Full-vocabulary logits ``[..., V]`` from each rank's slice ``[..., Vl]`` (no gradient), padding trimmed."""
+    if group is not None and dist.get_world_size(group) > 1:
+        parts = [torch.empty_like(logits) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, logits.contiguous(), group=group)
+        logits = torch.cat(parts, dim=-1)
+    return logits[..., :vocab_size]
+
+
+def gather_batch(batch: RolloutBatch, group: dist.ProcessGroup | None) -> tuple[RolloutBatch, slice]:
+    """The concatenated batches of all ranks of ``group``, and the rows of this rank's own batch in it.
+
+    ``dp_split`` hands every rank its own chunk; ranks that hold one model together (a tensor-parallel group)
+    must compute on the same samples, so they pool their chunks and each returns its own rows at the end.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return batch, slice(0, len(batch))
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, batch, group=group)
+    rank = dist.get_rank(group)
+    start = sum(len(part) for part in parts[:rank])
+    return RolloutBatch.concat(parts), slice(start, start + len(batch))
+
+
+def sum_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> None:
+    """Sum ``.grad`` over ``group`` (data-parallel ranks) in one flat all-reduce per dtype."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for param in params:
+        if param.grad is not None:
+            by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+    for grads in by_dtype.values():
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+def grad_norm(owned: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> float:
+    """Global L2 norm of the gradients; ``owned`` lists each distinct parameter on exactly one rank of ``group``
+    (TP shards on every rank, replicated tensors on TP rank 0 only), so nothing is counted twice. ``group`` None
+    means no tensor parallelism (data-parallel ranks hold identical summed gradients and must not add up)."""
+    squares = [param.grad.detach().float().pow(2).sum() for param in owned if param.grad is not None]
+    total = torch.stack(squares).sum().double() if squares else torch.zeros((), dtype=torch.float64)
+    if group is None:  # no tensor parallelism: this rank holds every gradient (None is not "the world" here)
+        return math.sqrt(float(total))
+    return math.sqrt(float(all_reduce_sum(total.cpu().reshape(1), group)[0]))
+
+
+def clip_gradients(params: Iterable[nn.Parameter], norm: float, max_norm: float | None) -> None:
+    """Scale gradients by ``max_norm / (norm + 1e-6)`` when that is below 1 (``torch.nn.utils.clip_grad_norm_``)."""
+    if max_norm is None or not math.isfinite(norm):
+        return
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        for param in params:
+            if param.grad is not None:
+                param.grad.mul_(coef)

@@ -1,0 +1,247 @@
+"""``megatron_train``: train one role's model with Megatron-core tensor parallelism (TP) x data parallelism (DP).
+
+The model is megatron-core's ``GPTModel`` (local layer spec) loaded from the HF folder with rl_ckpt's mapping; each
+rank holds its TP shards. Parallel layout and memory keys are ROLL's (see megatron_config); pipeline / context /
+expert parallelism are rejected with a message for now.
+
+Batches: ``dp_split`` gives each rank a chunk; the ranks of one TP group pool their chunks, so a data-parallel
+replica trains on ``world / TP`` ranks' worth of samples (ROLL: global batch = per_device_train_batch_size x
+gradient_accumulation_steps x world / TP). Gradient semantics as in fsdp2_train: each micro-batch loss is its
+share of the mini-batch loss (rl-core GlobalBatchInfo over DP ranks), gradients are summed over DP ranks and
+accumulation steps. Optimizer: torch AdamW over each rank's own shards (elementwise, so identical to AdamW on the
+full tensors); Megatron's DistributedOptimizer is not used (use_distributed_optimizer: true is rejected).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rl_core.batch import RolloutBatch
+from rl_engines.config import WorkerConfig
+from rl_engines.objectives import Objective
+from rl_engines.strategies import megatron_checkpoint
+from rl_engines.strategies.base import STRATEGIES, ensure_process_group, require_engine_package, worker_device
+from rl_engines.strategies.megatron_config import check_world_size, parse_megatron_options
+from rl_engines.strategies.megatron_model import MegatronModel, build_model, init_model_parallel
+from rl_engines.strategies.megatron_ops import clip_gradients, gather_batch, grad_norm, sum_gradients
+from rl_engines.strategies.megatron_weights import export_hf, sharded_names
+from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path
+from rl_engines.strategies.train_utils import (
+    MetricAccumulator,
+    build_optimizer,
+    build_scheduler,
+    check_minibatch,
+    check_objective,
+    minibatch_info,
+    offload_optimizer_state,
+    reload_optimizer_state,
+    require_causal_lm,
+    require_value_head,
+    run_minibatches,
+    token_share,
+)
+
+
+@STRATEGIES.register("megatron_train")
+class MegatronTrainStrategy:
+    """Megatron-core TP x DP training of a dense decoder (or its critic, with a ``score`` value head)."""
+
+    kind = "train"
+
+    def __init__(self, config: WorkerConfig, role: str) -> None:
+        self.config = config
+        self.role = role
+        self.options = parse_megatron_options(dict(config.strategy_args.strategy_config), role, train=True)
+        self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
+        self.device = torch.device("cpu")
+        self.global_step = 0
+        self.model: MegatronModel = None  # type: ignore[assignment]
+        self.masters: dict[str, torch.nn.Parameter] = {}
+        """fp32 weights the optimizer updates, by Megatron name (the parameters themselves when computing in fp32)."""
+        self.sharded: set[str] = set()
+        self._sequence_split: set[str] = set()
+        self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.tokenizer: Any = None
+        self.dp_rank, self.dp_group = 0, None
+        self._offloaded_state: list[tuple[int, str, torch.device]] = []
+        self._offloaded = False
+
+    # ---- setup ---------------------------------------------------------------------------------------------
+    def initialize(self) -> None:
+        """Set up Megatron's groups, load this rank's fp32 master shards, build AdamW and the LR schedule."""
+        require_engine_package("megatron", "megatron_train", "megatron")
+        from megatron.core import parallel_state
+
+        ensure_process_group()
+        check_world_size(self.options, dist.get_world_size(), self.role)
+        self.device = worker_device()
+        args = self.config.model_args
+        seed = self.config.training_args.seed
+        init_model_parallel(self.options, seed, self.role)
+        path = resolve_model_path(args, self.role)
+        self.model = build_model(path, self.options, role=self.role, params_dtype=TORCH_DTYPES[args.dtype],
+                                 device=self.device, value_head=self.value_head, seed=seed)  # fmt: skip
+        module = self.model.module
+        self.masters, self._pairs = fp32_masters(module)
+        self.sharded = sharded_names(module)
+        self._sequence_split = {n for n, p in module.named_parameters() if getattr(p, "sequence_parallel", False)}
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.dp_group = parallel_state.get_data_parallel_group() if dist.get_world_size() > 1 else None
+        self.optimizer = build_optimizer(self.masters.values(), self.config.training_args)
+        self.scheduler = build_scheduler(self.optimizer, self.config.training_args, self.role)
+        self.tokenizer = load_tokenizer(path)
+
+    # ---- forward -------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _infer(self, batch: RolloutBatch, **kwargs: Any) -> RolloutBatch:
+        self.reload()
+        self.model.module.eval()
+        pooled, own = gather_batch(batch, self.model.tp_group)
+        parts = [self.model.outputs(mb, **kwargs) for mb in pooled.split(self.config.infer_batch_size)]
+        tensors = {key: torch.cat([p[key] for p in parts])[own].cpu() for key in parts[0]}
+        return RolloutBatch(tensors, meta_info=dict(batch.meta_info))
+
+    def compute_log_probs(
+        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
+    ) -> RolloutBatch:
+        """``log_probs [B, R]`` (and ``entropy``) of the responses (vocabulary-parallel log-softmax), no gradients."""
+        require_causal_lm(self.role, self.value_head)
+        return self._infer(batch, temperature=temperature, with_entropy=with_entropy)
+
+    def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
+        """Critic ``values [B, R]``."""
+        require_value_head(self.role, self.value_head)
+        return self._infer(batch, temperature=1.0, with_entropy=False)
+
+    # ---- training ------------------------------------------------------------------------------------------
+    def train_step(self, batch: RolloutBatch, objective: Objective) -> dict[str, float]:
+        """One optimizer step per mini-batch of ``per_device_train_batch_size x gradient_accumulation_steps``
+        samples of this data-parallel replica's pooled batch. Returns metrics summed over DP replicas."""
+        check_objective(self.role, objective, self.value_head)
+        pooled, _ = gather_batch(batch, self.model.tp_group)
+        micro, minibatch = check_minibatch(
+            self.role, len(pooled), self.config.training_args,
+            per=f"per data-parallel replica (pooled over tensor_model_parallel_size={self.model.layout.tp} ranks)",
+            dp_note=" (world size / tensor_model_parallel_size)",
+        )  # fmt: skip
+        self.reload()
+        self.model.module.train()
+        return run_minibatches(pooled, micro, minibatch, self.scheduler,
+                               lambda micros, metrics: self._optimizer_step(micros, objective, metrics))  # fmt: skip
+
+    def _optimizer_step(self, micros: list[RolloutBatch], objective: Objective, metrics: MetricAccumulator) -> float:
+        assert self.optimizer is not None
+        info = minibatch_info(micros, self.dp_group)
+        reports = self.model.layout.tp_rank == 0  # one rank per replica reports, so the world sum is over DP
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in micros:
+            outputs = self.model.outputs(micro, temperature=objective.temperature, with_entropy=objective.needs_entropy)
+            loss, values = objective(outputs, micro, info)
+            loss.backward()  # type: ignore[no-untyped-call]
+            metrics.add({k: v if reports else torch.zeros(()) for k, v in values.items()}, token_share(micro, info))
+        metrics.end_minibatch()
+        self._finalize_gradients()
+        first = self.model.layout.tp_rank == 0  # replicated tensors count once, on TP rank 0
+        owned = [master for name, master in self.masters.items() if name in self.sharded or first]
+        norm = grad_norm(owned, self.model.tp_group)
+        clip_gradients(self.masters.values(), norm, self.config.training_args.max_grad_norm)
+        if math.isfinite(norm):
+            self.optimizer.step()  # a non-finite norm skips the update (as DeepSpeed does) and is reported
+            self.publish_masters()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.global_step += 1
+        return norm
+
+    def _finalize_gradients(self) -> None:
+        """fp32 master gradients summed over DP ranks (and over TP ranks for sequence-split norm weights)."""
+        for param, master in self._pairs:
+            master.grad = None if param.grad is None else param.grad.float()
+            param.grad = None
+        sum_gradients(self.masters.values(), self.dp_group)
+        for name in self._sequence_split:  # under sequence parallelism each TP rank saw part of the sequence
+            grad = self.masters[name].grad
+            if grad is not None:
+                dist.all_reduce(grad, group=self.model.tp_group)
+
+    @torch.no_grad()
+    def publish_masters(self) -> None:
+        """Copy the fp32 masters into the bf16 / fp16 compute parameters (nothing to do in fp32)."""
+        for param, master in self._pairs:
+            param.copy_(master)
+
+    # ---- weights -------------------------------------------------------------------------------------------
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full weights under HF names, gathered over the TP group (every rank must iterate)."""
+        was_offloaded = self._offloaded
+        self.reload()
+        try:
+            yield from export_hf(self.masters, self.sharded, self.model.layout, self.model.tp_group)
+        finally:
+            if was_offloaded:
+                self.offload()
+
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> int:
+        """Not supported: a train strategy's weights change only through training or load_checkpoint."""
+        raise NotImplementedError(f"{self.role}: load weights through load_checkpoint")
+
+    def save_checkpoint(self, path: str) -> None:
+        """Atomically save each TP rank's shards + AdamW state, schedule, step and RNG."""
+        megatron_checkpoint.save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a checkpoint written by :meth:`save_checkpoint` (same tensor_model_parallel_size)."""
+        megatron_checkpoint.load(self, path)
+
+    def save_hf(self, path: str) -> None:
+        """A HuggingFace folder of the current weights (rank 0 writes; every rank must call)."""
+        megatron_checkpoint.save_hf(self, path)
+
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state to host memory (no-op on CPU devices)."""
+        if self.device.type != "cpu" and not self._offloaded:
+            self._offloaded = True
+            self.model.module.to("cpu")
+            _move(self._pairs, torch.device("cpu"))
+            if self.optimizer is not None:
+                self._offloaded_state = offload_optimizer_state(self.optimizer)
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        """Bring offloaded state back to the device."""
+        if self._offloaded:
+            self._offloaded = False
+            self.model.module.to(self.device)
+            _move(self._pairs, self.device)
+            if self.optimizer is not None:
+                reload_optimizer_state(self.optimizer, self._offloaded_state)
+                self._offloaded_state = []
+
+
+def fp32_masters(module: torch.nn.Module) -> tuple[dict[str, torch.nn.Parameter], list[tuple[Any, Any]]]:
+    """Master weights by name and the (compute parameter, master) pairs that differ.
+
+    Megatron's mixed precision: forward and backward run in the parameters' dtype (bf16 / fp16); gradients are
+    copied into fp32 masters, which AdamW updates and which are copied back. In fp32 the masters are the parameters.
+    """
+    masters: dict[str, torch.nn.Parameter] = {}
+    pairs = []
+    for name, param in module.named_parameters():
+        if param.dtype == torch.float32:
+            masters[name] = param
+        else:
+            masters[name] = torch.nn.Parameter(param.detach().float().clone())
+            pairs.append((param, masters[name]))
+    return masters, pairs
+
+
+def _move(pairs: list[tuple[Any, Any]], device: torch.device) -> None:
+    for _, master in pairs:
+        master.data = master.data.to(device, non_blocking=True)

@@ -1,0 +1,213 @@
+"""HF-named full tensors <-> this rank's Megatron-core parameters, with rl_ckpt's layout (QKV / gate-up fusion,
+TP splits, vocabulary padding).
+
+Notation as in ``rl_ckpt.layout``: H hidden, d head dim, nq query heads, g query groups, F ffn size, V vocabulary,
+Vp padded vocabulary, tp tensor-parallel size. The critic's value head is HF ``score.{weight,bias}`` ([1, H], [1]).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rl_ckpt.families import FAMILIES
+from rl_ckpt.layout import fuse_fc1, fuse_qkv, pad_rows, split
+from rl_ckpt.mcore_to_hf import StageShards, layer_to_hf
+from rl_ckpt.spec import ModelSpec
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_QKV = re.compile(r"self_attn\.([qkv])_proj\.(weight|bias)")
+_FC1 = {"mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up"}
+VALUE_HEAD = {"score.weight": "output_layer.weight", "score.bias": "output_layer.bias"}
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where this rank sits: its TP rank among ``tp``, the padded vocabulary, whether it has a value head."""
+
+    spec: ModelSpec
+    tp_rank: int
+    tp: int
+    padded_vocab: int
+    value_head: bool
+
+
+@dataclass(frozen=True)
+class Target:
+    """One HF tensor's destination: the Megatron key, the HF shape expected, and how it is laid out."""
+
+    key: str
+    shape: tuple[int, ...]
+    kind: str
+    """``vocab`` (pad rows, split rows), ``rows`` / ``cols`` (split dim 0 / 1), ``copy`` (replicated),
+    ``qkv:<q|k|v>`` or ``fc1:<gate|up>`` (one part of a fused tensor)."""
+
+
+def _layer_target(layout: RankLayout, layer: int, suffix: str) -> Target | None:
+    s = layout.spec
+    h, d, g, nq, f = s.hidden_size, s.head_dim, s.num_query_groups, s.num_attention_heads, s.ffn_hidden_size
+    mc = f"decoder.layers.{layer}."
+    norms = FAMILIES.get(s.model_type).layer_norms
+    if suffix in norms:
+        size = d if "q_norm" in suffix or "k_norm" in suffix else h
+        return Target(mc + norms[suffix], (size,), "copy")
+    if match := _QKV.fullmatch(suffix):
+        which, kind = match.groups()
+        if kind == "bias" and not s.qkv_bias:
+            return None
+        rows = nq * d if which == "q" else g * d
+        return Target(f"{mc}self_attention.linear_qkv.{kind}", (rows, h) if kind == "weight" else (rows,),
+                      f"qkv:{which}")  # fmt: skip
+    if suffix == "self_attn.o_proj.weight":
+        return Target(f"{mc}self_attention.linear_proj.weight", (h, nq * d), "cols")
+    if suffix in _FC1:
+        return Target(f"{mc}mlp.linear_fc1.weight", (f, h), f"fc1:{_FC1[suffix]}")
+    if suffix == "mlp.down_proj.weight":
+        return Target(f"{mc}mlp.linear_fc2.weight", (h, f), "cols")
+    return None
+
+
+def hf_target(layout: RankLayout, name: str) -> Target | None:
+    """Where HF tensor ``name`` goes on this rank, or None when the model has no such tensor."""
+    s = layout.spec
+    vocab_shape = (s.vocab_size, s.hidden_size)
+    if name == "model.embed_tokens.weight":
+        return Target("embedding.word_embeddings.weight", vocab_shape, "vocab")
+    if name == "lm_head.weight" and not layout.value_head:
+        key = "embedding.word_embeddings.weight" if s.tied_embeddings else "output_layer.weight"
+        return Target(key, vocab_shape, "vocab")  # tied: the one shared matrix, as in HF
+    if name == "model.norm.weight":
+        return Target("decoder.final_layernorm.weight", (s.hidden_size,), "copy")
+    if name in VALUE_HEAD and layout.value_head:
+        return Target(VALUE_HEAD[name], (1, s.hidden_size) if name.endswith("weight") else (1,), "copy")
+    match = _LAYER.fullmatch(name)
+    if match and int(match.group(1)) < s.num_layers:
+        return _layer_target(layout, int(match.group(1)), match.group(2))
+    return None
+
+
+class WeightLoader:
+    """Copies HF-named full tensors into this rank's parameters; fused tensors (QKV, gate/up) are written once all
+    their parts arrived, which may span several calls (weight-sync buckets)."""
+
+    def __init__(self, module: nn.Module, layout: RankLayout, role: str) -> None:
+        self.layout, self.role = layout, role
+        self.params = {k: v for k, v in module.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)}
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+        self.written: set[str] = set()
+
+    def target(self, name: str, tensor: torch.Tensor) -> Target:
+        """The checked destination of ``name``; KeyError / ValueError naming the tensor otherwise."""
+        found = hf_target(self.layout, name)
+        if found is None or found.key not in self.params:
+            raise KeyError(
+                f"{self.role}: weight {name!r} has no counterpart in this Megatron model "
+                f"({self.layout.spec.model_type}, {self.layout.spec.num_layers} layers); are the two roles the same "
+                "architecture?"
+            )
+        if tuple(tensor.shape) != found.shape:
+            raise ValueError(
+                f"{self.role}: weight {name!r} has shape {tuple(tensor.shape)} but {found.shape} here; the two roles "
+                "must load the same model."
+            )
+        return found
+
+    @torch.no_grad()
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Check and place every tensor; returns how many HF tensors were taken."""
+        count = 0
+        for name, tensor in weights:
+            target = self.target(name, tensor)
+            if ":" in target.kind:
+                self._add_part(target, tensor)
+            else:
+                self._write(target.key, self._shard(target, tensor))
+            count += 1
+        return count
+
+    def _shard(self, target: Target, tensor: torch.Tensor) -> torch.Tensor:
+        lay = self.layout
+        if target.kind == "vocab":
+            return split(pad_rows(tensor, lay.padded_vocab), lay.tp, 0, target.key)[lay.tp_rank]
+        if target.kind in ("rows", "cols"):
+            return split(tensor, lay.tp, 0 if target.kind == "rows" else 1, target.key)[lay.tp_rank]
+        return tensor
+
+    def _add_part(self, target: Target, tensor: torch.Tensor) -> None:
+        group, part = target.kind.split(":")
+        parts = self.pending.setdefault(target.key, {})
+        parts[part] = tensor.detach().clone()  # the sender's buffer (a shared-memory slot) is reused
+        lay = self.layout
+        if group == "qkv" and len(parts) == 3:
+            fused = fuse_qkv(parts["q"], parts["k"], parts["v"], lay.spec.num_query_groups)
+            self._write(target.key, split(fused, lay.tp, 0, target.key)[lay.tp_rank])
+        elif group == "fc1" and len(parts) == 2:
+            self._write(target.key, fuse_fc1(parts["gate"], parts["up"], lay.tp)[lay.tp_rank])
+        else:
+            return
+        del self.pending[target.key]
+
+    def _write(self, key: str, shard: torch.Tensor) -> None:
+        param = self.params[key]
+        if param.shape != shard.shape:  # rl_ckpt's layout and Megatron's disagree: a bug, not a user error
+            raise RuntimeError(f"{key}: resharded HF tensor has shape {tuple(shard.shape)}, parameter {param.shape}")
+        param.data.copy_(shard)
+        self.written.add(key)
+
+    def missing(self) -> list[str]:
+        """Megatron parameters not written yet (and parts still waiting for their siblings)."""
+        return sorted(set(self.params) - self.written) + sorted(f"{k} (partial)" for k in self.pending)
+
+
+def _all_shards(param: torch.Tensor, sharded: bool, tp: int, group: dist.ProcessGroup | None) -> list[torch.Tensor]:
+    """Every TP rank's shard of ``param``; a replicated tensor is its own shard everywhere (no communication)."""
+    if tp == 1 or not sharded:
+        return [param.detach()] * tp
+    parts = [torch.empty_like(param) for _ in range(tp)]
+    dist.all_gather(parts, param.detach().contiguous(), group=group)
+    return parts
+
+
+def sharded_names(module: nn.Module) -> set[str]:
+    """Names of the parameters Megatron splits over TP ranks (its ``tensor_model_parallel`` attribute)."""
+    return {name for name, param in module.named_parameters() if getattr(param, "tensor_model_parallel", False)}
+
+
+def export_hf(
+    params: Mapping[str, torch.Tensor], sharded: set[str], layout: RankLayout, group: dist.ProcessGroup | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full HF-named tensors from this rank's ``params`` (Megatron names; ``sharded`` ones split over TP), gathered
+    over the TP group (a collective: every TP rank iterates), in HF order (a tied ``lm_head.weight`` comes second,
+    as the same tensor as ``model.embed_tokens.weight``).
+    """
+    spec, tp = layout.spec, layout.tp
+    paths = [Path(f"<tensor-parallel rank {r}>") for r in range(tp)]
+
+    def shards(key: str) -> list[torch.Tensor]:
+        return _all_shards(params[key], key in sharded, tp, group)
+
+    def vocab(key: str) -> torch.Tensor:
+        return torch.cat(shards(key), dim=0)[: spec.vocab_size]
+
+    embed = vocab("embedding.word_embeddings.weight")
+    yield "model.embed_tokens.weight", embed
+    if spec.tied_embeddings and not layout.value_head:
+        yield "lm_head.weight", embed  # right after its twin, so weight sync sends it once (as an alias)
+    for layer in range(spec.num_layers):
+        prefix = f"decoder.layers.{layer}."
+        keys = [key for key in params if key.startswith(prefix)]
+        gathered = {key: shards(key) for key in keys}
+        stage = StageShards([{key: gathered[key][r] for key in keys} for r in range(tp)], paths)
+        yield from layer_to_hf(stage, spec, layer, layer)
+    yield "model.norm.weight", params["decoder.final_layernorm.weight"].detach()
+    if layout.value_head:
+        yield "score.weight", params["output_layer.weight"].detach()
+        yield "score.bias", params["output_layer.bias"].detach()
+    elif not spec.tied_embeddings:
+        yield "lm_head.weight", vocab("output_layer.weight")

@@ -1,0 +1,121 @@
+"""``strategy_config`` of the ``vllm`` strategy (ROLL's vLLM keys) and the vLLM process environment.
+
+Imports no vLLM: the adapter builds ``vllm.LLM(**engine_kwargs(...))`` after :func:`configure_vllm_env` has set
+the variables vLLM reads when it is first imported.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from rl_engines.config import WorkerConfig, WorkerConfigError, build_dataclass
+
+VLLM_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")
+CPU_KV_CACHE_BYTES = 256 << 20
+"""KV cache of a CPU engine when ``kv_cache_memory_bytes`` is unset (the CPU backend would otherwise reserve
+``gpu_memory_utilization`` of the host's memory). vLLM books every 16-token block in Python, so a cache far
+larger than the work slows each step; 256 MiB holds ~20k tokens of a 0.5B model in bf16."""
+
+
+@dataclass
+class VllmStrategyConfig:
+    """Keys of ``<role>.strategy_args.strategy_config`` for ``strategy_name: vllm`` (all optional)."""
+
+    gpu_memory_utilization: float = 0.9
+    """Fraction of device memory for weights, activations and KV cache (ROLL's examples use 0.6 when colocated)."""
+    block_size: int | None = None
+    """Tokens per KV-cache block; null lets vLLM pick the platform's default."""
+    max_model_len: int | None = None
+    """Context length (prompt + response); null derives it from the model config."""
+    load_format: str = "auto"
+    """``auto`` / ``safetensors`` / ``pt`` read the checkpoint; ``dummy`` starts from random weights that the first
+    weight sync replaces (ROLL's choice for actor_infer: the train role loads the checkpoint anyway)."""
+    enforce_eager: bool | None = None
+    """No torch.compile / CUDA graphs. Null: true on CPU (compiling costs ~25 s per engine, buys little there),
+    false on GPU."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prompt prefixes (the n samples of a prompt); reset after every weight sync."""
+    max_num_seqs: int | None = None
+    """Sequences per engine step; null = vLLM's default."""
+    max_num_batched_tokens: int | None = None
+    """Tokens per engine step; null = vLLM's default."""
+    kv_cache_memory_bytes: int | None = None
+    """KV-cache size in bytes; null = 256 MiB on CPU, derived from gpu_memory_utilization on GPU."""
+    sleep_level: int = 1
+    """What ``offload`` frees on GPU: 1 moves weights to host memory, 2 discards them (the next weight sync must
+    bring every weight back). Sleep is a no-op on CPU."""
+    cache_dir: str | None = None
+    """Where vLLM and torch inductor keep caches, compile artifacts and IPC sockets; null = a per-user folder in
+    the system temp dir, shared by runs so later engines start warm."""
+
+    def validate(self, prefix: str) -> None:
+        """Raise :class:`WorkerConfigError` naming ``<prefix>.<key>`` for the first bad value."""
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise WorkerConfigError(
+                f"{prefix}.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}."
+            )
+        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise WorkerConfigError(f"{prefix}.{name} must be >= 1 or null, got {value}.")
+        if self.load_format not in LOAD_FORMATS:
+            raise WorkerConfigError(f"{prefix}.load_format={self.load_format!r}; use one of {list(LOAD_FORMATS)}.")
+        if self.sleep_level not in (1, 2):
+            raise WorkerConfigError(f"{prefix}.sleep_level must be 1 or 2, got {self.sleep_level}.")
+
+
+def parse_vllm_config(config: WorkerConfig, role: str) -> VllmStrategyConfig:
+    """The validated ``strategy_config`` of ``role``; errors name ``<role>.strategy_args.strategy_config.<key>``."""
+    prefix = f"{role}.strategy_args.strategy_config"
+    parsed = build_dataclass(VllmStrategyConfig, config.strategy_args.strategy_config, prefix)
+    parsed.validate(prefix)
+    return parsed
+
+
+def default_cache_dir() -> str:
+    """``<system temp dir>/rl_engines_vllm-<uid>``: outside the checkout and the home directory."""
+    return os.path.join(tempfile.gettempdir(), f"rl_engines_vllm-{os.getuid()}")
+
+
+def configure_vllm_env(cache_dir: str) -> None:
+    """Set what vLLM reads from the environment, before it is imported (user-set values win, except one).
+
+    The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): the adapter reaches its worker
+    directly to reload weights and rescale logits, and a worker process of its own would double memory. Caches,
+    compile artifacts and IPC sockets go under ``cache_dir``; usage statistics are off.
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    defaults = {
+        "VLLM_CACHE_ROOT": os.path.join(cache_dir, "vllm"),
+        "VLLM_CONFIG_ROOT": os.path.join(cache_dir, "config"),
+        "VLLM_RPC_BASE_PATH": os.path.join(cache_dir, "rpc"),
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_dir, "inductor"),
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+    }
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+    os.makedirs(os.environ["VLLM_RPC_BASE_PATH"], exist_ok=True)
+
+
+def engine_kwargs(config: WorkerConfig, options: VllmStrategyConfig, *, on_cpu: bool, seed: int) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.LLM`` for this role."""
+    kwargs: dict[str, Any] = {
+        "model": config.model_args.model_name_or_path,
+        "dtype": VLLM_DTYPES[config.model_args.dtype],
+        "seed": seed,
+        "tensor_parallel_size": config.num_gpus_per_worker,
+        "gpu_memory_utilization": options.gpu_memory_utilization,
+        "load_format": options.load_format,
+        "enforce_eager": on_cpu if options.enforce_eager is None else options.enforce_eager,
+        "enable_prefix_caching": options.enable_prefix_caching,
+        "enable_sleep_mode": not on_cpu,
+        "kv_cache_memory_bytes": options.kv_cache_memory_bytes or (CPU_KV_CACHE_BYTES if on_cpu else None),
+    }
+    optional = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
+    kwargs.update({name: getattr(options, name) for name in optional if getattr(options, name) is not None})
+    return {key: value for key, value in kwargs.items() if value is not None}

@@ -1,0 +1,71 @@
+"""Test-harness shims that let megatron-core 0.16.1 run on a CPU-only torch (gloo). Never imported by product code.
+
+megatron-core assumes CUDA in a few places the Megatron strategies reach:
+
+1. ``torch.cuda.current_device()`` names the device of communication buffers -> ``"cpu"``;
+2. ``torch.cuda.synchronize()`` -> a no-op;
+3. ``tensor_parallel.model_parallel_cuda_manual_seed`` builds CUDA RNG trackers -> the inference tracker
+   (``inference_rng_tracker=True``), which forks no CUDA generator;
+4. activation recomputation (``recompute_granularity``) saves / restores the CUDA RNG state -> a dummy state.
+
+``apply()`` is idempotent. In-process tests call it from a fixture; Ray workers get it through
+``sitecustomize_dir()``, a folder whose ``sitecustomize.py`` applies it at interpreter start-up (put the folder on
+the workers' ``PYTHONPATH`` via ``system_envs``), so no product code needs a hook.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+_applied = False
+
+
+def apply() -> None:
+    """Install the four shims when this torch has no CUDA (no-op with CUDA or when already applied)."""
+    global _applied
+    import torch
+
+    if _applied or torch.cuda.is_available():
+        return
+    import megatron.core.tensor_parallel as tensor_parallel
+    import megatron.core.tensor_parallel.random as megatron_random
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
+    torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
+    seed = megatron_random.model_parallel_cuda_manual_seed
+
+    @functools.wraps(seed)
+    def cpu_seed(value: int, *args: Any, **kwargs: Any) -> None:
+        kwargs["inference_rng_tracker"] = True
+        seed(value, *args, **kwargs)
+
+    tensor_parallel.model_parallel_cuda_manual_seed = cpu_seed
+    megatron_random.model_parallel_cuda_manual_seed = cpu_seed
+    megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.zeros(1, dtype=torch.uint8)
+    megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
+    _applied = True
+
+
+SITECUSTOMIZE = """import sys
+sys.path.insert(0, {tests_dir!r})
+import megatron_shims
+megatron_shims.apply()
+"""
+
+
+def sitecustomize_dir(root: Path) -> Path:
+    """A folder under ``root`` holding a ``sitecustomize.py`` that applies the shims at Python start-up."""
+    folder = root / "megatron_sitecustomize"
+    folder.mkdir(parents=True, exist_ok=True)
+    text = SITECUSTOMIZE.format(tests_dir=str(Path(__file__).resolve().parent))
+    (folder / "sitecustomize.py").write_text(text, encoding="utf-8")
+    return folder
+
+
+def worker_envs(root: Path) -> dict[str, str]:
+    """``system_envs`` that make Ray workers apply the shims (PYTHONPATH led by the sitecustomize folder)."""
+    paths = [str(sitecustomize_dir(root)), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}

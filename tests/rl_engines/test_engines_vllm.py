@@ -1,0 +1,255 @@
+"""The ``vllm`` strategy beyond the infer contract: agreement with hf_infer, weight sync, seeds, and a Ray run.
+
+Engine tests run where vLLM imports (``bash scripts/setup_vllm.sh`` builds ``.venv-vllm``); elsewhere they skip
+and only the strategy_config checks run. The in-process engines use a small KV cache to start fast.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from engine_fixtures import make_tiny_model, prompt_batch, rollout_batch, tiny_model_dir, worker_config
+
+from rl_core.rollout_is import compute_mismatch_metrics
+from rl_engines.config import GeneratingArgs, WorkerConfigError
+from rl_engines.objectives import ActorObjective
+from rl_engines.placement import ClusterSpec
+from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
+from rl_engines.roles import Roles
+from rl_engines.strategies import create_strategy
+from rl_engines.weight_sync import expand_aliases, iter_buckets
+
+__all__ = ["tiny_model_dir"]
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed here; "
+                                "run in .venv-vllm (bash scripts/setup_vllm.sh)")  # fmt: skip
+QUESTIONS = ["1+2=", "10+12=", "what is 3+3?", "4+5="]
+SMALL_KV = {"kv_cache_memory_bytes": 32 << 20}
+
+
+def make_vllm(model_dir, *, strategy_config=None, **generating_args):
+    args = {"max_new_tokens": 8, "num_return_sequences": 4, "seed": 0, **generating_args}
+    config = worker_config(model_dir, "actor_infer", generating_args=args,
+                           strategy_args={"strategy_name": "vllm",
+                                          "strategy_config": {**SMALL_KV, **(strategy_config or {})}})  # fmt: skip
+    strategy = create_strategy(config, "actor_infer")
+    strategy.initialize()
+    return strategy
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    """One engine for the tests that leave its weights alone."""
+    strategy = make_vllm(tiny_model_dir)
+    yield strategy
+    strategy.close()
+
+
+@pytest.fixture(scope="module")
+def hf_scorer(tiny_model_dir):
+    config = worker_config(
+        tiny_model_dir, "reference", infer_batch_size=16, strategy_args={"strategy_name": "hf_infer"}
+    )
+    strategy = create_strategy(config, "reference")
+    strategy.initialize()
+    return strategy
+
+
+# ---- strategy_config: checked without vLLM ----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("strategy_config", "message"),
+    [
+        ({"gpu_memory_util": 0.5}, r"actor_infer\.strategy_args\.strategy_config\.gpu_memory_util'\]"),
+        ({"gpu_memory_utilization": 1.5}, r"actor_infer\.strategy_args\.strategy_config\.gpu_memory_utilization must"),
+        ({"load_format": "npz"}, r"actor_infer\.strategy_args\.strategy_config\.load_format='npz'"),
+        ({"block_size": "16"}, r"actor_infer\.strategy_args\.strategy_config\.block_size must be int"),
+        ({"sleep_level": 3}, r"actor_infer\.strategy_args\.strategy_config\.sleep_level must be 1 or 2"),
+    ],
+    ids=["unknown", "range", "load_format", "type", "sleep_level"],
+)
+def test_strategy_config_errors_name_the_key(tiny_model_dir, strategy_config, message):
+    config = worker_config(tiny_model_dir, "actor_infer",
+                           strategy_args={"strategy_name": "vllm", "strategy_config": strategy_config})  # fmt: skip
+    with pytest.raises(WorkerConfigError, match=message):
+        create_strategy(config, "actor_infer")
+
+
+# ---- agreement with hf_infer --------------------------------------------------------------------------------
+@needs_vllm
+@pytest.mark.parametrize("sampling", [{"temperature": 1.0}, {"temperature": 0.7, "top_p": 0.9, "top_k": 20}])
+def test_sampled_log_probs_equal_hf_teacher_forcing(engine, hf_scorer, tiny_model_dir, sampling):
+    args = GeneratingArgs(max_new_tokens=8, num_return_sequences=4, seed=1, **sampling)
+    rollout = engine.generate(prompt_batch(tiny_model_dir, QUESTIONS), args)
+    mask = rollout.batch["response_mask"]
+    hf = hf_scorer.compute_log_probs(rollout, temperature=args.temperature).batch["log_probs"]
+    diff = float((rollout.batch["rollout_log_probs"] - hf)[mask].abs().max())
+    kl = compute_mismatch_metrics(hf, rollout.batch["rollout_log_probs"], mask)["mismatch_kl"]
+    print(f"\n[vllm vs hf_infer, {sampling}] max |rollout_log_probs - hf| = {diff:.2e}, mismatch_kl = {kl:.2e}")
+    assert diff < 1e-5 and abs(kl) < 1e-6
+    scored = engine.compute_log_probs(rollout, temperature=args.temperature).batch["log_probs"]
+    torch.testing.assert_close(scored[mask], hf[mask], atol=1e-5, rtol=0)
+
+
+@needs_vllm
+def test_n_samples_per_prompt_are_adjacent_and_distinct(engine, tiny_model_dir):
+    rollout = engine.generate(prompt_batch(tiny_model_dir, QUESTIONS))
+    assert len(rollout) == 4 * len(QUESTIONS)
+    assert list(rollout.non_tensor_batch["question"]) == [q for q in QUESTIONS for _ in range(4)]
+    prompts = rollout.batch["prompts"].view(len(QUESTIONS), 4, -1)
+    assert bool((prompts == prompts[:, :1]).all())
+    responses = rollout.batch["responses"].view(len(QUESTIONS), 4, -1)
+    assert all(len({tuple(r.tolist()) for r in group}) > 1 for group in responses)  # the n draws differ
+
+
+@needs_vllm
+def test_seeds_reproduce_and_differ_by_seed_and_rank(engine, tiny_model_dir, monkeypatch):
+    prompts = prompt_batch(tiny_model_dir, QUESTIONS[:2])
+    first, again = engine.generate(prompts), engine.generate(prompts)
+    assert torch.equal(first.batch["responses"], again.batch["responses"])
+    assert torch.equal(first.batch["rollout_log_probs"], again.batch["rollout_log_probs"])
+    other_seed = engine.generate(prompts, GeneratingArgs(max_new_tokens=8, num_return_sequences=4, seed=1))
+    assert not torch.equal(first.batch["responses"], other_seed.batch["responses"])
+    monkeypatch.setenv("RANK", "1")  # a second data-parallel worker with the same generating_args
+    assert not torch.equal(first.batch["responses"], engine.generate(prompts).batch["responses"])
+
+
+@needs_vllm
+def test_entropy_and_export_after_sync_are_refused_clearly(engine, tiny_model_dir):
+    with pytest.raises(NotImplementedError, match="does not compute entropy"):
+        engine.compute_log_probs(rollout_batch(batch_size=2), with_entropy=True)
+    names = {name for name, _ in engine.named_weights()}  # before any sync: the checkpoint
+    assert {"lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"} <= names
+
+
+# ---- weight sync --------------------------------------------------------------------------------------------
+def reference_scores(state, model_dir, batch, tmp_path):
+    """log-probs of ``batch`` under ``model_dir``'s architecture holding ``state`` (tied like the receiver)."""
+    from engine_fixtures import reference_log_probs
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir))
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    model.save_pretrained(str(tmp_path))
+    return reference_log_probs(tmp_path, batch)
+
+
+def push(strategy, state, bucket_bytes):
+    """Send ``state`` in buckets the way a weight sync does (small buckets split decoder layers)."""
+    return sum(strategy.load_weights(expand_aliases(bucket)) for bucket in iter_buckets(state.items(), bucket_bytes))
+
+
+@needs_vllm
+def test_sync_into_tied_embeddings_updates_scores_and_generations(tiny_model_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    strategy = make_vllm(tiny_model_dir, temperature=0.0, num_return_sequences=1)
+    other = make_tiny_model(tmp_path / "other", seed=7)  # same architecture, other weights, tied
+    state = AutoModelForCausalLM.from_pretrained(str(other)).state_dict()
+    batch = rollout_batch(batch_size=3)
+    mask = batch.batch["response_mask"]
+    before = strategy.compute_log_probs(batch).batch["log_probs"]
+    assert push(strategy, state, bucket_bytes=30_000) == len(state)
+    expected = reference_scores(state, tiny_model_dir, batch, tmp_path / "ref")
+    got = strategy.compute_log_probs(batch).batch["log_probs"]
+    torch.testing.assert_close(got[mask].double(), expected[mask], atol=2e-5, rtol=0)
+    assert float((got - before)[mask].abs().max()) > 1e-2
+
+    # Only the embedding changes: the tied lm_head must follow it.
+    embed = state["model.embed_tokens.weight"] * 1.5
+    strategy.load_weights(iter([("model.embed_tokens.weight", embed)]))
+    scaled = {**state, "model.embed_tokens.weight": embed, "lm_head.weight": embed}
+    expected = reference_scores(scaled, tiny_model_dir, batch, tmp_path / "ref_scaled")
+    torch.testing.assert_close(strategy.compute_log_probs(batch).batch["log_probs"][mask].double(), expected[mask],
+                               atol=2e-5, rtol=0)  # fmt: skip
+
+    # Greedy generation follows the new weights too.
+    prompts = prompt_batch(tiny_model_dir, QUESTIONS[:1])
+    tokens = strategy.generate(prompts).batch["responses"][0].tolist()
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "ref_scaled")).eval()
+    context = prompts.batch["input_ids"][0][prompts.batch["attention_mask"][0].bool()].tolist()
+    with torch.no_grad():
+        for token in tokens[:4]:
+            assert token == int(model(torch.tensor([context])).logits[0, -1].argmax())
+            context.append(token)
+    strategy.close()
+
+
+@needs_vllm
+def test_half_synced_layer_is_held_back_and_refused(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    strategy = make_vllm(tiny_model_dir, strategy_config={"load_format": "dummy"})  # weights arrive by sync
+    state = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).state_dict()
+    layer0 = {k: v for k, v in state.items() if k.startswith("model.layers.0.")}
+    first = dict(list(layer0.items())[:3])
+    strategy.load_weights(iter(first.items()))
+    with pytest.raises(RuntimeError, match=r"weights of model\.layers\.0 arrived without \["):
+        strategy.compute_log_probs(rollout_batch(batch_size=2))
+    with pytest.raises(RuntimeError, match="cannot export its current weights"):
+        strategy.named_weights()
+    push(strategy, state, bucket_bytes=10**9)  # the rest: dummy weights replaced by the checkpoint's
+    batch = rollout_batch(batch_size=3)
+    mask = batch.batch["response_mask"]
+    from engine_fixtures import reference_log_probs
+
+    got = strategy.compute_log_probs(batch).batch["log_probs"]
+    torch.testing.assert_close(got[mask].double(), reference_log_probs(tiny_model_dir, batch)[mask], atol=2e-5, rtol=0)
+    strategy.close()
+
+
+# ---- a vllm role on Ray, colocated with fsdp2_train -----------------------------------------------------------
+CLUSTER = ClusterSpec(num_nodes=1, num_gpus_per_node=2)
+TRAIN_ARGS = {"learning_rate": 1e-2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
+
+
+def ray_configs(model_dir):
+    return {
+        "actor_train": worker_config(model_dir, "actor_train", device_mapping=[0, 1], training_args=TRAIN_ARGS,
+                                     infer_batch_size=4),
+        "actor_infer": worker_config(model_dir, "actor_infer", device_mapping=[0, 1],
+                                     strategy_args={"strategy_name": "vllm",
+                                                    "strategy_config": {**SMALL_KV, "load_format": "dummy"}},
+                                     generating_args={"max_new_tokens": 6, "num_return_sequences": 2, "seed": 0}),
+    }  # fmt: skip
+
+
+def scores(roles, role, batch):
+    return roles[role].call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
+
+
+@needs_vllm
+def test_vllm_role_on_ray_generates_trains_syncs_and_generates(tiny_model_dir):
+    """Two vllm workers share CPU slots with two fsdp2_train ranks: ROLL's first sync replaces the dummy weights,
+    then generate -> score -> train -> sync -> generate, the scores of both roles agreeing at every step."""
+    start_ray(num_cpus=2, resources=cpu_device_resources(CLUSTER))
+    try:
+        with Roles(CLUSTER, ray_configs(tiny_model_dir), rpc_timeout=300) as roles:
+            updater = roles.model_updater(bucket_bytes=30_000)  # small buckets: decoder layers arrive split
+            roles.activate("actor_infer")
+            updater.sync()
+            prompts = prompt_batch(tiny_model_dir, [QUESTIONS[0], QUESTIONS[1]] * 2)  # rank 0 and 1 get the same
+            rollout = roles["actor_infer"].call("generate", prompts, dispatch="dp_split")
+            mask = rollout.batch["response_mask"]
+            old = scores(roles, "actor_train", rollout)
+            torch.testing.assert_close(old[mask], rollout.batch["rollout_log_probs"][mask], atol=1e-5, rtol=0)
+            assert not torch.equal(rollout.batch["responses"][:4], rollout.batch["responses"][4:])  # seeds by RANK
+
+            rollout.batch["old_log_probs"] = old
+            rollout.batch["advantages"] = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0))
+            roles.activate("actor_train")
+            roles["actor_train"].call("train_step", rollout, ActorObjective(), dispatch="dp_split")
+            roles.activate("actor_infer")
+            assert updater.sync()["model_update/tensors"] == 26  # 27 HF names; the tied lm_head travels once
+
+            new_train, new_infer = scores(roles, "actor_train", rollout), scores(roles, "actor_infer", rollout)
+            torch.testing.assert_close(new_infer[mask], new_train[mask], atol=1e-5, rtol=0)
+            assert float((new_train - old)[mask].abs().max()) > 1e-2  # the step changed the policy
+            again = roles["actor_infer"].call("generate", prompts, dispatch="dp_split")
+            again_mask = again.batch["response_mask"]
+            torch.testing.assert_close(again.batch["rollout_log_probs"][again_mask],
+                                       scores(roles, "actor_train", again)[again_mask], atol=1e-5, rtol=0)  # fmt: skip
+    finally:
+        stop_ray(remove_temp_dir=True)
