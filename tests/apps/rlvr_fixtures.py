@@ -3,8 +3,10 @@ ROLL-style config (``rlvr.yaml``) with two CPU slots for every role."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
+from typing import Any
 
 from rl_engines.tiny_model import build_tiny_causal_lm, build_tiny_tokenizer
 
@@ -60,3 +62,14 @@ def make_setup(root: Path, **model: int) -> Path:
     config = CONFIG.format(out=root / "out", model=root / "model", data=root / "train.jsonl")
     (root / "rlvr.yaml").write_text(config)
     return root
+
+
+def megatron_shim_overrides(root: Path) -> list[str]:
+    """``system_envs`` overrides that make Ray workers apply tests/rl_engines/megatron_shims.py (megatron-core's CUDA
+    assumptions on a CPU-only torch) through a sitecustomize on their PYTHONPATH; never product code."""
+    path = Path(__file__).resolve().parents[1] / "rl_engines" / "megatron_shims.py"
+    spec = importlib.util.spec_from_file_location("megatron_shims", path)
+    assert spec is not None and spec.loader is not None
+    module: Any = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return [f"+system_envs.{name}='{value}'" for name, value in module.worker_envs(root).items()]

@@ -9,16 +9,12 @@ through a sitecustomize on their PYTHONPATH (tests/rl_engines/megatron_shims.py)
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-from rlvr_fixtures import make_setup
+from rlvr_fixtures import make_setup, megatron_shim_overrides
 
 from apps.rlvr.alignment import ALIGNED, alignment_matrix
 
 pytestmark = pytest.mark.slow
-SHIMS = Path(__file__).resolve().parents[1] / "rl_engines" / "megatron_shims.py"
 
 BASE = ["max_steps=3", "adv_estimator=reinforce", "entropy_loss_coef=0.05", "ppo_epochs=2",
         "+rewards.math_rule.response_length_penalty_coef=0.01",
@@ -42,18 +38,10 @@ def variants(shim_envs: list[str]) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
-def load_shims():
-    spec = importlib.util.spec_from_file_location("megatron_shims", SHIMS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_training_engine_replays_the_same_rollouts_alike(tmp_path):
     pytest.importorskip("deepspeed")
     pytest.importorskip("megatron.core")
-    envs = load_shims().worker_envs(tmp_path / "shims")
-    shim_envs = [f"+system_envs.{name}='{value}'" for name, value in envs.items()]
+    shim_envs = megatron_shim_overrides(tmp_path / "shims")
     root = make_setup(tmp_path / "setup", num_attention_heads=4, num_key_value_heads=2)  # TP=2 splits 2 KV heads
     result = alignment_matrix(root / "rlvr.yaml", BASE, variants(shim_envs), tmp_path / "work")
     print("\n" + result.table())  # the matrix, for the issue notes (pytest -s)

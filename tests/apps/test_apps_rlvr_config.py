@@ -17,25 +17,32 @@ from rl_engines.placement import PlacementError
 
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "roll-examples"
 RLVR_FILES = sorted([*SHARED.glob("qwen2.5-7B-rlvr_megatron/*.yaml"), *SHARED.glob("docs_examples/*.yaml")])
-ENGINES_NOT_HERE = {"megatron_train": "fsdp2_train", "deepspeed_train": "fsdp2_train", "vllm": "hf_infer",
-                    "sglang": "hf_infer", "megatron_infer": "hf_infer"}  # fmt: skip
+TORCH_NATIVE = {"megatron_train": "fsdp2_train", "deepspeed_train": "fsdp2_train", "vllm": "hf_infer",
+                "sglang": "hf_infer", "megatron_infer": "hf_infer"}  # fmt: skip
+
+
+def sections_of(config: dict) -> list[dict]:
+    sections = [config.get(role) for role in ("actor_train", "actor_infer", "reference", "critic")]
+    return [s for s in sections + list((config.get("rewards") or {}).values()) if s]
+
+
+def with_cluster(raw: dict) -> dict:
+    """The file with enough nodes for its highest device id (ROLL takes the cluster size from the launcher)."""
+    config = copy.deepcopy(raw)
+    mappings = [parse_device_mapping(s["device_mapping"], role="any") for s in sections_of(config)
+                if s.get("device_mapping")]  # fmt: skip
+    ids = [i for mapping in mappings for i in mapping]
+    config["num_nodes"] = -(-(max(ids) + 1) // config["num_gpus_per_node"])
+    return config
 
 
 def adapt(raw: dict) -> dict:
-    """What a user changes to run a ROLL file here: engine names (and the engine's own options, which belong to
-    the engine not installed), device counts (a model-parallel train role keeps its data-parallel size with
-    fewer devices), and enough nodes for the highest device id."""
-    config = copy.deepcopy(raw)
-    sections = [config.get(role) for role in ("actor_train", "actor_infer", "reference", "critic")]
-    sections += list((config.get("rewards") or {}).values())
-    mappings = [
-        parse_device_mapping(s["device_mapping"], role="any") for s in sections if s and s.get("device_mapping")
-    ]
-    ids = [i for mapping in mappings for i in mapping]
-    config["num_nodes"] = -(-(max(ids) + 1) // config["num_gpus_per_node"])
-    for section in filter(None, sections):
+    """The file on the torch-native strategies (what runs on any machine): engine names (and the engine's own
+    options), device counts (a model-parallel train role keeps its data-parallel size with fewer devices)."""
+    config = with_cluster(raw)
+    for section in sections_of(config):
         strategy = section.get("strategy_args")
-        if strategy and strategy.get("strategy_name") in ENGINES_NOT_HERE:
+        if strategy and strategy.get("strategy_name") in TORCH_NATIVE:
             options = strategy.get("strategy_config") or {}
             model_parallel = 1
             for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
@@ -43,7 +50,7 @@ def adapt(raw: dict) -> dict:
             if model_parallel > 1 and section.get("training_args"):  # keep the data-parallel size: fewer devices
                 devices = parse_device_mapping(section["device_mapping"], role="any")
                 section["device_mapping"] = devices[: len(devices) // model_parallel]
-            section["strategy_args"] = {"strategy_name": ENGINES_NOT_HERE[strategy["strategy_name"]]}
+            section["strategy_args"] = {"strategy_name": TORCH_NATIVE[strategy["strategy_name"]]}
     return config
 
 
@@ -59,9 +66,17 @@ def test_every_roll_rlvr_file_loads_as_typed_config(roll_file):
     assert config.actor_infer.generating_args.max_new_tokens == config.response_length
 
 
-def test_engines_not_installed_are_rejected_naming_the_key(roll_file):
-    with pytest.raises(ValueError, match=r"actor_train\.strategy_args\.strategy_name='megatron_train' is not a"):
-        preflight(RLVRConfig.from_dict(load_config(roll_file)))
+def test_every_roll_rlvr_file_passes_preflight_with_its_own_engines(roll_file):
+    """megatron_train / deepspeed_train / vllm / sglang and their strategy_config keys as ROLL writes them."""
+    report = preflight(RLVRConfig.from_dict(with_cluster(load_config(roll_file))))
+    assert report.train_plans["actor_train"].samples_per_step > 0
+
+
+def test_a_bad_engine_option_fails_preflight_naming_the_key():
+    megatron = {"strategy_name": "megatron_train", "strategy_config": {"pipeline_model_parallel_size": 2}}
+    config = with_(base(), actor_train__strategy_args=megatron)
+    with pytest.raises(ValueError, match=r"actor_train\.strategy_args\.strategy_config\.pipeline_model_parallel_size"):
+        preflight(RLVRConfig.from_dict(config))
 
 
 def test_every_roll_rlvr_file_passes_preflight_after_the_allowed_changes(roll_file):

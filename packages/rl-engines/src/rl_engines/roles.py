@@ -25,7 +25,8 @@ TRAIN_ROLES = ("actor_train", "critic")
 
 
 def check_strategy(role: str, config: WorkerConfig) -> None:
-    """The role's strategy_name must be registered and of the right kind (train roles need a train strategy)."""
+    """The role's strategy_name must be registered and of the right kind (train roles need a train strategy), and
+    its strategy_config must parse: checked on the driver, before any worker starts."""
     from rl_engines.strategies import STRATEGIES
 
     key = f"{role}.strategy_args.strategy_name"
@@ -39,6 +40,9 @@ def check_strategy(role: str, config: WorkerConfig) -> None:
         words = {"train": "a training", "infer": "an inference"}
         raise ValueError(f"{key}={name!r} is {words[kind]} strategy, but {role} needs {words[wanted]} strategy: "
                          f"one of {valid}.")  # fmt: skip
+    from rl_engines.strategies import create_strategy
+
+    create_strategy(config, role)  # parses strategy_config, naming bad keys; engines load only in initialize()
 
 
 def plan_roles(cluster: ClusterSpec, configs: Mapping[str, WorkerConfig]) -> PlacementPlan:

@@ -64,7 +64,8 @@ def save(strategy: Any, path: str) -> None:
     def write(tmp: Path, rank: int) -> None:
         strategy.engine.save_checkpoint(str(tmp / ENGINE_DIR), tag=ENGINE_TAG, save_latest=False)
         meta = {"role": strategy.role, "world_size": dist.get_world_size(), "zero_stage": strategy.zero_stage,
-                "global_step": strategy.global_step}  # fmt: skip
+                "global_step": strategy.global_step,  # the model folder: rl-ckpt finds config.json through it
+                "model_name_or_path": str(strategy.config.model_args.model_name_or_path)}  # fmt: skip
         save_trainer_state(strategy, tmp, rank, meta)
 
     write_checkpoint_atomically(path, strategy.global_step, write)

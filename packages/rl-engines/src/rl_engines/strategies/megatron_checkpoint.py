@@ -1,10 +1,15 @@
 """Checkpoints and HF export of the Megatron strategies, written atomically.
 
 Layout of ``<path>/``: ``mp_rank_<TT>.pt`` (one per tensor-parallel rank, written by data-parallel rank 0: the
-rank's model shards and its AdamW state; data-parallel replicas are identical), ``rng_rank<R>.pt`` (every rank),
-``trainer_state.pt`` (scheduler, global step), ``meta.json``, ``COMPLETE``. Written into ``<path>.tmp-<step>``
-first and renamed by rank 0 after every rank finished. Resuming needs the same tensor_model_parallel_size; to
-change it, export with ``save_hf`` (or convert with rl-ckpt) and start from the HF folder.
+rank's fp32 model shards; data-parallel replicas are identical), ``optim_mp_rank_<TT>_dp_rank_<DDD>.pt`` (AdamW
+state by Megatron parameter name: one file per DP rank when use_distributed_optimizer partitions it, else DP rank
+0's full copy), ``rng_rank<R>.pt`` (every rank), ``trainer_state.pt`` (scheduler, global step), ``meta.json``,
+``COMPLETE``. Written into ``<path>.tmp-<step>`` first and renamed by rank 0 after every rank finished.
+
+Optimizer state is keyed by name, so a checkpoint resumes at another data-parallel size and with or without
+use_distributed_optimizer: each rank memory-maps the partition files of its TP rank and copies only the entries of
+the parameters it owns (no rank ever holds the whole state). Resuming needs the same tensor_model_parallel_size;
+to change it, export with ``save_hf`` (or convert with rl-ckpt) and start from the HF folder.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from rl_engines.strategies.checkpointing import (
     write_checkpoint_atomically,
     write_hf_folder_atomically,
 )
+from rl_engines.strategies.megatron_ops import local_optimizer
 
 MAX_SHARD_SIZE = "5GB"
 
@@ -33,12 +39,16 @@ def save(strategy: Any, path: str) -> None:
     """Write ``strategy``'s checkpoint to ``path`` (every rank calls; a collective)."""
     layout = strategy.model.layout
 
+    partitioned = local_optimizer(strategy.optimizer) is not strategy.optimizer
+
     def write(tmp: Path, rank: int) -> None:
         if strategy.dp_rank == 0:
             masters = {name: value.detach() for name, value in strategy.masters.items()}  # fp32
-            state = {"model": masters, "optimizer": strategy.optimizer.state_dict()}
-            torch.save(state, tmp / f"mp_rank_{layout.tp_rank:02d}.pt")
+            torch.save({"model": masters}, tmp / f"mp_rank_{layout.tp_rank:02d}.pt")
+        if strategy.dp_rank == 0 or partitioned:
+            torch.save(named_optimizer_state(strategy), tmp / optimizer_file(layout.tp_rank, strategy.dp_rank))
         meta = {"role": strategy.role, "tensor_model_parallel_size": layout.tp, "world_size": dist.get_world_size(),
+                "data_parallel_size": strategy.dp_size, "use_distributed_optimizer": partitioned,
                 "global_step": strategy.global_step}  # fmt: skip
         save_trainer_state(strategy, tmp, rank, meta)
 
@@ -61,8 +71,47 @@ def load(strategy: Any, path: str) -> None:
         for name, value in state["model"].items():
             strategy.masters[name].copy_(value)
     strategy.publish_masters()
-    strategy.optimizer.load_state_dict(state["optimizer"])
+    load_optimizer_state(strategy, root)
     load_trainer_state(strategy, root, restore_rng=meta["world_size"] == dist.get_world_size())
+
+
+def optimizer_file(tp_rank: int, dp_rank: int | None) -> str:
+    """Name of one optimizer-state partition file; ``dp_rank`` None gives the glob of all of a TP rank's."""
+    return f"optim_mp_rank_{tp_rank:02d}_dp_rank_{'*' if dp_rank is None else f'{dp_rank:03d}'}.pt"
+
+
+def named_optimizer_state(strategy: Any) -> dict[str, Any]:
+    """This rank's AdamW state keyed by Megatron parameter name, and the hyper-parameters of its groups (the
+    exposed ones, which hold the scheduler's current learning rate)."""
+    names = {id(master): name for name, master in strategy.masters.items()}
+    state = {names[id(param)]: dict(value) for param, value in local_optimizer(strategy.optimizer).state.items()}
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in strategy.optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state(strategy: Any, root: Path) -> None:
+    """Fill this rank's optimizer from its TP rank's partition files in ``root`` (saved at any DP size, partitioned
+    or not): the entries of the parameters this rank owns only."""
+    pattern = optimizer_file(strategy.model.layout.tp_rank, None)
+    local = local_optimizer(strategy.optimizer)
+    names = {id(master): name for name, master in strategy.masters.items()}
+    params = [names[id(param)] for group in local.param_groups for param in group["params"]]
+    wanted, found, groups = set(params), {}, []
+    for file in sorted(root.glob(pattern)):  # memory-mapped: only the entries copied below are read
+        part = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        groups = part["param_groups"]
+        for name in wanted & part["state"].keys():
+            found[name] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in part["state"][name].items()}
+    if not groups:
+        raise ValueError(f"{strategy.role}: {root} holds no optimizer state files {pattern} (not a megatron_train one)")
+    local_groups, start = [], 0  # the saved hyper-parameters over this rank's own parameter indices
+    for group, saved in zip(local.param_groups, groups, strict=True):
+        local_groups.append({**saved, "params": list(range(start, start + len(group["params"])))})
+        start += len(group["params"])
+    state = {index: found[name] for index, name in enumerate(params) if name in found}
+    local.load_state_dict({"state": state, "param_groups": local_groups})  # casts to each parameter's device
+    for group, saved in zip(strategy.optimizer.param_groups, groups, strict=True):
+        group.update(saved)  # a partitioned optimizer copies these into its local one at every step
 
 
 def _hf_config(strategy: Any, dtype: torch.dtype) -> Any:

@@ -1,7 +1,8 @@
 """``strategy_config`` of ``megatron_train`` / ``megatron_infer``: ROLL's Megatron keys, typed and validated once.
 
-Every key ROLL documents for the Megatron strategies is known here; each one is either supported or rejected with
-a message naming ``<role>.strategy_args.strategy_config.<key>`` and what to do instead. Pure Python (no megatron).
+Every key ROLL documents or writes for the Megatron strategies is known here; each one is supported, accepted as a
+performance-only switch (a kernel choice that does not change what is computed), or rejected with a message naming
+``<role>.strategy_args.strategy_config.<key>`` and what to do instead. Pure Python (no megatron).
 """
 
 from __future__ import annotations
@@ -13,7 +14,32 @@ from rl_engines.strategies.base import reject_unknown_keys
 
 NoneType = type(None)
 
-# key -> accepted types; the infer strategy reads only the parallel layout keys
+# Megatron TransformerConfig switches that pick a fused kernel for the same math. The adapter always builds the
+# unfused local layer spec (no Transformer Engine / Apex, no torch.compile), so they are accepted and not passed on;
+# key -> the kernel it would select and why this build does not use it.
+KERNEL_FUSION_SWITCHES: dict[str, str] = {
+    "apply_rope_fusion": "Transformer Engine's fused RoPE kernel (not in the local layer spec)",
+    "bias_activation_fusion": "a torch.compile-fused bias + SwiGLU (these models have no MLP bias)",
+    "masked_softmax_fusion": "Apex's CUDA scaled-masked-softmax kernel",
+    "bias_dropout_fusion": "a fused bias-dropout-add (no bias, dropout 0 here)",
+    "persist_layer_norm": "Apex's persistent LayerNorm kernel (RMSNorm here is torch's)",
+    "memory_efficient_layer_norm": "Apex's memory-efficient LayerNorm kernel (RMSNorm here is torch's)",
+}
+# Training-only switches of Megatron's DDP / optimizer plumbing that change when or how, not what, is computed.
+TRAIN_PERFORMANCE_SWITCHES: dict[str, str] = {
+    "gradient_accumulation_fusion": "Apex's kernel that accumulates weight gradients into Megatron DDP's main_grad "
+    "buffers (here they accumulate in .grad and are copied into the fp32 masters)",
+    "cross_entropy_loss_fusion": "Megatron's fused cross-entropy (the losses here are rl-core's, on "
+    "vocabulary-parallel log-probs)",
+    "overlap_grad_reduce": "overlapping the data-parallel gradient reduction with the backward in Megatron DDP "
+    "buckets (here: one flat all-reduce per dtype after the last micro-batch, the same sum)",
+    "overlap_param_gather": "overlapping the distributed optimizer's parameter all-gather with the next forward "
+    "(here the updated partitions are broadcast right after the step)",
+}
+PRECISION_KEYS: dict[str, tuple[type, ...]] = {"bf16": (bool,), "fp16": (bool,)}
+"""Megatron's precision flags; they must restate ``model_args.dtype``, the one source of the compute dtype."""
+
+# key -> accepted types; the infer strategy reads only the parallel layout, precision and kernel keys
 LAYOUT_KEYS: dict[str, tuple[type, ...]] = {
     "tensor_model_parallel_size": (int,),
     "pipeline_model_parallel_size": (int,),
@@ -22,13 +48,18 @@ LAYOUT_KEYS: dict[str, tuple[type, ...]] = {
     "virtual_pipeline_model_parallel_size": (int, NoneType),
     "sequence_parallel": (bool,),
 }
-TRAIN_KEYS: dict[str, tuple[type, ...]] = {
+INFER_KEYS: dict[str, tuple[type, ...]] = {
     **LAYOUT_KEYS,
+    **PRECISION_KEYS,
+    **dict.fromkeys(KERNEL_FUSION_SWITCHES, (bool,)),
+}
+TRAIN_KEYS: dict[str, tuple[type, ...]] = {
+    **INFER_KEYS,
+    **dict.fromkeys(TRAIN_PERFORMANCE_SWITCHES, (bool,)),
     "recompute_granularity": (str, NoneType),
     "recompute_method": (str, NoneType),
     "recompute_num_layers": (int, NoneType),
     "use_distributed_optimizer": (bool,),
-    "overlap_grad_reduce": (bool,),
     "moe_layer_recompute": (bool,),
     "moe_token_dispatcher_type": (str,),
     "moe_grouped_gemm": (bool,),
@@ -52,6 +83,10 @@ class MegatronOptions:
     """With ``full``: ``uniform`` (default) or ``block``."""
     recompute_num_layers: int | None = None
     """With ``full``: layers per recomputed chunk (uniform) or recomputed layers per stage (block); default 1."""
+    use_distributed_optimizer: bool = False
+    """Partition AdamW's state over the data-parallel ranks (ZeRO stage 1, Megatron's DistributedOptimizer)."""
+    unused_switches: tuple[str, ...] = ()
+    """Performance-only keys set to true that this build does not act on (logged once at start-up)."""
 
     @property
     def model_parallel_size(self) -> int:
@@ -94,17 +129,22 @@ def _reject_unsupported(config: dict[str, Any], prefix: str) -> None:
             f"{[f'{prefix}.{key}' for key in moe]} apply to MoE models; this adapter supports dense decoders "
             "(Qwen2 / Qwen3 / Llama / Mistral) only. Remove them."
         )
-    if config.get("use_distributed_optimizer"):
+    if config.get("overlap_param_gather") and not config.get("use_distributed_optimizer"):
         raise ValueError(
-            f"{prefix}.use_distributed_optimizer=true: Megatron's DistributedOptimizer needs Megatron's DDP grad "
-            "buffers, which this adapter does not use (it runs torch AdamW on each rank's own shards, gradients "
-            "summed over data-parallel ranks). Set it to false; fsdp2_train shards optimizer state instead."
+            f"{prefix}.overlap_param_gather=true applies to the distributed optimizer (as in Megatron); set "
+            f"{prefix}.use_distributed_optimizer: true or remove it."
         )
-    if config.get("overlap_grad_reduce"):
-        raise ValueError(
-            f"{prefix}.overlap_grad_reduce=true needs Megatron's DDP grad buffers, which this adapter does not use; "
-            "set it to false."
-        )
+
+
+def _check_precision(config: dict[str, Any], prefix: str, dtype: str, role: str) -> None:
+    """``bf16`` / ``fp16`` may restate ``model_args.dtype`` (ROLL files set both); a contradiction is an error."""
+    for key in PRECISION_KEYS:
+        if key in config and config[key] != (dtype == key):
+            fix = f"set {role}.model_args.dtype: {key}" if config[key] else f"remove {prefix}.{key}"
+            raise ValueError(
+                f"{prefix}.{key}={str(config[key]).lower()} contradicts {role}.model_args.dtype={dtype!r}; the "
+                f"compute dtype is model_args.dtype (strategy_config.bf16 / fp16 only restate it): {fix}."
+            )
 
 
 def _check_recompute(config: dict[str, Any], prefix: str) -> None:
@@ -121,14 +161,17 @@ def _check_recompute(config: dict[str, Any], prefix: str) -> None:
         )
 
 
-def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool) -> MegatronOptions:
-    """Validate a megatron_train (``train``) or megatron_infer strategy_config; errors name every bad key."""
+def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dtype: str) -> MegatronOptions:
+    """Validate a megatron_train (``train``) or megatron_infer strategy_config against the role's
+    ``model_args.dtype``; errors name every bad key."""
     prefix = f"{role}.strategy_args.strategy_config"
-    keys = TRAIN_KEYS if train else LAYOUT_KEYS
+    keys = TRAIN_KEYS if train else INFER_KEYS
     reject_unknown_keys(config, set(keys), prefix)
     _check_types(config, keys, prefix)
     _reject_unsupported(config, prefix)
     _check_recompute(config, prefix)
+    _check_precision(config, prefix, dtype, role)
+    switches = KERNEL_FUSION_SWITCHES | TRAIN_PERFORMANCE_SWITCHES
     tp = int(config.get("tensor_model_parallel_size", 1))
     granularity = config.get("recompute_granularity")
     full = granularity == "full"
@@ -138,6 +181,20 @@ def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool) ->
         recompute_granularity=granularity,
         recompute_method=(config.get("recompute_method") or "uniform") if full else None,
         recompute_num_layers=(config.get("recompute_num_layers") or 1) if full else None,
+        use_distributed_optimizer=bool(config.get("use_distributed_optimizer", False)),
+        unused_switches=tuple(key for key in switches if config.get(key)),
+    )
+
+
+def describe_unused_switches(options: MegatronOptions, role: str) -> str:
+    """One line naming the performance-only switches that are set but not acted on, and why ("" when none)."""
+    if not options.unused_switches:
+        return ""
+    switches = KERNEL_FUSION_SWITCHES | TRAIN_PERFORMANCE_SWITCHES
+    reasons = "; ".join(f"{key}: {switches[key]}" for key in options.unused_switches)
+    return (
+        f"{role}.strategy_args.strategy_config: performance-only switches accepted but not used by this build "
+        f"(the computation is the same without them) - {reasons}."
     )
 
 

@@ -35,7 +35,9 @@ class MegatronInferStrategy:
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config
         self.role = role
-        self.options = parse_megatron_options(dict(config.strategy_args.strategy_config), role, train=False)
+        self.options = parse_megatron_options(
+            dict(config.strategy_args.strategy_config), role, train=False, dtype=config.model_args.dtype
+        )
         self.device = torch.device("cpu")
         self.megatron: MegatronModel = None  # type: ignore[assignment]
         self.model: MegatronGenerator = None  # type: ignore[assignment]

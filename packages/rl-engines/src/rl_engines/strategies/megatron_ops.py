@@ -1,12 +1,14 @@
 """Collective math of the Megatron strategies, in plain torch.distributed (no megatron import).
 
 Vocabulary-parallel log-softmax and entropy (each tensor-parallel rank holds a slice of the vocabulary), the
-gradient norm and data-parallel gradient sum, and the exchange that gives every rank of a model-parallel group the
-same batch. Every function is exact for a group of one, so it is testable in a single process.
+gradient norm and data-parallel gradient sum, the optimizer-state partition over data-parallel ranks, and the
+exchange that gives every rank of a model-parallel group the same batch. Every function is exact for a group of
+one, so it is testable in a single process.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -140,3 +142,41 @@ def clip_gradients(params: Iterable[nn.Parameter], norm: float, max_norm: float 
         for param in params:
             if param.grad is not None:
                 param.grad.mul_(coef)
+
+
+def partition_optimizer_state(
+    optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None
+) -> torch.optim.Optimizer:
+    """``optimizer`` (same class, parameters and hyper-parameters) with its state partitioned over ``group``.
+
+    ZeRO stage 1 (Rajbhandari et al. 2020, "ZeRO", section 5.1), what Megatron's DistributedOptimizer does: each
+    data-parallel rank keeps the state of a disjoint set of whole parameters (balanced greedily by size), updates
+    only those and broadcasts them after the step (torch's ``ZeroRedundancyOptimizer``). The gradients must already
+    be summed over ``group``; as AdamW is elementwise the update equals the unpartitioned one. A group of one (or
+    None) returns ``optimizer`` itself. ``optimizer`` must not have taken a step yet (its state is not carried).
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return optimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # ~1 s to import: only when used
+
+    accepted = inspect.signature(type(optimizer)).parameters  # defaults may hold keys __init__ does not take
+    hyper = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    params = [param for param_group in optimizer.param_groups for param in param_group["params"]]
+    return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), process_group=group, **hyper)
+
+
+def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer holding this rank's state: the partition's own one under :func:`partition_optimizer_state`,
+    else ``optimizer`` itself."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.optim  # type: ignore[no-any-return]
+    return optimizer
+
+
+def optimizer_state_numel(optimizer: torch.optim.Optimizer) -> int:
+    """Elements of the tensors in the optimizer state this rank holds (AdamW: ``exp_avg`` + ``exp_avg_sq`` +
+    one ``step`` per parameter that has taken a step)."""
+    states = local_optimizer(optimizer).state.values()
+    return sum(value.numel() for state in states for value in state.values() if isinstance(value, torch.Tensor))

@@ -9,11 +9,13 @@ replica trains on ``world / TP`` ranks' worth of samples (ROLL: global batch = p
 gradient_accumulation_steps x world / TP). Gradient semantics as in fsdp2_train: each micro-batch loss is its
 share of the mini-batch loss (rl-core GlobalBatchInfo over DP ranks), gradients are summed over DP ranks and
 accumulation steps. Optimizer: torch AdamW over each rank's own shards (elementwise, so identical to AdamW on the
-full tensors); Megatron's DistributedOptimizer is not used (use_distributed_optimizer: true is rejected).
+full tensors), replicated over DP ranks; with ``use_distributed_optimizer: true`` its state is partitioned over
+the DP ranks instead (ZeRO stage 1, as Megatron's DistributedOptimizer), with the same update.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -26,9 +28,16 @@ from rl_engines.config import WorkerConfig
 from rl_engines.objectives import Objective
 from rl_engines.strategies import megatron_checkpoint
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, require_engine_package, worker_device
-from rl_engines.strategies.megatron_config import check_world_size, parse_megatron_options
+from rl_engines.strategies.megatron_config import check_world_size, describe_unused_switches, parse_megatron_options
 from rl_engines.strategies.megatron_model import MegatronModel, build_model, init_model_parallel
-from rl_engines.strategies.megatron_ops import clip_gradients, gather_batch, grad_norm, sum_gradients
+from rl_engines.strategies.megatron_ops import (
+    clip_gradients,
+    gather_batch,
+    grad_norm,
+    local_optimizer,
+    partition_optimizer_state,
+    sum_gradients,
+)
 from rl_engines.strategies.megatron_weights import export_hf, sharded_names
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path
 from rl_engines.strategies.train_utils import (
@@ -46,6 +55,8 @@ from rl_engines.strategies.train_utils import (
     token_share,
 )
 
+logger = logging.getLogger(__name__)
+
 
 @STRATEGIES.register("megatron_train")
 class MegatronTrainStrategy:
@@ -56,7 +67,9 @@ class MegatronTrainStrategy:
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config
         self.role = role
-        self.options = parse_megatron_options(dict(config.strategy_args.strategy_config), role, train=True)
+        self.options = parse_megatron_options(
+            dict(config.strategy_args.strategy_config), role, train=True, dtype=config.model_args.dtype
+        )
         self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
         self.device = torch.device("cpu")
         self.global_step = 0
@@ -70,17 +83,21 @@ class MegatronTrainStrategy:
         self.scheduler: Any = None
         self.tokenizer: Any = None
         self.dp_rank, self.dp_group = 0, None
+        self.dp_size = 1
         self._offloaded_state: list[tuple[int, str, torch.device]] = []
         self._offloaded = False
 
     # ---- setup ---------------------------------------------------------------------------------------------
     def initialize(self) -> None:
-        """Set up Megatron's groups, load this rank's fp32 master shards, build AdamW and the LR schedule."""
+        """Set up Megatron's groups, load this rank's fp32 master shards, build AdamW (its state partitioned over
+        DP ranks with use_distributed_optimizer) and the LR schedule."""
         require_engine_package("megatron", "megatron_train", "megatron")
         from megatron.core import parallel_state
 
         ensure_process_group()
-        check_world_size(self.options, dist.get_world_size(), self.role)
+        self.dp_size = check_world_size(self.options, dist.get_world_size(), self.role)
+        if self.options.unused_switches and dist.get_rank() == 0:
+            logger.warning(describe_unused_switches(self.options, self.role))
         self.device = worker_device()
         args = self.config.model_args
         seed = self.config.training_args.seed
@@ -95,6 +112,8 @@ class MegatronTrainStrategy:
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group() if dist.get_world_size() > 1 else None
         self.optimizer = build_optimizer(self.masters.values(), self.config.training_args)
+        if self.options.use_distributed_optimizer:  # at DP = 1 this keeps the plain AdamW
+            self.optimizer = partition_optimizer_state(self.optimizer, self.dp_group)
         self.scheduler = build_scheduler(self.optimizer, self.config.training_args, self.role)
         self.tokenizer = load_tokenizer(path)
 
@@ -152,8 +171,8 @@ class MegatronTrainStrategy:
         owned = [master for name, master in self.masters.items() if name in self.sharded or first]
         norm = grad_norm(owned, self.model.tp_group)
         clip_gradients(self.masters.values(), norm, self.config.training_args.max_grad_norm)
-        if math.isfinite(norm):
-            self.optimizer.step()  # a non-finite norm skips the update (as DeepSpeed does) and is reported
+        if math.isfinite(norm):  # else skip the update (as DeepSpeed does; the norm, hence the skip, is global)
+            self.optimizer.step()  # partitioned: each DP rank updates the tensors it owns, then broadcasts them
             self.publish_masters()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
@@ -193,11 +212,13 @@ class MegatronTrainStrategy:
         raise NotImplementedError(f"{self.role}: load weights through load_checkpoint")
 
     def save_checkpoint(self, path: str) -> None:
-        """Atomically save each TP rank's shards + AdamW state, schedule, step and RNG."""
+        """Atomically save each TP rank's shards, the AdamW state (one partition per DP rank when it is
+        partitioned), schedule, step and RNG."""
         megatron_checkpoint.save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore a checkpoint written by :meth:`save_checkpoint` (same tensor_model_parallel_size)."""
+        """Restore a checkpoint written by :meth:`save_checkpoint` (same tensor_model_parallel_size; any DP size,
+        with or without use_distributed_optimizer)."""
         megatron_checkpoint.load(self, path)
 
     def save_hf(self, path: str) -> None:
@@ -211,7 +232,7 @@ class MegatronTrainStrategy:
             self.model.module.to("cpu")
             _move(self._pairs, torch.device("cpu"))
             if self.optimizer is not None:
-                self._offloaded_state = offload_optimizer_state(self.optimizer)
+                self._offloaded_state = offload_optimizer_state(local_optimizer(self.optimizer))
             torch.cuda.empty_cache()
 
     def reload(self) -> None:
@@ -221,7 +242,7 @@ class MegatronTrainStrategy:
             self.model.module.to(self.device)
             _move(self._pairs, self.device)
             if self.optimizer is not None:
-                reload_optimizer_state(self.optimizer, self._offloaded_state)
+                reload_optimizer_state(local_optimizer(self.optimizer), self._offloaded_state)
                 self._offloaded_state = []
 
 
