@@ -7,7 +7,7 @@ import pytest
 import torch
 from ckpt_models import VOCAB, load_state
 
-from rl_ckpt import convert_hf_to_mcore, convert_mcore_to_hf, open_mcore_checkpoint
+from rl_ckpt import CheckpointError, convert_hf_to_mcore, convert_mcore_to_hf, open_mcore_checkpoint
 from rl_ckpt.layout import padded_vocab_size
 
 D, HEADS, GROUPS, HIDDEN, FFN = 16, 4, 2, 64, 96  # head_dim = 64 / 4
@@ -115,3 +115,28 @@ def test_ckpt_reads_namespace_args_and_te_names(tiny_hf, tmp_path):
     assert all(torch.equal(before[k], after[k]) for k in before)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["num_key_value_heads"] == GROUPS and config["vocab_size"] == VOCAB
+
+
+def test_ckpt_rank_files_hold_only_their_shards(tiny_hf, tmp_path):
+    """torch.save writes a view's whole storage: every saved tensor must own exactly its bytes, so that a TP rank's
+    file is 1/TP of the model, not the whole of every split tensor."""
+    convert_hf_to_mcore(tiny_hf("qwen2", False), tmp_path, tp=2, pp=2)
+    for tp_rank in range(2):
+        for pp_rank in range(2):
+            for key, t in rank_state(tmp_path, tp_rank, pp_rank)["model"].items():
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), key
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("normalization", "LayerNorm"), ("add_bias_linear", True), ("num_experts", 8), ("rotary_percent", 0.5),
+     ("use_rope_scaling", True)],
+)  # fmt: skip
+def test_ckpt_unsupported_megatron_args_are_named(tiny_hf, tmp_path, key, value):
+    convert_hf_to_mcore(tiny_hf("qwen2", False), tmp_path / "mc")
+    path = tmp_path / "mc" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, weights_only=True)
+    state["args"].update({key: value, "hf_config": None, "model_type_hf": None})
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=key):
+        open_mcore_checkpoint(tmp_path / "mc")

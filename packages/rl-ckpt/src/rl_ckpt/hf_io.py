@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -67,20 +69,84 @@ class HFCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
-    def get(self, name: str) -> torch.Tensor:
-        """Tensor ``name``; raises naming the folder when it is missing."""
+    def _handle(self, name: str) -> Any:
         if name not in self.weight_map:
             raise CheckpointError(f"tensor {name!r} is missing from {self.path}")
         file = self.weight_map[name]
         if file not in self._handles:
             self._handles[file] = safe_open(str(self.path / file), framework="pt")
-        tensor: torch.Tensor = self._handles[file].get_tensor(name)
+        return self._handles[file]
+
+    def get(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` (a copy); raises naming the folder when it is missing."""
+        tensor: torch.Tensor = self._handle(name).get_tensor(name)
         return tensor
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of tensor ``name``, read from the file header only."""
+        return tuple(int(n) for n in self._handle(name).get_slice(name).get_shape())
+
+    def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """``tensor[start:stop]`` of ``name`` as a zero-copy view of the memory-mapped file (copy it to keep it)."""
+        view: torch.Tensor = self._handle(name).get_slice(name)[start:stop]
+        return view
+
+    def get_columns(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """``tensor[:, start:stop]`` of ``name``, a strided view of the memory-mapped file."""
+        view: torch.Tensor = self._handle(name).get_slice(name)[:, start:stop]
+        return view
+
+    def release(self) -> None:
+        """Close the memory-mapped files: the pages read so far stop counting in this process's memory."""
+        self._handles.clear()
 
     def generation_config(self) -> dict[str, Any] | None:
         """generation_config.json as a dict, when the folder has one."""
         file = self.path / "generation_config.json"
         return dict(json.loads(file.read_text(encoding="utf-8"))) if file.is_file() else None
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file written straight from the tensors' memory (``safetensors.torch.save_file`` first copies
+    every tensor into a bytes object): 8-byte header length, JSON header, then the data in ``tensors``' order.
+
+    Falls back to ``save_file`` for dtypes outside the table above and on big-endian machines.
+    """
+    if sys.byteorder != "little" or any(t.dtype not in _SAFETENSORS_DTYPES for t in tensors.values()):
+        save_file(tensors, str(path), metadata=metadata)
+        return
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 class ShardedSafetensorsWriter:
@@ -118,7 +184,7 @@ class ShardedSafetensorsWriter:
         if not self._buffer:
             return
         path = self.out_dir / f".partial-{len(self._files) + 1:05d}.safetensors"
-        save_file(self._buffer, str(path), metadata={"format": "pt"})
+        write_safetensors(path, self._buffer, metadata={"format": "pt"})
         self._where.update(dict.fromkeys(self._buffer, len(self._files)))
         self._files.append(path)
         self._buffer, self._buffer_bytes = {}, 0

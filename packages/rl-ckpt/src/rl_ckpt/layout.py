@@ -47,11 +47,22 @@ def split_qkv(fused: torch.Tensor, groups: int, head_dim: int) -> tuple[torch.Te
     return q.reshape(-1, *tail).contiguous(), k.reshape(-1, *tail).contiguous(), v.reshape(-1, *tail).contiguous()
 
 
+def compact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous and owning exactly its bytes: ``torch.save`` writes a view's whole storage, so a row block
+    of a bigger tensor saved as is would carry every other rank's rows too."""
+    if not t.is_contiguous():
+        return t.contiguous()
+    if t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone()
+    return t
+
+
 def split(t: torch.Tensor, tp: int, dim: int, name: str) -> list[torch.Tensor]:
-    """``t`` cut into tp equal contiguous blocks along ``dim``; raises when it does not divide evenly."""
+    """``t`` cut into tp equal blocks along ``dim``, each compact (see :func:`compact`); raises when it does not
+    divide evenly."""
     if t.shape[dim] % tp:
         raise CheckpointError(f"{name}: dimension {dim} of shape {tuple(t.shape)} does not divide by TP={tp}")
-    return [c.contiguous() for c in torch.chunk(t, tp, dim=dim)]
+    return [compact(c) for c in torch.chunk(t, tp, dim=dim)]
 
 
 def fuse_fc1(gate: torch.Tensor, up: torch.Tensor, tp: int) -> list[torch.Tensor]:

@@ -6,13 +6,15 @@ Layout (megatron's ``save_checkpoint`` without dist_checkpointing)::
     <root>/iter_0000001/mp_rank_00/model_optim_rng.pt        PP == 1: mp_rank_<tp:02d>
     <root>/iter_0000001/mp_rank_00_001/model_optim_rng.pt    PP > 1:  mp_rank_<tp:02d>_<pp:03d>
 
-Each file is a ``torch.save`` dict ``{"args", "checkpoint_version", "iteration", "model", ...}``.
+Each file is a ``torch.save`` dict ``{"args", "checkpoint_version", "iteration", "model", ...}``; Megatron-LM's
+training loop adds ``optimizer``, ``opt_param_scheduler``, ``rng_state`` (numpy arrays inside) and more, and its
+``args`` namespace holds enums: they are read as inert placeholders (``safe_load``), never executed.
+A dist_checkpointing (``torch_dist``) iteration folder holds ``metadata.json`` and ``.metadata`` instead of
+``mp_rank_*`` folders (see ``mcore_dist``).
 """
 
 from __future__ import annotations
 
-import argparse
-import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +24,16 @@ import torch
 
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.families import MCORE_NORM_ALIASES
+from rl_ckpt.safe_load import load_torch_file
 from rl_ckpt.spec import arg
 
 CHECKPOINT_VERSION = 3.0
 RANK_FILE = "model_optim_rng.pt"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+DIST_MARKERS = ("metadata.json", ".metadata")
+"""Files that make a folder a dist_checkpointing one (megatron's backend description, torch DCP's metadata)."""
 _RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
+_EXPERT_RANK_DIR = re.compile(r"mp_rank_\d{2}_\d{3}_\d{3}")  # TP, PP, EP; TP + EP alone looks like TP + PP
 
 
 def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
@@ -45,8 +51,13 @@ def write_tracker(root: Path, iteration: int) -> None:
     (root / TRACKER_FILE).write_text(f"{iteration}\n", encoding="utf-8")
 
 
+def is_dist_dir(path: Path) -> bool:
+    """Whether ``path`` is a dist_checkpointing (``torch_dist``) iteration folder."""
+    return any((path / name).is_file() for name in DIST_MARKERS)
+
+
 def resolve_iteration_dir(path: Path) -> Path:
-    """The folder holding the ``mp_rank_*`` folders, from a checkpoint root or an ``iter_*`` folder."""
+    """The iteration folder (``mp_rank_*`` folders or a torch_dist folder) from a checkpoint root or itself."""
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist; check --checkpoint_path")
     tracker = path / TRACKER_FILE
@@ -56,7 +67,7 @@ def resolve_iteration_dir(path: Path) -> Path:
         if not found.is_dir():
             raise CheckpointError(f"{tracker} names iteration {text!r} but {found} does not exist")
         return found
-    if any(_RANK_DIR.fullmatch(p.name) for p in path.iterdir()):
+    if is_dist_dir(path) or any(_RANK_DIR.fullmatch(p.name) for p in path.iterdir()):
         return path
     iters = sorted(p for p in path.iterdir() if p.is_dir() and (p.name.startswith("iter_") or p.name == "release"))
     if len(iters) == 1:
@@ -92,7 +103,13 @@ class RankLayout:
 
 def discover_layout(iteration_dir: Path) -> RankLayout:
     """TP and PP sizes from the ``mp_rank_*`` folder names (expert-parallel folders are not supported yet)."""
-    matches = [m for m in (_RANK_DIR.fullmatch(p.name) for p in iteration_dir.iterdir() if p.is_dir()) if m]
+    names = [p.name for p in iteration_dir.iterdir() if p.is_dir()]
+    if any(_EXPERT_RANK_DIR.fullmatch(name) for name in names):
+        raise CheckpointError(
+            f"{iteration_dir} holds expert-parallel rank folders (mp_rank_XX_YYY_EEE): MoE / expert parallelism "
+            "is not supported yet"
+        )
+    matches = [m for m in (_RANK_DIR.fullmatch(name) for name in names) if m]
     if not matches:
         raise CheckpointError(f"no mp_rank_* folders in {iteration_dir}; is it a dist_checkpointing (torch_dist) one?")
     tp = max(int(m.group(1)) for m in matches) + 1
@@ -103,7 +120,14 @@ def discover_layout(iteration_dir: Path) -> RankLayout:
 
 
 def check_layout_against_args(layout: RankLayout, args: object) -> None:
-    """Catch a whole missing rank folder (which the folder names alone cannot show) from the saved TP / PP."""
+    """Catch a whole missing rank folder (which the folder names alone cannot show) from the saved TP / PP, and
+    expert-parallel checkpoints (``mp_rank_XX_EEE`` looks like ``mp_rank_XX_YYY``)."""
+    experts, ep = int(arg(args, "num_experts", 0) or 0), int(arg(args, "expert_model_parallel_size", 1) or 1)
+    if experts or ep > 1:
+        raise CheckpointError(
+            f"{layout.iteration_dir}: the args describe a MoE model (num_experts={experts}, "
+            f"expert_model_parallel_size={ep}), which is not supported yet"
+        )
     want_tp = int(arg(args, "tensor_model_parallel_size", layout.tp) or layout.tp)
     want_pp = int(arg(args, "pipeline_model_parallel_size", layout.pp) or layout.pp)
     if (want_tp, want_pp) != (layout.tp, layout.pp):
@@ -115,39 +139,35 @@ def check_layout_against_args(layout: RankLayout, args: object) -> None:
         )
 
 
-def _normalize(model: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Drop ``_extra_state`` / None entries and rename TE fused-layernorm names to the local-spec names."""
+def local_norm_name(key: str) -> str:
+    """``key`` with a Transformer-Engine fused-layernorm name replaced by the local-spec name."""
+    for te_name, local_name in MCORE_NORM_ALIASES.items():
+        if key.endswith(te_name):
+            return key[: -len(te_name)] + local_name
+    return key
+
+
+def normalize_keys(model: dict[str, Any], where: Path) -> dict[str, torch.Tensor]:
+    """Drop ``_extra_state`` / None entries, rename TE fused-layernorm names; raise for any other non-tensor."""
     out: dict[str, torch.Tensor] = {}
     for key, value in model.items():
         if key.endswith("_extra_state") or value is None:
             continue
-        for te_name, local_name in MCORE_NORM_ALIASES.items():
-            if key.endswith(te_name):
-                key = key[: -len(te_name)] + local_name
-        out[key] = value
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"{where}: model entry {key} is a {type(value).__name__}, not a tensor")
+        out[local_norm_name(key)] = value
     return out
 
 
 def load_rank(path: Path, trust_checkpoint: bool = False) -> tuple[object, dict[str, torch.Tensor]]:
-    """(args, model state dict) of one rank file, memory-mapped.
-
-    Without ``trust_checkpoint`` the file is read with ``weights_only=True`` (argparse.Namespace allowed), which runs
-    no code from the file; checkpoints holding other Python objects need ``trust_checkpoint=True``.
-    """
-    try:
-        with torch.serialization.safe_globals([argparse.Namespace]):
-            state = torch.load(path, map_location="cpu", weights_only=not trust_checkpoint, mmap=True)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"{path} holds Python objects beyond tensors and args ({str(err).splitlines()[0]}); re-run with "
-            "--trust_checkpoint to unpickle it (this runs code from the file: only for checkpoints you trust)"
-        ) from None
-    except (RuntimeError, OSError, EOFError) as err:
-        raise CheckpointError(f"cannot read rank file {path}: {err}; the file is corrupt or truncated") from None
-    if "model" not in state:
-        extra = " (virtual pipeline stages model0, model1, ... are not supported yet)" if "model0" in state else ""
-        raise CheckpointError(f"{path} has no 'model' entry{extra}; keys: {sorted(state)}")
-    return state.get("args"), _normalize(state["model"])
+    """(args, model state dict) of one rank file, memory-mapped; see ``safe_load`` for what ``trust_checkpoint``
+    changes (by default no code from the file runs, whatever it holds)."""
+    state = load_torch_file(path, trust=trust_checkpoint)
+    if not isinstance(state, dict) or "model" not in state:
+        keys = sorted(state) if isinstance(state, dict) else type(state).__name__
+        extra = " (virtual pipeline stages model0, model1, ... are not supported yet)" if "model0" in keys else ""
+        raise CheckpointError(f"{path} has no 'model' entry{extra}; keys: {keys}")
+    return state.get("args"), normalize_keys(state["model"], path)
 
 
 def save_rank(path: Path, model: dict[str, torch.Tensor], args: dict[str, Any], iteration: int) -> None:

@@ -116,6 +116,14 @@ def arg(args: object, key: str, default: Any = None) -> Any:
     return getattr(args, key, default)
 
 
+def required(args: object, key: str) -> int:
+    """``int(args.key)``; raises naming the key when the args lack it (or are not megatron's args at all)."""
+    value = arg(args, key)
+    if value is None:
+        raise CheckpointError(f"the checkpoint's args have no {key!r} (args: {type(args).__name__}); is it megatron's?")
+    return int(value)
+
+
 def _vocab_size(args: object, hf_config: Mapping[str, Any] | None, override: int | None) -> int:
     size = override or arg(args, "vocab_size") or (hf_config or {}).get("vocab_size")
     if not size:
@@ -125,31 +133,99 @@ def _vocab_size(args: object, hf_config: Mapping[str, Any] | None, override: int
     return int(size)
 
 
-def spec_from_mcore_args(args: object, vocab_size: int | None = None, model_type: str | None = None) -> ModelSpec:
-    """Read the ``args`` of a rank file (our dict or megatron-core's Namespace); flags override what it says."""
-    hf_config = arg(args, "hf_config")
-    heads = int(arg(args, "num_attention_heads"))
-    hidden = int(arg(args, "hidden_size"))
+_HF_VS_MCORE = {
+    "num_hidden_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "intermediate_size": "ffn_hidden_size",
+}
+
+
+def _check_hf_config(spec: ModelSpec, hf_config: Mapping[str, Any]) -> None:
+    """Raise when a HF config.json found next to the checkpoint describes another model than its args."""
+    if hf_config.get("model_type", spec.model_type) != spec.model_type:
+        raise CheckpointError(
+            f"the HF config.json found for this checkpoint has model_type={hf_config['model_type']!r} but "
+            f"{spec.model_type!r} was asked for (--model_type or the args); drop one of them"
+        )
+    for hf_key, field_name in _HF_VS_MCORE.items():
+        if hf_key in hf_config and int(hf_config[hf_key]) != getattr(spec, field_name):
+            raise CheckpointError(
+                f"the HF config.json found for this checkpoint says {hf_key}={hf_config[hf_key]} but the Megatron "
+                f"args say {field_name}={getattr(spec, field_name)}: it belongs to another model; pass the right "
+                "--tokenizer_path"
+            )
+
+
+_SUPPORTED_ARGS: dict[str, tuple[Any, ...]] = {
+    "normalization": ("RMSNorm",),
+    "position_embedding_type": ("rope",),
+    "swiglu": (True,),
+    "rotary_percent": (1.0,),
+    "add_bias_linear": (False,),
+    "apply_layernorm_1p": (False,),
+    "multi_latent_attention": (False,),
+    "num_experts": (0,),
+}
+"""Megatron args whose other values make a model the dense-decoder families cannot express (absent: fine)."""
+
+
+def check_supported_args(args: object, hf_config: Mapping[str, Any] | None) -> None:
+    """Raise naming the first Megatron argument that describes something rl-ckpt does not convert."""
+    for key, allowed in _SUPPORTED_ARGS.items():
+        value = arg(args, key)
+        if value is not None and value not in allowed:
+            raise CheckpointError(
+                f"the checkpoint's args set {key}={value!r}; rl-ckpt converts only {key} in {allowed} "
+                "(dense RMSNorm / SwiGLU / RoPE decoders without linear biases or experts)"
+            )
+    if arg(args, "use_rope_scaling") and hf_config is None:
+        raise CheckpointError(
+            "the checkpoint's args set use_rope_scaling (Llama 3.1 RoPE scaling), which the config.json built from "
+            "the args would lose; pass --tokenizer_path with the model's HF config.json"
+        )
+
+
+def spec_from_mcore_args(
+    args: object,
+    vocab_size: int | None = None,
+    model_type: str | None = None,
+    hf_config: Mapping[str, Any] | None = None,
+) -> ModelSpec:
+    """Read the ``args`` of a rank file (our dict or megatron-core's Namespace); flags override what it says.
+
+    ``hf_config``: the model's HF config.json when known (carried in our args, or found next to the checkpoint):
+    it gives the model type and vocabulary size Megatron-LM's args lack, and must agree with the args' sizes.
+    """
+    if hf_config is None and isinstance(arg(args, "hf_config"), Mapping):
+        hf_config = arg(args, "hf_config")
+    check_supported_args(args, hf_config)
+    heads = required(args, "num_attention_heads")
+    hidden = required(args, "hidden_size")
     qkv_bias = bool(arg(args, "add_qkv_bias", False))
     qk_norm = bool(arg(args, "qk_layernorm", False))
-    name = model_type or arg(args, "model_type_hf") or guess_family_name(qkv_bias, qk_norm)
+    known = (hf_config or {}).get("model_type")
+    name = model_type or arg(args, "model_type_hf") or known or guess_family_name(qkv_bias, qk_norm)
     groups = int(arg(args, "num_query_groups") or heads) if arg(args, "group_query_attention", True) else heads
-    return ModelSpec(
+    spec = ModelSpec(
         model_type=FAMILIES.get(name).name,
-        num_layers=int(arg(args, "num_layers")),
+        num_layers=required(args, "num_layers"),
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=groups,
         head_dim=int(arg(args, "kv_channels") or hidden // heads),
-        ffn_hidden_size=int(arg(args, "ffn_hidden_size")),
+        ffn_hidden_size=required(args, "ffn_hidden_size"),
         vocab_size=_vocab_size(args, hf_config, vocab_size),
         tied_embeddings=not bool(arg(args, "untie_embeddings_and_output_weights", False)),
         qkv_bias=qkv_bias,
         norm_epsilon=float(arg(args, "norm_epsilon", 1e-5)),
         rotary_base=float(arg(args, "rotary_base", 10000.0)),
         max_position_embeddings=int(arg(args, "max_position_embeddings", 4096)),
-        hf_config=copy.deepcopy(dict(hf_config)) if isinstance(hf_config, Mapping) else None,
+        hf_config=copy.deepcopy(dict(hf_config)) if hf_config is not None else None,
     )
+    if hf_config is not None:
+        _check_hf_config(spec, hf_config)
+    return spec
 
 
 def hf_config_dict(spec: ModelSpec, dtype: str) -> dict[str, Any]:

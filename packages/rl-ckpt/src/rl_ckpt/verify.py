@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from rl_ckpt.errors import CheckpointError
-from rl_ckpt.mcore_to_hf import McoreCheckpoint, iter_hf_tensors
+from rl_ckpt.mcore_merge import McoreSource, iter_hf_tensors
 from rl_ckpt.spec import hf_config_dict
 
 VERIFY_TOKENS = 16
@@ -58,17 +58,17 @@ def logits_max_abs_diff(a: Any, b: Any, vocab_size: int) -> float:
     return float((la - lb).abs().max())
 
 
-def _merged_model(ckpt: McoreCheckpoint) -> Any:
+def _merged_model(ckpt: McoreSource) -> Any:
     tensors = dict(iter_hf_tensors(ckpt))
     dtype = next(iter(tensors.values())).dtype
     return model_from_tensors(hf_config_dict(ckpt.spec, str(dtype).removeprefix("torch.")), tensors)
 
 
-def verify_hf_to_mcore(hf_path: Path, ckpt: McoreCheckpoint) -> float:
+def verify_hf_to_mcore(hf_path: Path, ckpt: McoreSource) -> float:
     """Logits of the original HF model vs the model rebuilt from the written Megatron checkpoint."""
     return logits_max_abs_diff(model_from_folder(hf_path), _merged_model(ckpt), ckpt.spec.vocab_size)
 
 
-def verify_mcore_to_hf(ckpt: McoreCheckpoint, hf_path: Path) -> float:
+def verify_mcore_to_hf(ckpt: McoreSource, hf_path: Path) -> float:
     """Logits of the model merged from the Megatron rank files vs the written HF folder loaded by transformers."""
     return logits_max_abs_diff(_merged_model(ckpt), model_from_folder(hf_path), ckpt.spec.vocab_size)

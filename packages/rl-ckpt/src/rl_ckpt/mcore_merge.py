@@ -1,0 +1,197 @@
+"""Megatron-core tensors -> HF tensors, shared by both checkpoint formats (per-rank files and torch_dist).
+
+A format yields :class:`StageShards`: the model state dicts of one piece of the model (a PP stage's TP ranks, or one
+already-merged layer), with megatron-core's local-spec key names and layer numbers local to the piece.
+:func:`iter_hf_tensors` turns the pieces into HF tensors in order, holding one piece at a time, and refuses
+tensors it would otherwise drop (biases, experts, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from rl_ckpt.errors import CheckpointError
+from rl_ckpt.families import FAMILIES
+from rl_ckpt.hf_io import vocab_size_from_tokenizer
+from rl_ckpt.layout import split_fc1, split_qkv
+from rl_ckpt.spec import ModelSpec, arg, spec_from_mcore_args
+
+_LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.")
+EMBEDDING = "embedding.word_embeddings.weight"
+OUTPUT = "output_layer.weight"
+FINAL_NORM = "decoder.final_layernorm.weight"
+
+
+class StageShards:
+    """The model state dicts of one piece's TP ranks, with merging that checks shapes across ranks.
+
+    ``paths`` name where each state dict came from (error messages); ``first`` / ``last``: the piece holds the
+    embedding / the final norm and output layer. ``used`` collects the keys read, see :meth:`unused_keys`.
+    """
+
+    def __init__(
+        self, states: list[dict[str, torch.Tensor]], paths: list[Path], *, first: bool = False, last: bool = False
+    ) -> None:
+        self.states = states
+        self.paths = paths
+        self.first, self.last = first, last
+        self.used: set[str] = set()
+
+    def shards(self, key: str) -> list[torch.Tensor]:
+        """One tensor per TP rank; raises naming the state dict that lacks ``key`` or disagrees in shape."""
+        for state, path in zip(self.states, self.paths):
+            if key not in state:
+                raise CheckpointError(f"tensor {key} is missing from {path}")
+        self.used.add(key)
+        out = [state[key] for state in self.states]
+        for t, path in zip(out[1:], self.paths[1:]):
+            if t.shape != out[0].shape:
+                raise CheckpointError(
+                    f"tensor {key} has shape {tuple(out[0].shape)} in {self.paths[0]} but {tuple(t.shape)} in "
+                    f"{path}; the rank files come from different models or one is corrupt"
+                )
+        return out
+
+    def cat(self, key: str, dim: int) -> torch.Tensor:
+        """TP shards of ``key`` concatenated along ``dim`` (the only shard itself when TP = 1)."""
+        shards = self.shards(key)
+        return shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)
+
+    def num_layers(self) -> int:
+        """Number of decoder layers in this piece (local numbering 0..n-1)."""
+        found = {int(m.group(1)) for key in self.states[0] if (m := _LAYER_KEY.match(key))}
+        if found != set(range(len(found))):
+            raise CheckpointError(f"{self.paths[0]}: local layer numbers {sorted(found)} are not 0..n-1")
+        return len(found)
+
+    def check(self, t: torch.Tensor, shape: tuple[int, ...], key: str) -> torch.Tensor:
+        """``t`` when it has ``shape``; else raise naming the tensor, the rank files and the args."""
+        if tuple(t.shape) != shape:
+            raise CheckpointError(
+                f"tensor {key} from {', '.join(map(str, self.paths))} merges to shape {tuple(t.shape)} but the "
+                f"args imply {shape}; the file is corrupt or the args (or --model_type / --vocab_size) are wrong"
+            )
+        return t
+
+    def unused_keys(self) -> list[str]:
+        """Tensors of this piece no HF tensor was made from (a model feature rl-ckpt does not convert)."""
+        return sorted(set(self.states[0]) - self.used)
+
+
+def layer_to_hf(stage: StageShards, spec: ModelSpec, local: int, layer: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors of global layer ``layer`` from local layer ``local`` of ``stage``.
+
+    linear_qkv [g*(r+2)*d, H] -> q [nq*d, H], k, v [g*d, H]; linear_fc1 shards [2F/tp, H] -> gate, up [F, H].
+    """
+    mc, hf = f"decoder.layers.{local}.", f"model.layers.{layer}.self_attn."
+    h, d, g, nq, f = (
+        spec.hidden_size,
+        spec.head_dim,
+        spec.num_query_groups,
+        spec.num_attention_heads,
+        spec.ffn_hidden_size,
+    )
+    rows = (nq + 2 * g) * d
+    for kind, tail in (("weight", (h,)), ("bias", ())) if spec.qkv_bias else (("weight", (h,)),):
+        key = f"{mc}self_attention.linear_qkv.{kind}"
+        q, k, v = split_qkv(stage.check(stage.cat(key, 0), (rows, *tail), key), g, d)
+        yield from ((f"{hf}{n}_proj.{kind}", t) for n, t in (("q", q), ("k", k), ("v", v)))
+    key = f"{mc}self_attention.linear_proj.weight"
+    yield f"{hf}o_proj.weight", stage.check(stage.cat(key, 1), (h, nq * d), key)
+    key = f"{mc}mlp.linear_fc1.weight"
+    gate, up = split_fc1([stage.check(s, (2 * f // len(stage.paths), h), key) for s in stage.shards(key)])
+    mlp = f"model.layers.{layer}.mlp."
+    yield f"{mlp}gate_proj.weight", gate
+    yield f"{mlp}up_proj.weight", up
+    key = f"{mc}mlp.linear_fc2.weight"
+    yield f"{mlp}down_proj.weight", stage.check(stage.cat(key, 1), (h, f), key)
+    for hf_name, mc_name in FAMILIES.get(spec.model_type).layer_norms.items():
+        size = d if "q_norm" in hf_name or "k_norm" in hf_name else h
+        yield f"model.layers.{layer}.{hf_name}", stage.check(stage.shards(mc + mc_name)[0], (size,), mc + mc_name)
+
+
+def vocab_rows(stage: StageShards, key: str, spec: ModelSpec) -> torch.Tensor:
+    """[Vp, H] merged over TP, trimmed to [V, H]."""
+    full = stage.cat(key, 0)
+    if full.shape[0] < spec.vocab_size or full.shape[1:] != (spec.hidden_size,):
+        stage.check(full, (spec.vocab_size, spec.hidden_size), key)
+    return full[: spec.vocab_size]
+
+
+class McoreSource(Protocol):
+    """An opened Megatron-core checkpoint of either format."""
+
+    @property
+    def args(self) -> object: ...
+
+    @property
+    def spec(self) -> ModelSpec: ...
+
+    @property
+    def iteration_dir(self) -> Path: ...
+
+    def stages(self) -> Iterator[StageShards]:
+        """The model's pieces in order, each read only when asked for (the caller drops it before the next)."""
+        ...
+
+
+def _end_of_piece(stage: StageShards, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+    if stage.last:
+        yield "model.norm.weight", stage.check(stage.shards(FINAL_NORM)[0], (spec.hidden_size,), FINAL_NORM)
+        if not spec.tied_embeddings:
+            yield "lm_head.weight", vocab_rows(stage, OUTPUT, spec)
+        elif OUTPUT in stage.states[0]:
+            stage.used.add(OUTPUT)  # tied + PP > 1: the last stage's copy of the embedding
+    unused = stage.unused_keys()
+    if unused:
+        raise CheckpointError(
+            f"{stage.paths[0]} holds tensors rl-ckpt does not convert: {', '.join(unused[:6])}"
+            f"{' ...' if len(unused) > 6 else ''} (linear biases, MoE experts and other extras are not supported yet)"
+        )
+
+
+def iter_hf_tensors(ckpt: McoreSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, tensor) in order, holding only one piece (PP stage or layer) of the checkpoint at a time."""
+    spec = ckpt.spec
+    offset = 0
+    for stage in ckpt.stages():
+        if stage.first:
+            yield "model.embed_tokens.weight", vocab_rows(stage, EMBEDDING, spec)
+        n_local = stage.num_layers()
+        for local in range(n_local):
+            yield from layer_to_hf(stage, spec, local, offset + local)
+        offset += n_local
+        yield from _end_of_piece(stage, spec)
+        del stage  # release this piece before the next one is read
+    if offset != spec.num_layers:
+        raise CheckpointError(f"{ckpt.iteration_dir}: found {offset} layers in all, the args say {spec.num_layers}")
+
+
+def _config_in(folder: Any) -> dict[str, Any] | None:
+    config = Path(folder) / "config.json" if isinstance(folder, (str, Path)) and folder else None
+    if config is None or not config.is_file():
+        return None
+    return dict(json.loads(config.read_text(encoding="utf-8")))
+
+
+def checkpoint_spec(
+    args: object, *, vocab_size: int | None, model_type: str | None, tokenizer_path: Path | str | None
+) -> ModelSpec:
+    """The model of a checkpoint from its args, completed by the HF config.json of ``tokenizer_path`` or, failing
+    that, of the folder the args name as ``tokenizer_model`` (Megatron-LM's HuggingFaceTokenizer path).
+
+    Megatron-LM's args record neither the HF model type nor the unpadded vocabulary size; such a config.json gives
+    both, and is written out verbatim (rope scaling, token ids) once its sizes are checked against the args.
+    """
+    hf_config = arg(args, "hf_config")
+    if not isinstance(hf_config, Mapping):
+        hf_config = _config_in(tokenizer_path) or _config_in(arg(args, "tokenizer_model"))
+    if vocab_size is None and hf_config is None and tokenizer_path is not None and not arg(args, "vocab_size"):
+        vocab_size = vocab_size_from_tokenizer(Path(tokenizer_path))
+    return spec_from_mcore_args(args, vocab_size, model_type, hf_config)

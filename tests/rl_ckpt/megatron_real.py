@@ -1,0 +1,287 @@
+"""Real megatron-core checkpoints for the rl_ckpt tests, written the way Megatron-LM's training loop writes them.
+
+Two gloo processes (``torch.multiprocessing.spawn``) build a megatron-core ``GPTModel`` (local layer spec, CPU) for
+each :class:`Case`, load it from the per-rank files rl-ckpt wrote for a tiny HF model, run a forward pass, and save:
+
+- ``legacy/``: Megatron-LM's ``--ckpt-format torch`` layout: ``latest_checkpointed_iteration.txt`` ("10", no
+  newline) and ``iter_0000010/mp_rank_XX[_YYY]/model_optim_rng.pt`` = ``generate_state_dict``'s dict: ``args`` (an
+  ``argparse.Namespace`` with Megatron-LM's names: no vocabulary size, no HF model type, enums, dtypes),
+  ``checkpoint_version`` 3.0, ``iteration``, ``model`` (``state_dict_for_save_checkpoint()``), ``optimizer``,
+  ``opt_param_scheduler``, ``rng_state`` (python / numpy / torch RNG states) and
+  ``num_floating_point_operations_so_far``; written by DP rank 0.
+- ``dist/``: ``--ckpt-format torch_dist``: ``dist_checkpointing.save`` of the same dict with the model's
+  ``sharded_state_dict()`` and the RNG state as a ``ShardedObject`` (common.pt + .metadata + __R_0.distcp files).
+- ``megatron_logits.pt``: the Megatron model's logits [1, S, V] on :data:`INPUT_IDS` (TP shards gathered, PP stages
+  chained with send / recv).
+
+The test-harness shims of ENGINES-ON-CPU.md (``tests/rl_engines/megatron_shims.py``) make megatron-core run on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import random
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+ITERATION = 10
+INPUT_IDS = [[1, 5, 17, 42, 99, 200, 249, 3, 64, 128, 7, 0]]
+WORLD = 2
+SHIMS = Path(__file__).resolve().parent.parent / "rl_engines" / "megatron_shims.py"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One real checkpoint: the HF folder it starts from and the parallel layout megatron-core saves it with."""
+
+    name: str
+    hf_dir: Path
+    tp: int
+    pp: int
+    hf_dir_in_args: bool = True
+    """Whether the args' ``tokenizer_model`` names ``hf_dir`` (else a folder of the training cluster, absent here)."""
+
+    def root(self, out: Path) -> Path:
+        """Folder of this case's outputs (``rl_ckpt``, ``legacy``, ``dist``, ``megatron_logits.pt``)."""
+        return out / self.name
+
+
+def _apply_shims() -> None:
+    spec = importlib.util.spec_from_file_location("megatron_shims", SHIMS)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.apply()
+
+
+def megatron_lm_args(spec: Any, tp: int, pp: int, padded_vocab: int, ckpt_format: str, tokenizer_model: str) -> Any:
+    """The ``args`` Megatron-LM's ``parse_args`` + ``validate_args`` store (the fields a converter may read, plus a
+    few typical non-primitive ones: an enum, torch dtypes). Megatron-LM records neither the unpadded vocabulary
+    size (``vocab_size`` is None without ``--vocab-size``) nor the HF model type."""
+    from megatron.core.transformer.enums import AttnBackend
+
+    return argparse.Namespace(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads, kv_channels=spec.head_dim,
+        group_query_attention=spec.num_query_groups != spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups, max_position_embeddings=spec.max_position_embeddings,
+        position_embedding_type="rope", rotary_base=int(spec.rotary_base), rotary_percent=1.0,
+        normalization="RMSNorm", norm_epsilon=spec.norm_epsilon, swiglu=True,
+        untie_embeddings_and_output_weights=not spec.tied_embeddings, add_qkv_bias=spec.qkv_bias,
+        add_bias_linear=False, qk_layernorm=spec.qk_norm, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
+        num_experts=None, make_vocab_size_divisible_by=128, padded_vocab_size=padded_vocab, vocab_size=None,
+        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_model, ckpt_format=ckpt_format,
+        use_dist_ckpt=ckpt_format != "torch", transformer_impl="local", attention_backend=AttnBackend.auto,
+        params_dtype=torch.float32, bf16=False, fp16=False, seed=1234, iteration=ITERATION, save=None,
+    )  # fmt: skip
+
+
+def _transformer_config(spec: Any, tp: int, pp: int) -> Any:
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=spec.norm_epsilon, gated_linear_unit=True, activation_func=F.silu,
+        add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm, hidden_dropout=0.0,
+        attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32, params_dtype=torch.float32, use_cpu_initialization=True,
+        bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False,
+    )  # fmt: skip
+
+
+def build_gpt(spec: Any, tp: int, pp: int, padded_vocab: int) -> Any:
+    """This rank's GPTModel stage (megatron-core, local spec, fp32, CPU).
+
+    One more CPU shim, for construction only: with tied embeddings and PP > 1, ``setup_embeddings_and_output_layer``
+    moves the shared weight to ``.cuda()`` before all-reducing it between the first and last stage.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    real_cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
+    try:
+        return GPTModel(
+            _transformer_config(spec, tp, pp),
+            get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm),
+            vocab_size=padded_vocab,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(),
+            post_process=parallel_state.is_pipeline_last_stage(),
+            share_embeddings_and_output_weights=spec.tied_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(spec.rotary_base),
+        )
+    finally:
+        torch.Tensor.cuda = real_cuda  # type: ignore[method-assign]
+
+
+def load_rl_ckpt_rank(model: Any, rank_file: Path) -> None:
+    """Load rl-ckpt's rank file strictly: the keys must be megatron-core's own, apart from ``_extra_state``."""
+    from rl_ckpt.mcore_io import load_rank
+
+    _, state = load_rank(rank_file)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected, f"rl-ckpt wrote keys megatron-core does not have: {unexpected}"
+    assert all(k.endswith("_extra_state") for k in missing), f"rl-ckpt lacks megatron-core keys: {missing}"
+
+
+def megatron_logits(model: Any, spec: Any, vocab: int) -> torch.Tensor | None:
+    """Logits [1, S, V] on the last stage's TP rank 0 (None elsewhere): TP shards all-gathered, PP by send / recv."""
+    from megatron.core import parallel_state as ps
+
+    ids = torch.tensor(INPUT_IDS)
+    seq = ids.shape[1]
+    positions = torch.arange(seq).unsqueeze(0)
+    mask = ~torch.ones(seq, seq, dtype=torch.bool).tril().view(1, 1, seq, seq)  # True = masked
+    if not ps.is_pipeline_first_stage():
+        hidden = torch.empty(seq, 1, spec.hidden_size)
+        dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+        model.set_input_tensor(hidden)
+    with torch.no_grad():
+        out = model.eval()(ids, positions, mask)
+    if not ps.is_pipeline_last_stage():
+        dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+        return None
+    parts = [torch.empty_like(out) for _ in range(ps.get_tensor_model_parallel_world_size())]
+    dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+    return torch.cat(parts, dim=-1)[..., :vocab] if ps.get_tensor_model_parallel_rank() == 0 else None
+
+
+def rng_state() -> dict[str, Any]:
+    """Megatron-LM's ``get_rng_state`` entry (the CUDA state replaced by the CPU one)."""
+    from megatron.core import tensor_parallel
+
+    return {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),  # noqa: NPY002 (what Megatron-LM saves)
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def optimizer_state(model: Any) -> dict[str, Any]:
+    """An Adam state after one step, as megatron's FP32Optimizer.state_dict() returns it."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    adam = torch.optim.Adam(params, lr=1e-6)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    adam.step()  # zero gradients: the weights stay bitwise as loaded
+    return adam.state_dict()
+
+
+def save_legacy(root: Path, model: Any, args: Any) -> None:
+    """``save_checkpoint`` with ``--ckpt-format torch``: one file per (TP, PP) rank, written by DP rank 0."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_rank() == 0:
+        tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        name = (
+            f"mp_rank_{tp_rank:02d}"
+            if args.pipeline_model_parallel_size == 1
+            else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+        )
+        path = root / f"iter_{ITERATION:07d}" / name / "model_optim_rng.pt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        state = {
+            "args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
+            "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer_state(model),
+            "opt_param_scheduler": {"max_lr": 1e-6, "num_steps": ITERATION, "decay_style": "cosine"},
+            "rng_state": [rng_state()], "num_floating_point_operations_so_far": 0,
+        }  # fmt: skip
+        torch.save(state, path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+
+def save_dist(root: Path, model: Any, args: Any) -> None:
+    """``save_checkpoint`` with ``--ckpt-format torch_dist``: ``dist_checkpointing.save`` of the whole state dict."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    iter_dir = root / f"iter_{ITERATION:07d}"
+    if dist.get_rank() == 0:
+        iter_dir.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    pp, tp = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
+    where = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
+    rng = ShardedObject("rng_state", [rng_state()], (pp, tp), where, replica_id=ps.get_data_parallel_rank())
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model.sharded_state_dict(),
+             "rng_state": rng, "num_floating_point_operations_so_far": 0}  # fmt: skip
+    dist_checkpointing.save(state, str(iter_dir))
+    if dist.get_rank() == 0:
+        (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
+
+
+def run_case(case: Case, out: Path) -> None:
+    """Build, load, run and save one case in this rank (collective over the WORLD processes)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    from rl_ckpt.hf_io import HFCheckpoint
+    from rl_ckpt.layout import padded_vocab_size
+    from rl_ckpt.mcore_io import rank_dir_name
+    from rl_ckpt.spec import spec_from_hf_config
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=case.pp)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    spec = spec_from_hf_config(HFCheckpoint(case.hf_dir).config)
+    padded = padded_vocab_size(spec.vocab_size, 128, case.tp)
+    model = build_gpt(spec, case.tp, case.pp, padded)
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    rank_dir = rank_dir_name(tp_rank, pp_rank, case.pp)
+    load_rl_ckpt_rank(model, case.root(out) / "rl_ckpt" / f"iter_{1:07d}" / rank_dir / "model_optim_rng.pt")
+    logits = megatron_logits(model, spec, spec.vocab_size)
+    if logits is not None and ps.get_data_parallel_rank() == 0:
+        torch.save(logits, case.root(out) / "megatron_logits.pt")
+    tokenizer_model = str(case.hf_dir) if case.hf_dir_in_args else "/cluster/models/tiny"
+    for fmt, save in (("torch", save_legacy), ("torch_dist", save_dist)):
+        args = megatron_lm_args(spec, case.tp, case.pp, padded, fmt, tokenizer_model)
+        save(case.root(out) / ("legacy" if fmt == "torch" else "dist"), model, args)
+    dist.barrier()
+    ps.destroy_model_parallel()
+
+
+def _worker(rank: int, port: int, cases: list[Case], out: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        _apply_shims()
+        for case in cases:
+            run_case(case, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def make_real_checkpoints(cases: list[Case], out: Path) -> None:
+    """rl-ckpt's HF -> Megatron files for every case (what megatron-core loads), then the two spawned ranks."""
+    import torch.multiprocessing as mp
+
+    from rl_ckpt import convert_hf_to_mcore
+
+    for case in cases:
+        convert_hf_to_mcore(case.hf_dir, case.root(out) / "rl_ckpt", case.tp, case.pp)
+    mp.spawn(_worker, args=(free_port(), cases, out), nprocs=WORLD, join=True)
