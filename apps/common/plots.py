@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +19,8 @@ DEFAULT_CURVES = (
 
 def plot_metrics(metrics_jsonl: Path, out_png: Path, curves: Sequence[tuple[str, str]] = DEFAULT_CURVES) -> Path | None:
     """Plot each logged curve of ``curves`` (skipping absent ones) against the step; returns the PNG path."""
+    # matplotlib caches fonts under ~/.cache and ~/.config unless told otherwise: keep them in the temp dir
+    os.environ.setdefault("MPLCONFIGDIR", str(Path(tempfile.gettempdir()) / "rl_matplotlib"))
     import matplotlib
 
     matplotlib.use("Agg")
