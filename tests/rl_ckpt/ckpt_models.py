@@ -52,3 +52,27 @@ def load_state(path: Path) -> dict[str, torch.Tensor]:
     for file in sorted(path.glob("*.safetensors")):
         out.update(load_file(str(file)))
     return out
+
+
+def checked_sharded_output(out: Path) -> list[str]:
+    """Every tensor name of a converted folder written in several shards, after checking the shared invariants:
+    shard names ``-of-N``, no partial files, each tensor in the shard the index names, ``total_size`` = the fp32
+    bytes. Returns the names in shard order (callers compare them with what they expect)."""
+    import json
+
+    from safetensors import safe_open
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(out.glob("*.safetensors"))
+    assert len(shards) > 1 and not list(out.glob(".partial*"))
+    seen, total = [], 0
+    for shard in shards:
+        assert shard.name.endswith(f"-of-{len(shards):05d}.safetensors")
+        with safe_open(str(shard), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
+                seen.append(key)
+                assert index["weight_map"][key] == shard.name
+                total += f.get_tensor(key).numel() * 4
+    assert sorted(seen) == sorted(index["weight_map"])
+    assert index["metadata"]["total_size"] == total
+    return seen

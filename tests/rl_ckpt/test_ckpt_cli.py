@@ -7,8 +7,7 @@ import sys
 
 import pytest
 import torch
-from ckpt_models import VOCAB, load_state
-from safetensors import safe_open
+from ckpt_models import VOCAB, checked_sharded_output, load_state
 
 from rl_ckpt import convert_hf_to_mcore
 from rl_ckpt.cli import main
@@ -63,19 +62,8 @@ def test_ckpt_index_lists_every_tensor_once(tiny_hf, tmp_path):
         )
         == 0
     )
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    seen, total = [], 0
-    shards = sorted(out.glob("*.safetensors"))
-    assert len(shards) > 1 and not list(out.glob(".partial*"))
-    for shard in shards:
-        assert shard.name.endswith(f"-of-{len(shards):05d}.safetensors")
-        with safe_open(str(shard), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open handles are not iterable)
-                seen.append(key)
-                assert index["weight_map"][key] == shard.name
-                total += f.get_tensor(key).numel() * 4
-    assert sorted(seen) == sorted(index["weight_map"]) == sorted(set(seen))
-    assert index["metadata"]["total_size"] == total
+    seen = checked_sharded_output(out)
+    assert sorted(seen) == sorted(set(seen))  # every tensor once
     assert sorted(seen) == sorted(load_state(src))
 
 
