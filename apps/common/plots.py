@@ -17,10 +17,14 @@ DEFAULT_CURVES = (
 )
 
 
+def quiet_matplotlib() -> None:
+    """matplotlib caches fonts under ~/.cache and ~/.config unless told otherwise: keep them in the temp dir."""
+    os.environ.setdefault("MPLCONFIGDIR", str(Path(tempfile.gettempdir()) / "rl_matplotlib"))
+
+
 def plot_metrics(metrics_jsonl: Path, out_png: Path, curves: Sequence[tuple[str, str]] = DEFAULT_CURVES) -> Path | None:
     """Plot each logged curve of ``curves`` (skipping absent ones) against the step; returns the PNG path."""
-    # matplotlib caches fonts under ~/.cache and ~/.config unless told otherwise: keep them in the temp dir
-    os.environ.setdefault("MPLCONFIGDIR", str(Path(tempfile.gettempdir()) / "rl_matplotlib"))
+    quiet_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")

@@ -25,6 +25,7 @@ from apps.common.progress import StepProgress
 from apps.common.sample_filters import SampleShaping, apply_sample_masks, apply_sample_weights
 from apps.common.timeline import Timeline
 from apps.common.trackers import StdoutTracker, build_trackers
+from apps.common.training import checkpoint_dir, load_roles, resume_folder, save_roles, score_with_roles, train_roles
 from apps.rlvr.config import RLVRConfig
 from apps.rlvr.data import PromptSampler, SamplerState, load_records
 from apps.rlvr.dynamic_sampling import DynamicSampler
@@ -34,7 +35,6 @@ from apps.rlvr.rewards import RewardRouter
 from apps.rlvr.rollout import PromptSource, padded_indices
 from apps.rlvr.validation import Validator
 from rl_core.batch import RolloutBatch
-from rl_core.batch_size import minibatch_major_order
 from rl_engines.config import GeneratingArgs
 from rl_engines.placement import ClusterSpec
 from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
@@ -166,24 +166,7 @@ class RLVRPipeline:
 
     def resume_folder(self) -> Path | None:
         """The checkpoint ``resume_from_checkpoint`` names: a path, or (true) the latest complete one."""
-        value = self.config.resume_from_checkpoint
-        if value is False:
-            return None
-        if value is not True:
-            folder = Path(str(value))
-        else:
-            root = self.checkpoint_dir(0).parent
-            done = [p for p in root.glob("checkpoint-*") if (p / "pipeline_state.json").exists()]
-            if not done:
-                raise FileNotFoundError(
-                    f"resume_from_checkpoint: true, but {root} holds no complete checkpoint; run without it first."
-                )
-            folder = max(done, key=lambda p: int(p.name.split("-")[-1]))
-        if not (folder / "pipeline_state.json").exists():
-            raise FileNotFoundError(
-                f"resume_from_checkpoint={value!r}: {folder} is not a complete checkpoint (no pipeline_state.json)."
-            )
-        return folder
+        return resume_folder(self.config)
 
     def resume(self, folder: Path) -> int:
         """Restore roles, data position, KL controller and reward moments from ``folder``; returns its step.
@@ -193,9 +176,7 @@ class RLVRPipeline:
         """
         assert self.roles is not None
         state = json.loads((folder / "pipeline_state.json").read_text())
-        for role in ("actor_train", "critic"):
-            if role in self.roles.groups:
-                self.roles[role].call("load_checkpoint", str(folder / role))
+        load_roles(self.roles, folder)
         self.sampler.state = SamplerState(**state["sampler"])
         self.targets.kl_controller.load_state_dict(state["kl_controller"])
         self.targets.running.load_state_dict(state["running_moments"])
@@ -205,18 +186,14 @@ class RLVRPipeline:
 
     def checkpoint_dir(self, step: int) -> Path:
         """``checkpoint_config.output_dir`` (ROLL) or ``<output_dir>/checkpoints``, then ``checkpoint-<step>``."""
-        root = self.config.checkpoint_config.get("output_dir") or self.output_dir / "checkpoints"
-        return Path(root) / f"checkpoint-{step}"
+        return checkpoint_dir(self.config, step)
 
     def save(self, step: int) -> Path:
         """Atomic resumable checkpoints of the training roles, a HuggingFace folder of the policy, and the
         driver's own state (data position, KL controller, running reward moments)."""
         assert self.roles is not None
         folder = self.checkpoint_dir(step)
-        for role in ("actor_train", "critic"):
-            if role in self.roles.groups:
-                self.roles[role].call("save_checkpoint", str(folder / role))
-        self.roles["actor_train"].call("save_hf", str(folder / "actor_hf"))
+        save_roles(self.roles, folder)
         state = {
             "step": step,
             "sampler": dataclasses.asdict(self.queue.resume_state() or self.sampler.state),
@@ -311,42 +288,12 @@ class RLVRPipeline:
         return metrics
 
     def _score_with_roles(self, rollout: RolloutBatch) -> None:
-        roles, temperature = self.roles, self.settings.actor.temperature
-        assert roles is not None
-        roles.activate("actor_train")
-        rollout.batch["old_log_probs"] = (
-            roles["actor_train"].call("compute_log_probs", rollout, temperature, dispatch="dp_split").batch["log_probs"]
-        )
-        if self.config.reference is not None:
-            rollout.batch["ref_log_probs"] = (
-                roles["reference"]
-                .call("compute_log_probs", rollout, temperature, dispatch="dp_split")
-                .batch["log_probs"]
-            )
-        if self.config.critic is not None:
-            rollout.batch["values"] = (
-                roles["critic"].call("compute_values", rollout, dispatch="dp_split").batch["values"]
-            )
+        assert self.roles is not None
+        score_with_roles(self.roles, rollout, self.config, self.settings.actor.temperature)
 
     def _train(self, rollout: RolloutBatch, step: int) -> dict[str, float]:
-        roles, metrics = self.roles, {}
-        assert roles is not None
-        for _ in range(self.config.ppo_epochs):
-            if self.config.critic is not None:
-                metrics.update(self._train_role("critic", rollout, self.settings.critic))
-            if step >= self.config.critic_warmup:
-                metrics.update(self._train_role("actor_train", rollout, self.settings.actor))
-        return metrics
-
-    def _train_role(self, role: str, rollout: RolloutBatch, objective: Any) -> dict[str, float]:
-        """One PPO epoch of ``role``. The samples are reordered so that every optimizer step's mini-batch is the
-        same set of samples whatever the data-parallel size (ranks cut their shards into mini-batches)."""
         assert self.roles is not None
-        plan = self.report.train_plans[role]  # data-parallel ranks: world / model-parallel size
-        order = minibatch_major_order(len(rollout), plan.samples_per_step // plan.samples_per_dp_rank,
-                                      plan.optimizer_steps_per_rollout)  # fmt: skip
-        ordered = rollout.index(order)
-        return self.roles[role].call("train_step", ordered, objective, dispatch="dp_split")[0]  # type: ignore[no-any-return]
+        return train_roles(self.roles, rollout, self.config, self.settings, self.report.train_plans, step)
 
 
 def _response_metrics(rollout: RolloutBatch) -> dict[str, Any]:

@@ -55,31 +55,33 @@ def fill_model_paths(config: RLVRConfig) -> None:
 def preflight(config: RLVRConfig) -> PreflightReport:
     """Every check; raises PreflightError (or the placement / strategy error, all ValueError) naming the keys."""
     fill_model_paths(config)
-    _check_required_roles(config)
+    check_algorithm_roles(config)
+    if not config.rewards:
+        raise PreflightError("no `rewards` section: RLVR needs at least one reward (e.g. rewards.math_rule).")
     sections = worker_sections(config)
     placement = plan_roles(ClusterSpec(config.num_nodes, config.num_gpus_per_node), sections)
-    _check_async(config, placement)
+    check_async(config, placement)
     _check_generation(config, placement)
     plans, decay = {}, {}
     for role in TRAIN_ROLES:
         if role in sections:
-            plans[role] = _train_plan(config, role, sections[role])
+            plans[role] = train_plan(config, role, sections[role])
             decay[role] = lr_decay_steps(config.max_steps, plans[role], config.ppo_epochs)
     return PreflightReport(placement, plans, decay)
 
 
-def _check_required_roles(config: RLVRConfig) -> None:
+def check_algorithm_roles(config: RLVRConfig) -> None:
+    """The roles the algorithm keys need: a critic for gae, a reference for any KL to it."""
     if config.adv_estimator == "gae" and config.critic is None:
         raise PreflightError("adv_estimator: gae needs a value model; add a `critic` section or use grpo / reinforce.")
     needs_reference = config.use_kl_loss or config.add_token_level_kl
     if needs_reference and config.reference is None:
         keys = [k for k in ("use_kl_loss", "add_token_level_kl") if getattr(config, k)]
         raise PreflightError(f"{' and '.join(keys)} need a `reference` section (the frozen policy the KL is to).")
-    if not config.rewards:
-        raise PreflightError("no `rewards` section: RLVR needs at least one reward (e.g. rewards.math_rule).")
 
 
-def _check_async(config: RLVRConfig, placement: PlacementPlan) -> None:
+def check_async(config: RLVRConfig, placement: PlacementPlan) -> None:
+    """Generation ahead of training needs actor_infer on devices of its own."""
     if config.async_generation_ratio > 0 and placement.is_colocated("actor_train", "actor_infer"):
         raise PreflightError(
             f"async_generation_ratio={config.async_generation_ratio:g} needs actor_infer on devices of its own, but "
@@ -114,7 +116,8 @@ def _check_generation(config: RLVRConfig, placement: PlacementPlan) -> None:
         )
 
 
-def _train_plan(config: RLVRConfig, role: str, section: WorkerConfig) -> TrainBatchPlan:
+def train_plan(config: RLVRConfig, role: str, section: WorkerConfig) -> TrainBatchPlan:
+    """The batch plan of a training role (raises the FAQ's batch-size errors naming the keys)."""
     strategy_config = section.strategy_args.strategy_config
     layout = ParallelLayout(
         world_size=len(section.device_mapping),

@@ -36,6 +36,14 @@ def test_registries() -> None:
     assert AGENTIC_NORM_METHODS.names() == ["asym_clip", "identity", "mean", "mean_std"]
 
 
+def test_roll_spellings_of_groupings() -> None:
+    """ROLL's example configs write ``grouping: traj_group_id`` (env group) and ``tags`` (env type)."""
+    assert AGENTIC_GROUPINGS.canonical_name("traj_group_id") == "state"
+    assert AGENTIC_GROUPINGS.canonical_name("tags") == "inductive"
+    torch.testing.assert_close(run("traj_group_id", "mean_std"), run("state", "mean_std"))
+    torch.testing.assert_close(run("tags", "mean_std"), run("inductive", "mean_std"))
+
+
 @pytest.mark.parametrize("grouping", ["state", "batch", "inductive"])
 def test_identity_leaves_scores(grouping: str) -> None:
     close(run(grouping, "identity"), SCORES)

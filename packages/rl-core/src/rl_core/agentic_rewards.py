@@ -5,7 +5,8 @@ Two independent axes, one registry each:
 - grouping (which episodes share statistics), as in ROLL / RAGEN's ``_normalize_score_tensor``:
   ``state`` = the env group id (episodes of one env group share env config and seed, i.e. the same start
   state / prompt), ``inductive`` = the env tag (all episodes of one environment type, e.g. "SimpleSokoban"),
-  ``batch`` = the whole batch.
+  ``batch`` = the whole batch. ROLL's example configs spell them ``traj_group_id`` (= state) and ``tags``
+  (= inductive); both spellings are registered.
 - method (what is done within a group): ``identity`` (unchanged), ``mean`` (subtract the group mean),
   ``mean_std`` (``(x - mean) / (std + 1e-6)`` with the unbiased std; a group of one or with std <= 1e-6
   becomes 0), ``asym_clip`` (``mean_std`` then clamped to [-1, 3]: failures are penalised at most one std,
@@ -37,7 +38,7 @@ ASYM_CLIP_LOW = -1.0
 ASYM_CLIP_HIGH = 3.0
 
 
-@AGENTIC_GROUPINGS.register("state")
+@AGENTIC_GROUPINGS.register("state", "traj_group_id")
 def _group_by_state(batch_size: int, group_ids: GroupIndex | None, tags: GroupIndex | None) -> GroupIndex:
     if group_ids is None:
         raise ValueError(
@@ -46,7 +47,7 @@ def _group_by_state(batch_size: int, group_ids: GroupIndex | None, tags: GroupIn
     return group_ids
 
 
-@AGENTIC_GROUPINGS.register("inductive")
+@AGENTIC_GROUPINGS.register("inductive", "tags")
 def _group_by_tag(batch_size: int, group_ids: GroupIndex | None, tags: GroupIndex | None) -> GroupIndex:
     if tags is None:
         raise ValueError(

@@ -1,0 +1,306 @@
+"""The agentic pipeline's configuration: ROLL's "Agentic Pipeline" keys on top of the keys it shares with RLVR.
+
+``AgenticConfig.from_dict(mapping)`` splits a loaded config (``apps.common.yaml_config.load_config``) into
+- ``base``: an ``RLVRConfig`` of the keys both pipelines read (experiment, cluster, schedule, PPO / GRPO, KL,
+  rollout IS, worker sections, rollout_mock), validated by the same code;
+- the agentic keys: ``reward_normalization``, ``train_env_manager`` / ``val_env_manager``, ``custom_envs``,
+  ``render_save_dir``, ``max_tokens_per_step``.
+RLVR keys the agentic pipeline does not read (``rewards``, ``validation``, prompt data, dynamic sampling, ...) fail
+naming the key. The variables ROLL's ``traj_envs.yaml`` defines only to be interpolated (``agent_template``,
+``action_pattern``, ``custom_env``, ...) are accepted and otherwise unused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from apps.rlvr.config import RLVRConfig
+from rl_core.agentic_rewards import AGENTIC_GROUPINGS, AGENTIC_NORM_METHODS
+from rl_engines.config import WorkerConfigError, build_dataclass
+
+DEFAULT_SYSTEM_TEMPLATE = (
+    "You're a helpful assistant. You are a good game player. You are aiming to get high reward in the game."
+)
+DEFAULT_AGENT_TEMPLATE = (
+    "Turn {turn_idx}:\nObservation:\n{observation}\nStrictly follow this format:\n"
+    "1. output format is '<answer> [your answer] </answer>' with no extra text.\n2. You have {actions_left} actions "
+    "left.\n3. Max response length: {max_response_length} words (tokens).\nDecide the next action:\n"
+)
+TEMPLATE_FIELDS = ("turn_idx", "observation", "actions_left", "max_response_length")
+
+# Variables of ROLL's traj_envs.yaml that exist to be interpolated into custom_env sections.
+TEMPLATE_VARIABLES = frozenset({
+    "all_response_pattern", "action_pattern", "think_action_pattern", "max_actions_per_traj",
+    "sokoban_format_penalty", "frozen_format_penalty", "env_manager_cls", "agent_runner_cls", "custom_env",
+    "agent_system_template", "agent_template", "single_prompt_agent_system_template", "single_prompt_agent_template",
+})  # fmt: skip
+
+# RLVR keys the agentic pipeline does not read: -> how to say it instead.
+RLVR_ONLY = {
+    "rewards": "agentic rewards come from the environments (custom_envs.<tag>.env_config)",
+    "validation": "validation runs the environments of val_env_manager every eval_steps",
+    "prompt_length": "the first turn's prompt is bounded by sequence_length",
+    "response_length": "each turn generates at most max_tokens_per_step tokens; sequence_length bounds the episode",
+    "num_return_sequences_in_group": "group_size of train_env_manager sets how many episodes share a seed",
+    "is_num_return_sequences_expand": "episodes of one group are separate environments already",
+    "generate_opt_level": "every turn of every environment is sent to actor_infer as one batch",
+    "max_running_requests": "every turn of every environment is sent to actor_infer as one batch",
+    "is_use_additional_prompts": "dynamic sampling is an RLVR feature",
+    "max_additional_running_prompts": "dynamic sampling is an RLVR feature",
+    "difficulty_mask": "difficulty masks are an RLVR feature",
+    "difficulty_loss_weight": "difficulty masks are an RLVR feature",
+    "error_max_len_clip": "length masks are an RLVR feature",
+    "max_len_mask": "length masks are an RLVR feature",
+    "length_loss_weight": "length weights are an RLVR feature",
+}
+
+# ROLL's env manager classes (train_env_manager.worker_cls / custom_env.env_manager_cls): the last component names
+# the behaviour; ours runs every one as the trajectory manager (a multi-turn conversation per episode).
+ENV_MANAGER_CLASSES = ("TrajEnvManager", "StepEnvManager", "EnvManager", "AgenticEnvManager")
+
+
+@dataclass
+class RewardNormalization:
+    """``reward_normalization``: how episode scores are normalised before advantages (rl-core)."""
+
+    grouping: str = "state"
+    """Which episodes share statistics: state (= traj_group_id: one env group), inductive (= tags), batch."""
+    method: str = "identity"
+    """What is done within a group: identity, mean, mean_std, asym_clip."""
+
+
+@dataclass
+class EnvManagerConfig:
+    """``train_env_manager`` / ``val_env_manager``: which environments run, grouped how."""
+
+    num_env_groups: int = 1
+    """Environment groups (ROLL guide: env_groups). Episodes of one group share env config and seed."""
+    group_size: int = 1
+    """Environments per group."""
+    tags: list[str] = field(default_factory=list)
+    """custom_envs tags to run (e.g. [SimpleSokoban, FrozenLake])."""
+    num_groups_partition: list[int] | None = None
+    """Groups per tag (ROLL guide: n_groups); null = the groups divided equally over the tags."""
+    max_env_num_per_worker: int = 0
+    """Environments stepped by one env-manager worker (0 = all in one)."""
+    max_traj_per_env: int = -1
+    """Episodes one environment may run in a step (-1 = no limit)."""
+    format_penalty: float | None = None
+    """Overrides every environment's env_config.format_penalty (reward of a malformed action)."""
+    worker_cls: str | None = None
+    """ROLL env-manager class path (accepted: its last component is one of ENV_MANAGER_CLASSES)."""
+
+    @classmethod
+    def from_dict(cls, values: Any, key: str) -> EnvManagerConfig:
+        """Accept the guide's spellings ``env_groups`` / ``n_groups`` as well as the example files'."""
+        values = dict(values or {})
+        for alias, name in (("env_groups", "num_env_groups"), ("n_groups", "num_groups_partition")):
+            if alias in values:
+                if name in values and values[name] != values[alias]:
+                    raise WorkerConfigError(f"{key}.{alias} and {key}.{name} are the same setting; keep one.")
+                values[name] = values.pop(alias)
+        config = build_dataclass(cls, values, key)
+        config.validate(key)
+        return config
+
+    def validate(self, key: str) -> None:
+        """Ranges and the partition's arithmetic, naming ``key``."""
+        for name in ("num_env_groups", "group_size"):
+            if getattr(self, name) < 1:
+                raise WorkerConfigError(f"{key}.{name} must be >= 1, got {getattr(self, name)}.")
+        if not self.tags:
+            raise WorkerConfigError(f"{key}.tags is empty; list the custom_envs tags to run, e.g. [FrozenLake].")
+        if self.num_groups_partition is not None:
+            if len(self.num_groups_partition) != len(self.tags):
+                raise WorkerConfigError(
+                    f"{key}.num_groups_partition has {len(self.num_groups_partition)} entries for "
+                    f"{len(self.tags)} tags {self.tags}; give one group count per tag."
+                )
+            if sum(self.num_groups_partition) != self.num_env_groups:
+                raise WorkerConfigError(
+                    f"{key}.num_groups_partition {self.num_groups_partition} sums to "
+                    f"{sum(self.num_groups_partition)}, not num_env_groups={self.num_env_groups}."
+                )
+        if self.max_env_num_per_worker < 0 or self.max_traj_per_env == 0 or self.max_traj_per_env < -1:
+            raise WorkerConfigError(
+                f"{key}: max_env_num_per_worker must be >= 0 and max_traj_per_env >= 1 or -1, got "
+                f"{self.max_env_num_per_worker} and {self.max_traj_per_env}."
+            )
+        if self.worker_cls is not None:
+            check_env_manager_cls(self.worker_cls, f"{key}.worker_cls")
+
+    def rounds(self, episodes: int | None) -> int:
+        """Episodes each environment runs for ``episodes`` in all (None: one each)."""
+        return 1 if episodes is None else episodes // self.num_envs
+
+    def partition(self) -> list[int]:
+        """Groups per tag: the explicit partition, or num_env_groups divided as equally as possible."""
+        if self.num_groups_partition is not None:
+            return list(self.num_groups_partition)
+        share, extra = divmod(self.num_env_groups, len(self.tags))
+        return [share + (1 if i < extra else 0) for i in range(len(self.tags))]
+
+    @property
+    def num_envs(self) -> int:
+        """Environments run at once: groups x group size."""
+        return self.num_env_groups * self.group_size
+
+
+def check_env_manager_cls(path: str, key: str) -> None:
+    """ROLL class paths are accepted by their last component."""
+    if path.rsplit(".", 1)[-1] not in ENV_MANAGER_CLASSES:
+        raise WorkerConfigError(
+            f"{key}={path!r} is not an env manager this pipeline has; use one of {list(ENV_MANAGER_CLASSES)} "
+            "(e.g. roll.pipeline.agentic.env_manager.traj_env_manager.TrajEnvManager) or remove the key."
+        )
+
+
+@dataclass
+class EnvSpec:
+    """``custom_envs.<tag>``: one environment type with its settings (ROLL's custom_env entries)."""
+
+    env_type: str = ""
+    """Registered environment type (apps.agentic.envs.ENV_TYPES: sokoban, frozen_lake, or your own)."""
+    max_steps: int = 10
+    """Turns per episode at most."""
+    max_tokens_per_step: int = 128
+    """Tokens the model may generate per turn."""
+    env_manager_cls: str | None = None
+    """ROLL env-manager class path (accepted by name, see ENV_MANAGER_CLASSES)."""
+    agent_runner_cls: str | None = None
+    """ROLL agent runner (must be null: the env manager runs the conversation)."""
+    use_thread_lock: bool = True
+    """ROLL: serialise env steps of this type (environments here are stepped by one thread per worker)."""
+    agent_system_template: str = DEFAULT_SYSTEM_TEMPLATE
+    """System message of every episode."""
+    agent_template: str = DEFAULT_AGENT_TEMPLATE
+    """User message of every turn; fields {turn_idx}, {observation}, {actions_left}, {max_response_length}."""
+    env_config: dict[str, Any] = field(default_factory=dict)
+    """Keys of the environment's own config (dim_room, is_slippery, action_pattern, format_penalty, ...)."""
+    max_env_step_concurrent: int | None = None
+    """ROLL: concurrent env steps of this type (accepted; steps here are cheap and local)."""
+
+    def validate(self, key: str) -> None:
+        """Env type registered, templates formattable, lengths positive."""
+        from apps.agentic.envs import ENV_TYPES
+
+        if self.env_type not in ENV_TYPES:
+            raise WorkerConfigError(
+                f"{key}.env_type={self.env_type!r} is not a registered environment; registered: {ENV_TYPES.names()}. "
+                "Register your own class with @apps.agentic.envs.ENV_TYPES.register('<name>')."
+            )
+        if self.max_steps < 1 or self.max_tokens_per_step < 1:
+            raise WorkerConfigError(f"{key}.max_steps and {key}.max_tokens_per_step must be >= 1.")
+        if self.agent_runner_cls is not None:
+            raise WorkerConfigError(
+                f"{key}.agent_runner_cls={self.agent_runner_cls!r}: agent runners are not supported (the env "
+                "manager runs the conversation); set it to null."
+            )
+        if self.env_manager_cls is not None:
+            check_env_manager_cls(self.env_manager_cls, f"{key}.env_manager_cls")
+        try:
+            self.agent_template.format(**dict.fromkeys(TEMPLATE_FIELDS, 0))
+        except (KeyError, IndexError, ValueError) as err:
+            raise WorkerConfigError(
+                f"{key}.agent_template cannot be formatted ({err!r}); it may use {{{'}, {'.join(TEMPLATE_FIELDS)}}} "
+                "and must double literal braces."
+            ) from None
+
+
+@dataclass
+class AgenticConfig:
+    """Every key of a ROLL agentic config: ``base`` holds the ones shared with RLVR."""
+
+    base: RLVRConfig
+    """Experiment, cluster, schedule, algorithm and worker keys (same meaning as in RLVR)."""
+    reward_normalization: RewardNormalization = field(default_factory=RewardNormalization)
+    """Episode score normalisation (rl-core agentic_rewards)."""
+    train_env_manager: EnvManagerConfig = field(default_factory=EnvManagerConfig)
+    """Environments of training rollouts."""
+    val_env_manager: EnvManagerConfig | None = None
+    """Environments of validation (held-out seeds, greedy); null = no validation."""
+    custom_envs: dict[str, EnvSpec] = field(default_factory=dict)
+    """Environment types by tag."""
+    render_save_dir: str | None = None
+    """Validation trajectories are written here as text and PNG frames (null = not rendered)."""
+    max_tokens_per_step: int | None = None
+    """Overrides every custom_envs entry's max_tokens_per_step when set."""
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> AgenticConfig:
+        """Build and validate from a loaded config mapping; every error names the key path."""
+        values = {k: v for k, v in values.items() if k not in TEMPLATE_VARIABLES}
+        for key, instead in RLVR_ONLY.items():
+            if key in values:
+                raise WorkerConfigError(f"{key} is not an agentic pipeline key: {instead}. Remove it.")
+        own = {f.name for f in dataclasses.fields(cls)} - {"base"}
+        agentic = {k: values.pop(k) for k in list(values) if k in own}
+        # prompt / response lengths are RLVR keys: an episode may fill sequence_length (checked by preflight).
+        values.update(prompt_length=1, response_length=max(int(values.get("sequence_length") or 8192) - 1, 1))
+        config = cls(base=RLVRConfig.from_dict(values))
+        if "reward_normalization" in agentic:
+            config.reward_normalization = build_dataclass(RewardNormalization, agentic["reward_normalization"],
+                                                          "reward_normalization")  # fmt: skip
+        for name in ("train_env_manager", "val_env_manager"):
+            if agentic.get(name) is not None:
+                setattr(config, name, EnvManagerConfig.from_dict(agentic[name], name))
+        if "train_env_manager" not in agentic:
+            raise WorkerConfigError("train_env_manager is missing; give its tags, num_env_groups and group_size.")
+        envs = agentic.get("custom_envs") or {}
+        if not isinstance(envs, dict):
+            raise WorkerConfigError(f"custom_envs must be a mapping of tag -> environment, got {envs!r}.")
+        config.custom_envs = {tag: build_dataclass(EnvSpec, spec, f"custom_envs.{tag}") for tag, spec in envs.items()}
+        config.render_save_dir = agentic.get("render_save_dir")
+        config.max_tokens_per_step = agentic.get("max_tokens_per_step")
+        validate_agentic(config)
+        return config
+
+    def env_spec(self, tag: str) -> EnvSpec:
+        """The spec of ``tag`` with the top-level overrides (max_tokens_per_step) applied."""
+        spec = self.custom_envs[tag]
+        if self.max_tokens_per_step is not None:
+            spec = dataclasses.replace(spec, max_tokens_per_step=self.max_tokens_per_step)
+        return spec
+
+
+def validate_agentic(config: AgenticConfig) -> None:
+    """Cross-key checks of the agentic keys; raises WorkerConfigError naming the key."""
+    for registry, key in ((AGENTIC_GROUPINGS, "grouping"), (AGENTIC_NORM_METHODS, "method")):
+        value = getattr(config.reward_normalization, key)
+        if value not in registry:
+            raise WorkerConfigError(f"reward_normalization.{key}={value!r}; valid values: {registry.names()}.")
+    for tag, spec in config.custom_envs.items():
+        spec.validate(f"custom_envs.{tag}")
+    managers = [("train_env_manager", config.train_env_manager), ("val_env_manager", config.val_env_manager)]
+    for name, manager in managers:
+        if manager is None:
+            continue
+        missing = [tag for tag in manager.tags if tag not in config.custom_envs]
+        if missing:
+            raise WorkerConfigError(
+                f"{name}.tags names {missing}, which custom_envs does not define "
+                f"(defined: {sorted(config.custom_envs)})."
+            )
+    if config.max_tokens_per_step is not None and config.max_tokens_per_step < 1:
+        raise WorkerConfigError(f"max_tokens_per_step must be >= 1, got {config.max_tokens_per_step}.")
+    episodes = config.base.rollout_batch_size
+    slots = config.train_env_manager.num_envs
+    if episodes % slots:
+        raise WorkerConfigError(
+            f"rollout_batch_size ({episodes}) must be a multiple of train_env_manager.num_env_groups x group_size "
+            f"({slots}): every environment runs the same number of episodes per step."
+        )
+    val = config.val_env_manager
+    if val is not None and config.base.val_batch_size is not None and config.base.val_batch_size % val.num_envs:
+        raise WorkerConfigError(
+            f"val_batch_size ({config.base.val_batch_size}) must be a multiple of val_env_manager.num_env_groups x "
+            f"group_size ({val.num_envs}), or null (one episode per validation environment)."
+        )
+    per_env, limit = episodes // slots, config.train_env_manager.max_traj_per_env
+    if limit != -1 and per_env > limit:
+        raise WorkerConfigError(
+            f"rollout_batch_size ({episodes}) needs {per_env} episodes per environment, above "
+            f"train_env_manager.max_traj_per_env ({limit}); add env groups or raise the limit."
+        )

@@ -1,0 +1,269 @@
+"""The agentic training loop: episodes in environments -> normalised episode rewards -> log-probs / values ->
+advantages -> PPO epochs -> weight sync, on the roles of rl-engines (ROLL's AgenticPipeline).
+
+Rollouts come from ``TrajectoryRunner`` over the ``train_env_manager`` environments, queued ``async_generation_ratio``
+steps ahead (``apps.rlvr.generation_queue``; the episodes of a step run on a background thread while the driver
+trains) and wrapped by rl-replay's rollout_mock at the scheduler layer. Validation every ``eval_steps`` runs the
+``val_env_manager`` environments greedily on held-out seeds (the queue drains first) and renders them to
+``render_save_dir``. Metrics, checkpoints and resume work as in RLVR.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from apps.agentic.config import AgenticConfig, EnvManagerConfig
+from apps.agentic.env_manager import EnvManager
+from apps.agentic.preflight import agentic_preflight
+from apps.agentic.render import render_episodes
+from apps.agentic.rollout import TrajectoryRunner, episode_metrics, episodes_to_batch
+from apps.common.algorithm import AlgorithmSettings, TargetBuilder
+from apps.common.plots import plot_metrics
+from apps.common.progress import StepProgress
+from apps.common.timeline import Timeline
+from apps.common.trackers import StdoutTracker, build_trackers
+from apps.common.training import checkpoint_dir, load_roles, resume_folder, save_roles, score_with_roles, train_roles
+from apps.rlvr.data import SamplerState
+from apps.rlvr.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
+from rl_core.agentic_rewards import normalize_agentic_rewards
+from rl_core.batch import RolloutBatch
+from rl_engines.placement import ClusterSpec
+from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
+from rl_engines.roles import Roles
+from rl_replay import RolloutReplay
+from rl_replay.metrics import append_metrics
+
+LOGGED = ("env/success_rate", "critic/score/mean", "actor/pg_loss", "actor/grad_norm", "env/num_turns/mean",
+          "val/success_rate", "time/step")  # fmt: skip
+
+
+class _Episodes:
+    """A background rollout as the generation queue expects it (``get()`` returns the batch)."""
+
+    def __init__(self, future: Future[RolloutBatch]) -> None:
+        self.future = future
+
+    def get(self) -> RolloutBatch:
+        return self.future.result()
+
+
+class AgenticPipeline:
+    """Runs ``config.base.max_steps`` agentic steps. Pre-flight runs first: a bad config fails before Ray starts."""
+
+    def __init__(self, config: AgenticConfig, log: Callable[[str], None] = print, progress_bar: bool | None = None):
+        self.config, self.base, self.log, self.progress_bar = config, config.base, log, progress_bar
+        self.report = agentic_preflight(config)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.base.actor_train.model_args.model_name_or_path))
+        self.sequence_length = self.base.prompt_length + self.base.response_length
+        self.train_envs = EnvManager(config, config.train_env_manager, "train")
+        self.rounds = config.train_env_manager.rounds(self.base.rollout_batch_size)
+        generating = self.base.actor_infer.generating_args
+        self.runner = TrajectoryRunner(self.train_envs, self.tokenizer, generating, self.sequence_length)
+        self.val_envs, self.val_runner = self._validation(config.val_env_manager)
+        self.replay = RolloutReplay.from_config(self.base.rollout_mock)
+        self.get_rollout = self._rollout if self.replay is None else self.replay.wrap(self._rollout, step="step")
+        self.get_val_rollout = (
+            self._val_rollout if self.replay is None else self.replay.wrap(self._val_rollout, split="val", step="step")
+        )
+        if self.replay is not None and self.replay.mode == "mock":
+            self.replay.check_max_steps(self.base.max_steps)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="episodes")
+        self.queue = GenerationQueue(self._submit, int(self.base.async_generation_ratio), self.base.max_steps - 1)
+        self.settings = AlgorithmSettings.from_config(self.base, temperature=generating.temperature or 1.0)
+        self.targets = TargetBuilder(self.settings, self.base)
+        self.output_dir = Path(self.base.output_dir)
+        self.roles: Roles | None = None
+        self.timeline = Timeline()
+        self._waits: dict[str, float] = {}
+
+    def _validation(self, section: EnvManagerConfig | None) -> tuple[EnvManager | None, TrajectoryRunner | None]:
+        """Validation environments (held-out seeds) sampled greedily, frames recorded when rendering."""
+        if section is None or not self.base.eval_steps:
+            return None, None
+        envs = EnvManager(self.config, section, "val")
+        greedy = replace(self.base.actor_infer.generating_args, temperature=0.0)
+        runner = TrajectoryRunner(envs, self.tokenizer, greedy, self.sequence_length,
+                                  record_frames=self.config.render_save_dir is not None)  # fmt: skip
+        return envs, runner
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start Ray (CPU device slots when there is no GPU) and every role."""
+        cluster = ClusterSpec(self.base.num_nodes, self.base.num_gpus_per_node)
+        if not torch.cuda.is_available():
+            start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
+        else:
+            start_ray()
+        sections = {role: getattr(self.base, role) for role in ("actor_train", "actor_infer", "reference", "critic")}
+        sections = {role: section for role, section in sections.items() if section is not None}
+        self.roles = Roles(cluster, sections, rpc_timeout=self.base.rpc_timeout, system_envs=self.base.system_envs)
+        self.updater = self.roles.model_updater()
+        self.log(f"[agentic] train environments: {self.train_envs.describe()}")
+
+    def stop(self) -> None:
+        """Wait for background episodes, stop every worker and Ray, close the environments."""
+        self.executor.shutdown(wait=True)
+        if self.roles is not None:
+            self.roles.shutdown()
+            self.roles = None
+        stop_ray(remove_temp_dir=True)
+        for envs in (self.train_envs, self.val_envs):
+            if envs is not None:
+                envs.close()
+
+    def run(self) -> list[dict[str, float]]:
+        """All steps; returns each step's metrics (also logged and appended to metrics.jsonl)."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        resume_from = resume_folder(self.base)
+        if resume_from is None:
+            (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)
+        history = []
+        progress = StepProgress(self.base.max_steps, 0, desc=self.base.exp_name, enabled=self.progress_bar)
+        if self.log is print:
+            self.log = progress.write
+        stdout = StdoutTracker(output_dir=self.output_dir, exp_name="agentic", shown=LOGGED, log=self.log)
+        trackers = build_trackers(self.base.track_with, output_dir=self.output_dir, exp_name=self.base.exp_name,
+                                  kwargs=self.base.tracker_kwargs, stdout=stdout)  # fmt: skip
+        self.start()
+        try:
+            first = 0 if resume_from is None else self.resume(resume_from) + 1
+            progress.bar.update(first)
+            for step in range(first, self.base.max_steps):
+                metrics = self.step(step)
+                if self.val_runner is not None and step % self.base.eval_steps == 0:
+                    metrics.update(self.validate(step))
+                history.append(metrics)
+                append_metrics(self.output_dir / "metrics.jsonl", step, metrics)
+                if step % self.base.logging_steps == 0:
+                    for tracker in trackers:
+                        tracker.log(step, metrics)
+                if (step + 1) % self.base.save_steps == 0 or step + 1 == self.base.max_steps:
+                    self.save(step)
+                progress.update(metrics)
+        finally:
+            progress.close()
+            for tracker in trackers:
+                tracker.close()
+            self.stop()
+        self.timeline.write(self.output_dir / "timeline.json")
+        curves = [("env/success_rate", "success rate"), ("val/success_rate", "validation success rate"),
+                  ("actor/pg_loss", "policy loss"), ("time/step", "seconds per step")]  # fmt: skip
+        plot = plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir / "curves.png", curves)
+        if plot is not None:
+            self.log(f"[agentic] curves: {plot}")
+        return history
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------
+    def save(self, step: int) -> Path:
+        """Training roles, the policy as a HuggingFace folder, and the driver's state (KL controller, moments)."""
+        assert self.roles is not None
+        folder = checkpoint_dir(self.base, step)
+        save_roles(self.roles, folder)
+        state = {"step": step, "kl_controller": self.targets.kl_controller.state_dict(),
+                 "running_moments": self.targets.running.state_dict()}  # fmt: skip
+        (folder / "pipeline_state.json").write_text(json.dumps(state, indent=2))
+        self.log(f"[agentic] saved checkpoint {folder} (HF model: {folder / 'actor_hf'})")
+        return folder
+
+    def resume(self, folder: Path) -> int:
+        """Restore roles and driver state; environments are seeded by step, so nothing else is needed."""
+        assert self.roles is not None
+        state = json.loads((folder / "pipeline_state.json").read_text())
+        load_roles(self.roles, folder)
+        self.targets.kl_controller.load_state_dict(state["kl_controller"])
+        self.targets.running.load_state_dict(state["running_moments"])
+        self.updater.sync()
+        self.log(f"[agentic] resumed from {folder} (step {state['step']})")
+        return int(state["step"])
+
+    # ---- rollouts ------------------------------------------------------------------------------------------
+    def _submit(self, step: int, version: int) -> PendingRollout:
+        """Run ``step``'s episodes on the background thread with the weights after ``version`` training steps."""
+        assert self.roles is not None
+        if not self.queue.ratio:
+            self.roles.activate("actor_infer")
+        infer = self.roles["actor_infer"]
+        future = self.executor.submit(self._episodes, infer, step)
+        return PendingRollout(step, version, self.base.rollout_batch_size, _Episodes(future), SamplerState())
+
+    def _episodes(self, infer: Any, step: int) -> RolloutBatch:
+        episodes = self.runner.run(infer, step, self.rounds)
+        return episodes_to_batch(episodes, self.runner.pad_id)
+
+    def _rollout(self, *, step: int) -> RolloutBatch:
+        """The scheduler layer: the step's episodes as samples with ``scores``. rollout_mock dumps or replays it."""
+        rollout, self._waits = self.queue.take(step)
+        return rollout
+
+    def _val_rollout(self, *, step: int) -> RolloutBatch:
+        assert self.roles is not None and self.val_runner is not None
+        self.roles.activate("actor_infer")
+        assert self.config.val_env_manager is not None
+        rounds = self.config.val_env_manager.rounds(self.base.val_batch_size)
+        episodes = self.val_runner.run(self.roles["actor_infer"], step, rounds)
+        if self.config.render_save_dir is not None:
+            folder = render_episodes(episodes, Path(self.config.render_save_dir) / f"step_{step}")
+            self.log(f"[agentic] rendered {len(episodes)} validation episodes to {folder}")
+        return episodes_to_batch(episodes, self.val_runner.pad_id)
+
+    def validate(self, step: int) -> dict[str, float]:
+        """Greedy episodes on the validation environments with the weights just synced (the queue drains first)."""
+        paused = self.queue.drain()
+        metrics = episode_metrics(self.get_val_rollout(step=step), "val")
+        metrics["val/score/mean"] = metrics["val/episode_reward/mean"]
+        if self.queue.ratio:
+            metrics["time/validation_pause"] = paused
+        return metrics
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def step(self, step: int) -> dict[str, float]:
+        """One agentic step; returns its metrics."""
+        assert self.roles is not None, "call start() first"
+        timings: dict[str, float] = {}
+        timer = self.timeline.timer(timings, step)
+        self._waits = {}
+        with timer("rollout"):
+            rollout = self.get_rollout(step=step)
+        scores = rollout.batch["scores"]
+        with timer("logprobs"):
+            score_with_roles(self.roles, rollout, self.base, self.settings.actor.temperature)
+        with timer("advantages"):
+            groups = list(rollout.non_tensor_batch["traj_group_id"])
+            norm = self.config.reward_normalization
+            normalized = normalize_agentic_rewards(scores, groups, norm.grouping, norm.method,
+                                                   tags=list(rollout.non_tensor_batch["tag"]))  # fmt: skip
+            metrics = self.targets(rollout, normalized, groups)
+        with timer("train"):
+            metrics.update(train_roles(self.roles, rollout, self.base, self.settings, self.report.train_plans, step))
+        with timer("sync"):
+            metrics.update(self._sync(step))
+        timings["time/step"] = sum(timings.values())
+        metrics.update(timings)
+        metrics.update(self._waits)
+        metrics.update(episode_metrics(rollout, "env"))
+        lengths = rollout.batch["response_mask"].sum(dim=-1).float()  # sampled tokens per episode
+        metrics.update({"critic/score/mean": float(scores.mean()), "response_length/mean": float(lengths.mean()),
+                        "critic/normalized_score/mean": float(normalized.mean())})  # fmt: skip
+        metrics.update(staleness_metrics(rollout, step))
+        return metrics
+
+    def _sync(self, step: int) -> dict[str, float]:
+        """Weights to actor_infer every ``model_update_frequency`` steps. Episodes running ahead finish first, so
+        no episode mixes two policies (``time/sync_wait``)."""
+        if (step + 1) % self.base.actor_infer.model_update_frequency:
+            return {}
+        start = time.perf_counter()
+        self.queue.drain()
+        waited = time.perf_counter() - start
+        metrics = self.updater.sync()
+        return {**metrics, "time/sync_wait": waited} if self.queue.ratio else dict(metrics)

@@ -1,0 +1,237 @@
+"""Multi-turn episodes against the inference role, and their training samples.
+
+Every turn, the contexts of all running episodes go to ``actor_infer`` as one batch (so N environments cost one
+generate call per turn, not N); each response is decoded and stepped in its environment, and the episode's
+context grows by the sampled tokens and the next user turn (``apps.agentic.chat``). An episode ends when its
+environment terminates or truncates, after ``custom_envs.<tag>.max_steps`` turns, or when the next turn would
+not fit in ``sequence_length``.
+
+A finished episode is one training sample: ``prompts`` = the first prompt (left-padded), ``responses`` =
+everything after it (right-padded), ``response_mask`` = the tokens the model sampled (environment text and
+template tokens stay out of the loss), ``rollout_log_probs`` = the engine's log-probs of those tokens, ``scores`` =
+the episode's summed rewards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from itertools import groupby
+from typing import Any
+
+import numpy as np
+import torch
+
+from apps.agentic.chat import TurnFormatter
+from apps.agentic.config import EnvSpec
+from apps.agentic.env_manager import SPLITS, EnvManager, EnvSlot
+from apps.rlvr.rollout import padded_indices
+from rl_core.batch import RolloutBatch
+from rl_engines.config import GeneratingArgs
+from rl_engines.strategies.model_io import position_ids_from_mask
+
+
+@dataclass
+class Episode:
+    """One environment's trajectory as tokens, with its turns' rewards and outcome."""
+
+    slot: EnvSlot
+    seed: int
+    round_index: int
+    prompt_ids: list[int]
+    tokens: list[int] = field(default_factory=list)
+    """Everything after the first prompt: responses and the user turns between them."""
+    mask: list[bool] = field(default_factory=list)
+    """True on the tokens the model sampled."""
+    log_probs: list[float] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    """Reward of each turn (format penalties included)."""
+    valid_actions: int = 0
+    done: bool = False
+    success: bool = False
+    finish: str = "length"
+    """``stop``: the environment ended the episode; ``length``: turns or sequence_length ran out."""
+    frames: list[dict[str, Any]] = field(default_factory=list)
+    """With ``record_frames``: the observation, response, action and reward of each turn (and images)."""
+
+    @property
+    def context(self) -> list[int]:
+        """What the model reads next: the first prompt and everything since."""
+        return self.prompt_ids + self.tokens
+
+
+def user_turn(spec: EnvSpec, observation: str, turn: int) -> str:
+    """The user message of turn ``turn`` (1-based) from the tag's agent_template."""
+    return spec.agent_template.format(turn_idx=turn, observation=observation, actions_left=spec.max_steps - turn + 1,
+                                      max_response_length=spec.max_tokens_per_step)  # fmt: skip
+
+
+def turn_seed(seed: int, split: str, step: int, round_index: int, turn: int) -> int:
+    """Sampling seed of one turn's generate call (deterministic, 31 bits)."""
+    state = np.random.SeedSequence([seed, SPLITS[split], step, round_index, turn, 7]).generate_state(1)[0]
+    return int(state & 0x7FFFFFFF)
+
+
+class TrajectoryRunner:
+    """Runs the episodes of one env manager with ``actor_infer`` (a worker group with ``call`` and ``world_size``)."""
+
+    def __init__(self, manager: EnvManager, tokenizer: Any, generating: GeneratingArgs, sequence_length: int,
+                 record_frames: bool = False) -> None:  # fmt: skip
+        self.manager, self.tokenizer, self.generating = manager, tokenizer, generating
+        self.sequence_length, self.record_frames = sequence_length, record_frames
+        self.formatters = {
+            slot.tag: TurnFormatter(tokenizer, slot.spec.agent_system_template) for slot in manager.slots
+        }
+        eos = tokenizer.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos])
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else next(iter(self.eos_ids))
+
+    def run(self, infer: Any, step: int, rounds: int = 1) -> list[Episode]:
+        """``rounds`` rounds of one episode per environment; episodes in (round, slot) order."""
+        return [episode for r in range(rounds) for episode in self._round(infer, step, r)]
+
+    def _round(self, infer: Any, step: int, round_index: int) -> list[Episode]:
+        seeds = self.manager.seeds(step, round_index)
+        observations = self.manager.reset(seeds)
+        episodes = [self._start(slot, seeds[slot.index], round_index, obs)
+                    for slot, obs in zip(self.manager.slots, observations, strict=True)]  # fmt: skip
+        turn = 1
+        while running := [e for e in episodes if not e.done]:
+            self._turn(infer, running, step, round_index, turn)
+            turn += 1
+        return episodes
+
+    def _start(self, slot: EnvSlot, seed: int, round_index: int, observation: str) -> Episode:
+        first_user = f"{slot.env.instructions}\n{user_turn(slot.spec, observation, 1)}"
+        episode = Episode(slot, seed, round_index, self.formatters[slot.tag].first_prompt(first_user))
+        if len(episode.prompt_ids) + slot.spec.max_tokens_per_step > self.sequence_length:
+            raise ValueError(
+                f"the first prompt of a {slot.tag} episode is {len(episode.prompt_ids)} tokens; with "
+                f"max_tokens_per_step={slot.spec.max_tokens_per_step} it does not fit in sequence_length="
+                f"{self.sequence_length}. Raise sequence_length or shorten custom_envs.{slot.tag}'s templates."
+            )
+        if self.record_frames:
+            episode.frames.append(self._frame(slot, observation))
+        return episode
+
+    def _turn(self, infer: Any, running: list[Episode], step: int, round_index: int, turn: int) -> None:
+        """Generate one response per running episode, step the environments, extend the contexts."""
+        split = self.manager.split
+        seed = self.generating.seed if self.generating.seed is not None else self.manager.seed
+        responses: dict[int, tuple[list[int], list[float]]] = {}
+        by_limit = sorted(running, key=lambda e: e.slot.spec.max_tokens_per_step)
+        for limit, members in groupby(by_limit, key=lambda e: e.slot.spec.max_tokens_per_step):
+            group = list(members)
+            args = replace(self.generating, max_new_tokens=limit, num_return_sequences=1,
+                           seed=turn_seed(seed, split, step, round_index, turn))  # fmt: skip
+            for episode, answer in zip(group, self._generate(infer, group, args), strict=True):
+                responses[episode.slot.index] = answer
+        texts = {index: self.tokenizer.decode(ids, skip_special_tokens=True) for index, (ids, _) in responses.items()}
+        results = self.manager.step(texts)
+        for episode in running:
+            ids, log_probs = responses[episode.slot.index]
+            self._record(episode, ids, log_probs, texts[episode.slot.index], results[episode.slot.index], turn)
+
+    def _generate(
+        self, infer: Any, episodes: list[Episode], args: GeneratingArgs
+    ) -> list[tuple[list[int], list[float]]]:
+        """One batched generate call; the rows are padded to the inference world size (padding dropped)."""
+        rows = padded_indices(list(range(len(episodes))), infer.world_size)
+        contexts = [episodes[i].context for i in rows]
+        width = max(len(c) for c in contexts)
+        input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for row, context in enumerate(contexts):
+            input_ids[row, width - len(context) :] = torch.tensor(context)
+            attention_mask[row, width - len(context) :] = 1
+        batch = RolloutBatch.from_dict({"input_ids": input_ids, "attention_mask": attention_mask})
+        out = infer.call("generate", batch, args, dispatch="dp_split")
+        lengths = out.batch["response_mask"].sum(dim=-1).tolist()
+        return [(out.batch["responses"][row, : int(n)].tolist(), out.batch["rollout_log_probs"][row, : int(n)].tolist())
+                for row, n in enumerate(lengths[: len(episodes)])]  # fmt: skip
+
+    def _record(self, episode: Episode, ids: list[int], log_probs: list[float], text: str, result: Any,
+                turn: int) -> None:  # fmt: skip
+        episode.tokens += ids
+        episode.mask += [True] * len(ids)
+        episode.log_probs += log_probs
+        episode.rewards.append(float(result.reward))
+        episode.valid_actions += int(bool(result.info.get("action_is_valid", False)))
+        episode.success = bool(result.info.get("success", False))
+        if self.record_frames:
+            frame = self._frame(episode.slot, result.observation)
+            frame.update(response=text, action=result.info.get("action"), reward=float(result.reward))
+            episode.frames.append(frame)
+        if result.terminated or result.truncated or turn >= episode.slot.spec.max_steps:
+            episode.done, episode.finish = True, "stop" if result.terminated else "length"
+            return
+        eos_text = self.tokenizer.decode(ids[-1:]) if ids and ids[-1] in self.eos_ids else ""
+        following = self.formatters[episode.slot.tag].continuation(
+            eos_text, user_turn(episode.slot.spec, result.observation, turn + 1)
+        )
+        if len(episode.context) + len(following) + episode.slot.spec.max_tokens_per_step > self.sequence_length:
+            episode.done = True  # the next turn would not fit: truncated, finish stays "length"
+            return
+        episode.tokens += following
+        episode.mask += [False] * len(following)
+        episode.log_probs += [0.0] * len(following)
+
+    def _frame(self, slot: EnvSlot, observation: str) -> dict[str, Any]:
+        return {"observation": observation, "image": slot.env.render("rgb_array")}
+
+
+def episodes_to_batch(episodes: Sequence[Episode], pad_id: int) -> RolloutBatch:
+    """Training samples of finished episodes (layout of the module docstring) with per-episode columns."""
+    prompt_width = max(len(e.prompt_ids) for e in episodes)
+    response_width = max(max(len(e.tokens) for e in episodes), 1)
+    rows = len(episodes)
+    prompts = torch.full((rows, prompt_width), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros((rows, prompt_width), dtype=torch.long)
+    responses = torch.full((rows, response_width), pad_id, dtype=torch.long)
+    real = torch.zeros((rows, response_width), dtype=torch.long)
+    response_mask = torch.zeros((rows, response_width), dtype=torch.bool)
+    log_probs = torch.zeros((rows, response_width), dtype=torch.float32)
+    for row, e in enumerate(episodes):
+        prompts[row, prompt_width - len(e.prompt_ids) :] = torch.tensor(e.prompt_ids)
+        prompt_mask[row, prompt_width - len(e.prompt_ids) :] = 1
+        n = len(e.tokens)
+        responses[row, :n] = torch.tensor(e.tokens, dtype=torch.long)
+        real[row, :n] = 1
+        response_mask[row, :n] = torch.tensor(e.mask, dtype=torch.bool)
+        log_probs[row, :n] = torch.tensor(e.log_probs, dtype=torch.float32)
+    attention_mask = torch.cat([prompt_mask, real], dim=1)
+    tensors = {
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention_mask, "position_ids": position_ids_from_mask(attention_mask),
+        "response_mask": response_mask, "rollout_log_probs": log_probs,
+        "scores": torch.tensor([sum(e.rewards) for e in episodes], dtype=torch.float32),
+    }  # fmt: skip
+    columns = {
+        "traj_group_id": [f"{e.round_index}:{e.slot.group}" for e in episodes],
+        "tag": [e.slot.tag for e in episodes],
+        "env_seed": [e.seed for e in episodes],
+        "success": [e.success for e in episodes],
+        "num_turns": [len(e.rewards) for e in episodes],
+        "valid_actions": [e.valid_actions for e in episodes],
+        "finish_reasons": [e.finish for e in episodes],
+    }
+    return RolloutBatch.from_dict(tensors, columns)
+
+
+def episode_metrics(rollout: RolloutBatch, prefix: str) -> dict[str, float]:
+    """Success rate (overall and per tag), turns, valid-action rate and episode reward of a rollout."""
+    columns = rollout.non_tensor_batch
+    success = np.asarray(columns["success"], dtype=np.float64)
+    turns = np.asarray(columns["num_turns"], dtype=np.float64)
+    valid = np.asarray(columns["valid_actions"], dtype=np.float64)
+    metrics = {
+        f"{prefix}/success_rate": float(success.mean()),
+        f"{prefix}/num_turns/mean": float(turns.mean()),
+        f"{prefix}/action_valid_rate": float(valid.sum() / max(turns.sum(), 1.0)),
+        f"{prefix}/episode_reward/mean": float(rollout.batch["scores"].mean()),
+        f"{prefix}/truncated_rate": float((np.asarray(columns["finish_reasons"]) == "length").mean()),
+    }
+    tags = np.asarray(columns["tag"])
+    for tag in sorted(set(tags.tolist())):
+        metrics[f"{prefix}/{tag}/success_rate"] = float(success[tags == tag].mean())
+    return metrics

@@ -1,0 +1,93 @@
+"""The half of a pipeline step both apps share: log-probs / values of a scored rollout on the roles, PPO epochs of
+the training roles, and where checkpoints live. Rollouts differ (prompts vs environments); this does not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rl_core.batch import RolloutBatch
+from rl_core.batch_size import TrainBatchPlan, minibatch_major_order
+from rl_engines.roles import Roles
+
+TRAIN_ROLES = ("actor_train", "critic")
+
+
+def score_with_roles(roles: Roles, rollout: RolloutBatch, config: Any, temperature: float) -> None:
+    """``old_log_probs`` (actor_train), ``ref_log_probs`` (reference) and ``values`` (critic) into ``rollout``."""
+    roles.activate("actor_train")
+    rollout.batch["old_log_probs"] = (
+        roles["actor_train"].call("compute_log_probs", rollout, temperature, dispatch="dp_split").batch["log_probs"]
+    )
+    if config.reference is not None:
+        rollout.batch["ref_log_probs"] = (
+            roles["reference"].call("compute_log_probs", rollout, temperature, dispatch="dp_split").batch["log_probs"]
+        )
+    if config.critic is not None:
+        rollout.batch["values"] = roles["critic"].call("compute_values", rollout, dispatch="dp_split").batch["values"]
+
+
+def train_roles(
+    roles: Roles, rollout: RolloutBatch, config: Any, settings: Any, plans: dict[str, TrainBatchPlan], step: int
+) -> dict[str, float]:
+    """``ppo_epochs`` passes: the critic (when configured), then the actor once ``critic_warmup`` steps passed."""
+    metrics: dict[str, float] = {}
+    for _ in range(config.ppo_epochs):
+        if config.critic is not None:
+            metrics.update(train_role(roles, "critic", rollout, settings.critic, plans["critic"]))
+        if step >= config.critic_warmup:
+            metrics.update(train_role(roles, "actor_train", rollout, settings.actor, plans["actor_train"]))
+    return metrics
+
+
+def train_role(
+    roles: Roles, role: str, rollout: RolloutBatch, objective: Any, plan: TrainBatchPlan
+) -> dict[str, float]:
+    """One PPO epoch of ``role``. The samples are reordered so that every optimizer step's mini-batch is the
+    same set of samples whatever the data-parallel size (ranks cut their shards into mini-batches)."""
+    order = minibatch_major_order(len(rollout), plan.samples_per_step // plan.samples_per_dp_rank,
+                                  plan.optimizer_steps_per_rollout)  # fmt: skip
+    return roles[role].call("train_step", rollout.index(order), objective, dispatch="dp_split")[0]  # type: ignore[no-any-return]
+
+
+def checkpoint_dir(config: Any, step: int) -> Path:
+    """``checkpoint_config.output_dir`` (ROLL) or ``<output_dir>/checkpoints``, then ``checkpoint-<step>``."""
+    root = config.checkpoint_config.get("output_dir") or Path(config.output_dir) / "checkpoints"
+    return Path(root) / f"checkpoint-{step}"
+
+
+def resume_folder(config: Any) -> Path | None:
+    """The checkpoint ``resume_from_checkpoint`` names: a path, or (true) the latest complete one."""
+    value = config.resume_from_checkpoint
+    if value is False:
+        return None
+    if value is not True:
+        folder = Path(str(value))
+    else:
+        root = checkpoint_dir(config, 0).parent
+        done = [p for p in root.glob("checkpoint-*") if (p / "pipeline_state.json").exists()]
+        if not done:
+            raise FileNotFoundError(
+                f"resume_from_checkpoint: true, but {root} holds no complete checkpoint; run without it first."
+            )
+        folder = max(done, key=lambda p: int(p.name.split("-")[-1]))
+    if not (folder / "pipeline_state.json").exists():
+        raise FileNotFoundError(
+            f"resume_from_checkpoint={value!r}: {folder} is not a complete checkpoint (no pipeline_state.json)."
+        )
+    return folder
+
+
+def save_roles(roles: Roles, folder: Path) -> None:
+    """Resumable checkpoints of the training roles and a HuggingFace folder of the policy (``actor_hf``)."""
+    for role in TRAIN_ROLES:
+        if role in roles.groups:
+            roles[role].call("save_checkpoint", str(folder / role))
+    roles["actor_train"].call("save_hf", str(folder / "actor_hf"))
+
+
+def load_roles(roles: Roles, folder: Path) -> None:
+    """Restore the training roles saved by :func:`save_roles`."""
+    for role in TRAIN_ROLES:
+        if role in roles.groups:
+            roles[role].call("load_checkpoint", str(folder / role))

@@ -1,0 +1,104 @@
+"""ROLL's agentic config files load as typed configs and pass pre-flight; bad keys fail naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from apps.agentic.config import AgenticConfig, EnvManagerConfig
+from apps.agentic.env_manager import EnvManager, group_seed
+from apps.agentic.preflight import agentic_preflight
+from apps.common.yaml_config import load_config
+from rl_engines.config import WorkerConfigError
+
+SHARED = Path(__file__).resolve().parents[4] / "shared" / "roll-examples"
+AGENTIC_FILES = sorted(SHARED.glob("qwen2.5-0.5B-agentic/*.yaml"))
+
+
+@pytest.fixture(params=AGENTIC_FILES, ids=lambda p: p.name)
+def roll_file(request):
+    return request.param
+
+
+def test_the_roll_agentic_files_exist():
+    assert [p.name for p in AGENTIC_FILES] == ["agent_val_frozen_lake_async.yaml",
+                                               "agentic_sokoban_rollout_mock_dump.yaml"]  # fmt: skip
+
+
+def test_every_roll_agentic_file_loads_and_passes_preflight(roll_file):
+    """Hydra defaults (traj_envs.yaml), its template variables and ${custom_env.*} entries, megatron_train / vllm."""
+    config = AgenticConfig.from_dict(load_config(roll_file))
+    assert config.max_tokens_per_step == 64  # the file's override of traj_envs.yaml's 128 ...
+    assert config.custom_envs["SimpleSokoban"].max_tokens_per_step == 64  # ... interpolated into every env
+    assert config.custom_envs["SimpleSokoban"].env_config["dim_room"] == [6, 6]
+    grid = config.custom_envs["SokobanDifferentGridVocab"].env_config
+    assert grid["grid_vocab"]["W"] == "wall"
+    assert config.reward_normalization.grouping == "traj_group_id"
+    manager = config.train_env_manager
+    assert manager.num_envs == config.base.rollout_batch_size  # ROLL: one episode per environment and step
+    report = agentic_preflight(config)
+    assert report.train_plans["actor_train"].samples_per_step == config.base.rollout_batch_size
+
+
+def test_guide_spellings_of_env_manager_keys():
+    """The config guide writes env_groups / n_groups; the example files num_env_groups / num_groups_partition."""
+    config = EnvManagerConfig.from_dict({"env_groups": 4, "n_groups": [1, 3], "tags": ["A", "B"]}, "m")
+    assert config.num_env_groups == 4 and config.partition() == [1, 3]
+    assert EnvManagerConfig.from_dict({"num_env_groups": 5, "tags": ["A", "B"]}, "m").partition() == [3, 2]
+    with pytest.raises(WorkerConfigError, match=r"m.num_groups_partition \[1, 1\] sums to 2, not num_env_groups=4"):
+        EnvManagerConfig.from_dict({"env_groups": 4, "n_groups": [1, 1], "tags": ["A", "B"]}, "m")
+    with pytest.raises(WorkerConfigError, match=r"m\.worker_cls='my\.Manager' is not an env manager"):
+        EnvManagerConfig.from_dict({"tags": ["A"], "worker_cls": "my.Manager"}, "m")
+
+
+def _config(**changes):
+    raw = load_config(AGENTIC_FILES[1])
+    raw.update(changes)
+    return raw
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"rewards": {}}, "rewards is not an agentic pipeline key"),
+        ({"reward_normalization": {"grouping": "nope", "method": "mean_std"}}, "reward_normalization.grouping='nope'"),
+        ({"train_env_manager": {"tags": ["Nope"], "num_env_groups": 1}}, "train_env_manager.tags names ['Nope']"),
+        ({"custom_envs": {"SimpleSokoban": {"env_type": "chess"}}}, "custom_envs.SimpleSokoban.env_type='chess'"),
+        ({"custom_envs": {"SimpleSokoban": {"env_type": "sokoban", "agent_template": "{oops}"}}},
+         "custom_envs.SimpleSokoban.agent_template cannot be formatted"),
+        ({"rollout_batch_size": 100}, "rollout_batch_size (100) must be a multiple"),
+    ],
+)  # fmt: skip
+def test_bad_agentic_keys_name_the_key(changes, message):
+    raw = _config(**changes)
+    if "custom_envs" in changes or "train_env_manager" in changes:
+        raw["val_env_manager"] = None
+    if "custom_envs" in changes:
+        raw["train_env_manager"] = {"tags": ["SimpleSokoban"], "num_env_groups": 16, "group_size": 8}
+    with pytest.raises(WorkerConfigError) as err:
+        AgenticConfig.from_dict(raw)
+    assert message in str(err.value)
+
+
+def test_groups_share_seeds_and_splits_never_meet():
+    raw = _config()
+    config = AgenticConfig.from_dict(raw)
+    small = EnvManagerConfig.from_dict({"num_env_groups": 3, "group_size": 2, "tags": ["SimpleSokoban"],
+                                        "max_env_num_per_worker": 4}, "m")  # fmt: skip
+    manager = EnvManager(config, small, "train")
+    try:
+        seeds = manager.seeds(step=5, round_index=0)
+        assert seeds[0] == seeds[1] and seeds[2] == seeds[3] and len(set(seeds)) == 3
+        assert seeds != manager.seeds(step=6, round_index=0)
+        assert len(manager.workers) == 2  # 6 environments, at most 4 per worker
+        observations = manager.reset(seeds)
+        assert observations[0] == observations[1] and observations[0] != observations[2]  # same seed, same room
+        results = manager.step({0: "<answer>Up</answer>", 3: "no answer here"})
+        assert set(results) == {0, 3} and not results[3].info["action_is_valid"]
+        assert results[3].reward == config.custom_envs["SimpleSokoban"].env_config["format_penalty"]
+    finally:
+        manager.close()
+    train = {group_seed(1, "train", s, 0, g) for s in range(50) for g in range(20)}
+    val = {group_seed(1, "val", s, 0, g) for s in range(50) for g in range(20)}
+    assert not train & val
