@@ -15,6 +15,7 @@ READMES = [
     ROOT / "README.md",
     ROOT / "packages" / "rl-core" / "README.md",
     ROOT / "packages" / "rl-engines" / "README.md",
+    ROOT / "docs" / "agentic.md",
 ]
 NOT_RUN_MARKER = "start_ray("
 """A block containing this string needs a Ray cluster; it is compiled but not executed."""

@@ -85,3 +85,19 @@ def test_bad_configs_exit_2_naming_the_key(setup, capsys):
     assert "rewards is not an agentic pipeline key" in capsys.readouterr().err
     assert main(_args(setup, "async_generation_ratio=1")) == 2
     assert "needs actor_infer on devices of its own" in capsys.readouterr().err
+
+
+def test_the_sokoban_config_runs(setup):
+    """apps/agentic/configs/agentic_sokoban_cpu.yaml with the tiny model, shortened."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parents[3] / "apps" / "agentic" / "configs"
+    out = setup / "sokoban"
+    overrides = [f"pretrain={setup / 'model'}", "max_steps=1", "eval_steps=1", f"output_dir={out}",
+                 f"render_save_dir={out}/render", "rollout_batch_size=8", "train_env_manager.num_env_groups=2",
+                 "val_batch_size=2", "val_env_manager.num_env_groups=2", "max_tokens_per_step=6",
+                 "actor_train.training_args.per_device_train_batch_size=4"]  # fmt: skip
+    assert main(["--config_path", str(folder), "--config_name", "agentic_sokoban_cpu", *overrides]) == 0
+    (row,) = _rows(out)
+    assert "env/SimpleSokoban/success_rate" in row and "val/SimpleSokoban/success_rate" in row
+    assert len(list((out / "render" / "step_0").glob("*_SimpleSokoban.png"))) == 2
