@@ -1,8 +1,10 @@
-"""The config reference (docs/rlvr-config-reference.md) generated from the config dataclasses themselves: every key,
-its type, its default and the documentation line under its field, so the reference cannot drift from the code.
+"""The config references (docs/rlvr-config-reference.md, docs/agentic-config-reference.md) generated from the config
+dataclasses themselves: every key, its type, its default and the documentation line under its field, so the
+references cannot drift from the code.
 
-``python -m apps.common.config_reference > docs/rlvr-config-reference.md`` rewrites it; a test fails when the file
-is out of date.
+``python -m apps.common.config_reference > docs/rlvr-config-reference.md`` and ``python -m
+apps.common.config_reference agentic > docs/agentic-config-reference.md`` rewrite them; a test fails when a file is out
+of date.
 """
 
 from __future__ import annotations
@@ -53,12 +55,14 @@ def _type(field: dataclasses.Field[Any]) -> str:
     return str(field.type).replace(" | ", " or ")
 
 
-def table(cls: type, title: str) -> str:
+def table(cls: type, title: str, skip: tuple[str, ...] = ()) -> str:
     """A markdown section with one row per field of ``cls``."""
     docs = field_docs(cls)
     rows = [f"## {title}\n", f"{inspect.getdoc(cls) or ''}\n", "| key | type | default | meaning |"]
     rows.append("| --- | --- | --- | --- |")
     for field in dataclasses.fields(cls):
+        if field.name in skip:
+            continue
         meaning = docs.get(field.name, "").replace("|", "\\|")
         rows.append(f"| `{field.name}` | {_type(field)} | {_default(field)} | {meaning} |")
     return "\n".join(rows) + "\n"
@@ -82,5 +86,29 @@ def reference() -> str:
     return HEADER + "".join("\n" + table(cls, title) for cls, title in sections)
 
 
+AGENTIC_HEADER = """# Agentic config reference
+
+Generated from the config dataclasses by `python -m apps.common.config_reference agentic >
+docs/agentic-config-reference.md` (a test fails when this file is out of date). These are the agentic keys; the keys
+shared with RLVR (experiment, cluster, schedule, algorithm, worker sections, rollout_mock) are in
+[rlvr-config-reference.md](rlvr-config-reference.md), except the RLVR-only ones the agentic pipeline rejects
+(`rewards`, `validation`, `prompt_length`, `response_length`, dynamic sampling and sample masks). See
+[agentic.md](agentic.md) for the guide.
+"""
+
+
+def agentic_reference() -> str:
+    """The agentic keys: top level, env managers, custom_envs entries, reward_normalization."""
+    from apps.agentic.config import AgenticConfig, EnvManagerConfig, EnvSpec, RewardNormalization
+
+    sections = [
+        (EnvManagerConfig, "train_env_manager, val_env_manager"),
+        (EnvSpec, "custom_envs.<tag>"),
+        (RewardNormalization, "reward_normalization"),
+    ]
+    top = table(AgenticConfig, "Top-level agentic keys", skip=("base",))  # base: the RLVR keys, not a YAML key
+    return AGENTIC_HEADER + "\n" + top + "".join("\n" + table(cls, title) for cls, title in sections)
+
+
 if __name__ == "__main__":
-    sys.stdout.write(reference())
+    sys.stdout.write(agentic_reference() if sys.argv[1:] == ["agentic"] else reference())

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from apps.common.config_reference import field_docs, reference
+from apps.agentic.config import AgenticConfig, EnvManagerConfig, EnvSpec, RewardNormalization
+from apps.common.config_reference import agentic_reference, field_docs, reference
 from apps.rlvr.config import RLVRConfig
 from rl_engines.config import GeneratingArgs, TrainingArgs, WorkerConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "rlvr-config-reference.md"
+AGENTIC_DOC = DOC.with_name("agentic-config-reference.md")
 
 
 def test_the_reference_in_docs_is_up_to_date():
@@ -19,8 +21,25 @@ def test_the_reference_in_docs_is_up_to_date():
     )
 
 
+def test_the_agentic_reference_in_docs_is_up_to_date():
+    assert AGENTIC_DOC.read_text() == agentic_reference(), (
+        "docs/agentic-config-reference.md is stale: run `python -m apps.common.config_reference agentic > "
+        "docs/agentic-config-reference.md`"
+    )
+    assert "| `group_size` | int | `1` | Environments per group. |" in agentic_reference()
+
+
 def test_every_key_has_its_documentation_line():
-    for cls in (RLVRConfig, WorkerConfig, TrainingArgs, GeneratingArgs):
+    for cls in (
+        RLVRConfig,
+        WorkerConfig,
+        TrainingArgs,
+        GeneratingArgs,
+        AgenticConfig,
+        EnvManagerConfig,
+        EnvSpec,
+        RewardNormalization,
+    ):
         docs = field_docs(cls)
         missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
         assert not missing, f"{cls.__name__}: fields without a doc line: {missing}"
