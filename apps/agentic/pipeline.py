@@ -26,11 +26,9 @@ from apps.agentic.preflight import agentic_preflight
 from apps.agentic.render import render_episodes
 from apps.agentic.rollout import TrajectoryRunner, episode_metrics, episodes_to_batch
 from apps.common.algorithm import AlgorithmSettings, TargetBuilder
-from apps.common.plots import plot_metrics
-from apps.common.progress import StepProgress
+from apps.common.loop import run_loop
 from apps.common.timeline import Timeline
-from apps.common.trackers import StdoutTracker, build_trackers
-from apps.common.training import checkpoint_dir, load_roles, resume_folder, save_roles, score_with_roles, train_roles
+from apps.common.training import checkpoint_dir, load_roles, save_roles, score_with_roles, train_roles
 from apps.rlvr.data import SamplerState
 from apps.rlvr.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
 from rl_core.agentic_rewards import normalize_agentic_rewards
@@ -39,7 +37,6 @@ from rl_engines.placement import ClusterSpec
 from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.roles import Roles
 from rl_replay import RolloutReplay
-from rl_replay.metrics import append_metrics
 
 LOGGED = ("env/success_rate", "critic/score/mean", "actor/pg_loss", "actor/grad_norm", "env/num_turns/mean",
           "val/success_rate", "time/step")  # fmt: skip
@@ -123,45 +120,13 @@ class AgenticPipeline:
 
     def run(self) -> list[dict[str, float]]:
         """All steps; returns each step's metrics (also logged and appended to metrics.jsonl)."""
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        resume_from = resume_folder(self.base)
-        if resume_from is None:
-            (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)
-        history = []
-        progress = StepProgress(self.base.max_steps, 0, desc=self.base.exp_name, enabled=self.progress_bar)
-        if self.log is print:
-            self.log = progress.write
-        stdout = StdoutTracker(output_dir=self.output_dir, exp_name="agentic", shown=LOGGED, log=self.log)
-        trackers = build_trackers(self.base.track_with, output_dir=self.output_dir, exp_name=self.base.exp_name,
-                                  kwargs=self.base.tracker_kwargs, stdout=stdout)  # fmt: skip
-        self.start()
-        try:
-            first = 0 if resume_from is None else self.resume(resume_from) + 1
-            progress.bar.update(first)
-            for step in range(first, self.base.max_steps):
-                metrics = self.step(step)
-                if self.val_runner is not None and step % self.base.eval_steps == 0:
-                    metrics.update(self.validate(step))
-                history.append(metrics)
-                append_metrics(self.output_dir / "metrics.jsonl", step, metrics)
-                if step % self.base.logging_steps == 0:
-                    for tracker in trackers:
-                        tracker.log(step, metrics)
-                if (step + 1) % self.base.save_steps == 0 or step + 1 == self.base.max_steps:
-                    self.save(step)
-                progress.update(metrics)
-        finally:
-            progress.close()
-            for tracker in trackers:
-                tracker.close()
-            self.stop()
-        self.timeline.write(self.output_dir / "timeline.json")
         curves = [("env/success_rate", "success rate"), ("val/success_rate", "validation success rate"),
                   ("actor/pg_loss", "policy loss"), ("time/step", "seconds per step")]  # fmt: skip
-        plot = plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir / "curves.png", curves)
-        if plot is not None:
-            self.log(f"[agentic] curves: {plot}")
-        return history
+        return run_loop(self, self.base, "agentic", LOGGED, curves)
+
+    def validates_at(self, step: int) -> bool:
+        """Validation runs every ``eval_steps`` when ``val_env_manager`` is configured."""
+        return self.val_runner is not None and step % self.base.eval_steps == 0
 
     # ---- checkpoints ---------------------------------------------------------------------------------------
     def save(self, step: int) -> Path:

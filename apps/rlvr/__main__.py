@@ -2,38 +2,24 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
-from pathlib import Path
+from typing import Any
 
-from apps.common.yaml_config import load_config
+from apps.common.loop import cli_main
 from apps.rlvr.config import RLVRConfig
-from rl_replay.errors import ReplayError
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m apps.rlvr", description="Run the RLVR pipeline.")
-    parser.add_argument("--config_path", required=True, help="folder holding the YAML config")
-    parser.add_argument("--config_name", required=True, help="file name without .yaml")
-    parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. max_steps=5")
-    return parser.parse_args(argv)
+def build(mapping: dict[str, Any]) -> Any:
+    """The pipeline of a loaded config mapping (pre-flight runs here: errors exit 2)."""
+    from apps.rlvr.pipeline import RLVRPipeline
+
+    return RLVRPipeline(RLVRConfig.from_dict(mapping))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Load, validate, run; a config error exits 2 with its message (no traceback)."""
-    args = parse_args(argv)
-    path = Path(args.config_path) / f"{args.config_name.removesuffix('.yaml')}.yaml"
-    try:
-        config = RLVRConfig.from_dict(load_config(path, args.overrides))
-        from apps.rlvr.pipeline import RLVRPipeline
-
-        pipeline = RLVRPipeline(config)
-    except (ValueError, FileNotFoundError, ReplayError) as err:  # bad config, missing file, missing dump
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    pipeline.run()
-    return 0
+    return cli_main(argv, "python -m apps.rlvr", "Run the RLVR pipeline.", build)
 
 
 if __name__ == "__main__":

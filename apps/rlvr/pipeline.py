@@ -20,12 +20,10 @@ import numpy as np
 import torch
 
 from apps.common.algorithm import AlgorithmSettings, TargetBuilder
-from apps.common.plots import plot_metrics
-from apps.common.progress import StepProgress
+from apps.common.loop import run_loop
 from apps.common.sample_filters import SampleShaping, apply_sample_masks, apply_sample_weights
 from apps.common.timeline import Timeline
-from apps.common.trackers import StdoutTracker, build_trackers
-from apps.common.training import checkpoint_dir, load_roles, resume_folder, save_roles, score_with_roles, train_roles
+from apps.common.training import checkpoint_dir, load_roles, save_roles, score_with_roles, train_roles
 from apps.rlvr.config import RLVRConfig
 from apps.rlvr.data import PromptSampler, SamplerState, load_records
 from apps.rlvr.dynamic_sampling import DynamicSampler
@@ -41,7 +39,6 @@ from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.request_scheduler import ScheduledGeneration
 from rl_engines.roles import Roles
 from rl_replay import RolloutReplay
-from rl_replay.metrics import append_metrics
 
 Timer = dict[str, float]
 LOGGED = ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "mismatch/mismatch_kl",
@@ -117,43 +114,11 @@ class RLVRPipeline:
 
     def run(self) -> list[dict[str, float]]:
         """All steps; returns each step's metrics (also logged and appended to metrics.jsonl)."""
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        resume_from = self.resume_folder()
-        if resume_from is None:
-            (self.output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a new run; a resumed one appends
-        history = []
-        progress = StepProgress(self.config.max_steps, 0, desc=self.config.exp_name, enabled=self.progress_bar)
-        if self.log is print:  # log lines above the bar
-            self.log = progress.write
-        stdout = StdoutTracker(output_dir=self.output_dir, exp_name="rlvr", shown=LOGGED, log=self.log)
-        trackers = build_trackers(self.config.track_with, output_dir=self.output_dir, exp_name=self.config.exp_name,
-                                  kwargs=self.config.tracker_kwargs, stdout=stdout)  # fmt: skip
-        self.start()
-        try:
-            first = 0 if resume_from is None else self.resume(resume_from) + 1
-            progress.bar.update(first)
-            for step in range(first, self.config.max_steps):
-                metrics = self.step(step)
-                if self.validator is not None and step % self.config.eval_steps == 0:
-                    metrics.update(self.validate(step))
-                history.append(metrics)
-                append_metrics(self.output_dir / "metrics.jsonl", step, metrics)
-                if step % self.config.logging_steps == 0:
-                    for tracker in trackers:
-                        tracker.log(step, metrics)
-                if (step + 1) % self.config.save_steps == 0 or step + 1 == self.config.max_steps:
-                    self.save(step)
-                progress.update(metrics)
-        finally:
-            progress.close()
-            for tracker in trackers:
-                tracker.close()
-            self.stop()
-        self.timeline.write(self.output_dir / "timeline.json")
-        plot = plot_metrics(self.output_dir / "metrics.jsonl", self.output_dir / "curves.png")
-        if plot is not None:
-            self.log(f"[rlvr] curves: {plot}")
-        return history
+        return run_loop(self, self.config, "rlvr", LOGGED)
+
+    def validates_at(self, step: int) -> bool:
+        """Validation runs every ``eval_steps`` when a validation section is configured."""
+        return self.validator is not None and step % self.config.eval_steps == 0
 
     def validate(self, step: int) -> dict[str, float]:
         """Validation with the weights just synced; generation running ahead pauses (drains) first."""
@@ -163,10 +128,6 @@ class RLVRPipeline:
         if self.queue.ratio:
             metrics["time/validation_pause"] = paused
         return metrics
-
-    def resume_folder(self) -> Path | None:
-        """The checkpoint ``resume_from_checkpoint`` names: a path, or (true) the latest complete one."""
-        return resume_folder(self.config)
 
     def resume(self, folder: Path) -> int:
         """Restore roles, data position, KL controller and reward moments from ``folder``; returns its step.

@@ -1,0 +1,101 @@
+"""The outer loop both pipelines run: resume, steps with validation, metrics.jsonl and trackers, checkpoints, the
+progress bar, then the timeline and the curves. A pipeline supplies the pieces (``LoopPipeline``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from apps.common.plots import DEFAULT_CURVES, plot_metrics
+from apps.common.progress import StepProgress
+from apps.common.timeline import Timeline
+from apps.common.trackers import StdoutTracker, build_trackers
+from apps.common.training import resume_folder
+from rl_replay.metrics import append_metrics
+
+
+class LoopPipeline(Protocol):
+    """What :func:`run_loop` drives."""
+
+    log: Callable[[str], None]
+    progress_bar: bool | None
+    timeline: Timeline
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def resume(self, folder: Path) -> int: ...
+    def step(self, step: int) -> dict[str, float]: ...
+    def validates_at(self, step: int) -> bool: ...
+    def validate(self, step: int) -> dict[str, float]: ...
+    def save(self, step: int) -> Path: ...
+
+
+def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, ...],
+             curves: Sequence[tuple[str, str]] = DEFAULT_CURVES) -> list[dict[str, float]]:  # fmt: skip
+    """All of ``config.max_steps`` steps (after a resume, the rest); returns each step's metrics.
+
+    ``config`` has the shared top-level keys (output_dir, max_steps, logging / save steps, trackers, resume);
+    ``name`` prefixes log lines; ``shown`` are the metrics of the stdout line; ``curves`` those of curves.png.
+    """
+    output = Path(config.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    resume_from = resume_folder(config)
+    if resume_from is None:
+        (output / "metrics.jsonl").unlink(missing_ok=True)  # a new run; a resumed one appends
+    history = []
+    progress = StepProgress(config.max_steps, 0, desc=config.exp_name, enabled=pipeline.progress_bar)
+    if pipeline.log is print:  # log lines above the bar
+        pipeline.log = progress.write
+    stdout = StdoutTracker(output_dir=output, exp_name=name, shown=shown, log=pipeline.log)
+    trackers = build_trackers(config.track_with, output_dir=output, exp_name=config.exp_name,
+                              kwargs=config.tracker_kwargs, stdout=stdout)  # fmt: skip
+    pipeline.start()
+    try:
+        first = 0 if resume_from is None else pipeline.resume(resume_from) + 1
+        progress.bar.update(first)
+        for step in range(first, config.max_steps):
+            metrics = pipeline.step(step)
+            if pipeline.validates_at(step):
+                metrics.update(pipeline.validate(step))
+            history.append(metrics)
+            append_metrics(output / "metrics.jsonl", step, metrics)
+            if step % config.logging_steps == 0:
+                for tracker in trackers:
+                    tracker.log(step, metrics)
+            if (step + 1) % config.save_steps == 0 or step + 1 == config.max_steps:
+                pipeline.save(step)
+            progress.update(metrics)
+    finally:
+        progress.close()
+        for tracker in trackers:
+            tracker.close()
+        pipeline.stop()
+    pipeline.timeline.write(output / "timeline.json")
+    plot = plot_metrics(output / "metrics.jsonl", output / "curves.png", curves)
+    if plot is not None:
+        pipeline.log(f"[{name}] curves: {plot}")
+    return history
+
+
+def cli_main(argv: Sequence[str] | None, prog: str, description: str, build: Callable[[dict[str, Any]], Any]) -> int:
+    """``prog --config_path DIR --config_name NAME [key=value ...]``: load the YAML, ``build`` the pipeline from the
+    mapping, run it. A config error exits 2 with its message (no traceback)."""
+    from apps.common.yaml_config import load_config
+    from rl_replay.errors import ReplayError
+
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config_path", required=True, help="folder holding the YAML config")
+    parser.add_argument("--config_name", required=True, help="file name without .yaml")
+    parser.add_argument("overrides", nargs="*", help="Hydra-style overrides, e.g. max_steps=5")
+    args = parser.parse_args(argv)
+    path = Path(args.config_path) / f"{args.config_name.removesuffix('.yaml')}.yaml"
+    try:
+        pipeline = build(load_config(path, args.overrides))
+    except (ValueError, FileNotFoundError, ReplayError) as err:  # bad config, missing file, missing dump
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    pipeline.run()
+    return 0
