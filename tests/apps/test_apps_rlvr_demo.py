@@ -31,6 +31,7 @@ def test_the_demo_config_trains_with_each_training_engine(engine, tmp_path):
                  f"{strategy}.strategy_name={engine}"]  # fmt: skip
     if engine == "megatron_train":
         overrides += [f"+{strategy}.strategy_config.tensor_model_parallel_size=2",
+                      f"+{strategy}.strategy_config.sequence_parallel=true",  # as ROLL's async example
                       "actor_train.training_args.gradient_accumulation_steps=2"]  # fmt: skip
         overrides += megatron_shim_overrides(tmp_path / "shims")
     assert main(overrides) == 0

@@ -141,7 +141,11 @@ def test_tp2_update_equals_fsdp2_and_resume_equals_uninterrupted(roles, tiny_mod
 @pytest.mark.parametrize(
     ("name", "config", "match"),
     [
-        ("megatron_train", {"pipeline_model_parallel_size": 2}, r"strategy_config\.pipeline_model_parallel_size=2"),
+        (
+            "megatron_train",
+            {"virtual_pipeline_model_parallel_size": 2},
+            r"strategy_config\.virtual_pipeline_model_parallel_size=2",
+        ),
         ("megatron_train", {"context_parallel_size": 2}, r"strategy_config\.context_parallel_size=2"),
         ("megatron_infer", {"bf16": True}, r"strategy_config\.bf16=true contradicts reference\.model_args\.dtype"),
         ("megatron_train", {"moe_grouped_gemm": True}, r"strategy_config\.moe_grouped_gemm'\] apply to MoE"),

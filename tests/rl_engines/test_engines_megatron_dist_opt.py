@@ -234,3 +234,23 @@ def test_performance_switches_are_accepted_and_reported_as_unused(tmp_path):
                                                      "gradient_accumulation_fusion"}  # fmt: skip
     line = describe_unused_switches(strategy.options, "actor_train")
     assert "apply_rope_fusion: Transformer Engine's fused RoPE kernel" in line and "persist_layer_norm" not in line
+
+
+def test_sequence_parallel_without_fused_norms_runs_with_it_off_and_says_so():
+    """ROLL's rlvr_config_async.yaml sets sequence_parallel: true. megatron-core's torch layer norm refuses it, so
+    without Apex the option is reported as unused (the computation is the same) instead of failing at start."""
+    from rl_engines.strategies.megatron_config import (
+        describe_unused_switches,
+        fused_norms_available,
+        parse_megatron_options,
+    )
+
+    options = parse_megatron_options({"tensor_model_parallel_size": 2, "sequence_parallel": True}, "actor_train",
+                                     train=True, dtype="fp32")  # fmt: skip
+    if fused_norms_available():
+        assert options.sequence_parallel and "sequence_parallel" not in options.unused_switches
+    else:
+        assert not options.sequence_parallel and options.unused_switches == ("sequence_parallel",)
+        assert "sequence_parallel: megatron-core's sequence-parallel layer norms need Apex" in (
+            describe_unused_switches(options, "actor_train")
+        )

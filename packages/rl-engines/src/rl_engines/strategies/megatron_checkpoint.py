@@ -4,12 +4,15 @@ Layout of ``<path>/``: ``mp_rank_<TT>.pt`` (one per tensor-parallel rank, writte
 rank's fp32 model shards; data-parallel replicas are identical), ``optim_mp_rank_<TT>_dp_rank_<DDD>.pt`` (AdamW
 state by Megatron parameter name: one file per DP rank when use_distributed_optimizer partitions it, else DP rank
 0's full copy), ``rng_rank<R>.pt`` (every rank), ``trainer_state.pt`` (scheduler, global step), ``meta.json``,
-``COMPLETE``. Written into ``<path>.tmp-<step>`` first and renamed by rank 0 after every rank finished.
+``COMPLETE``. Under pipeline parallelism each stage writes its own files, tagged ``<TT>_<PPP>`` as Megatron does
+(``mp_rank_00_001.pt``: TP rank 0 of stage 1), with its parameters under their local names. Written into
+``<path>.tmp-<step>`` first and renamed by rank 0 after every rank finished.
 
 Optimizer state is keyed by name, so a checkpoint resumes at another data-parallel size and with or without
-use_distributed_optimizer: each rank memory-maps the partition files of its TP rank and copies only the entries of
-the parameters it owns (no rank ever holds the whole state). Resuming needs the same tensor_model_parallel_size;
-to change it, export with ``save_hf`` (or convert with rl-ckpt) and start from the HF folder.
+use_distributed_optimizer: each rank memory-maps the partition files of its TP rank and stage and copies only the
+entries of the parameters it owns (no rank ever holds the whole state). Resuming needs the same
+tensor_model_parallel_size and pipeline_model_parallel_size; to change them, export with ``save_hf`` (or convert
+with rl-ckpt) and start from the HF folder.
 """
 
 from __future__ import annotations
@@ -44,10 +47,11 @@ def save(strategy: Any, path: str) -> None:
     def write(tmp: Path, rank: int) -> None:
         if strategy.dp_rank == 0:
             masters = {name: value.detach() for name, value in strategy.masters.items()}  # fp32
-            torch.save({"model": masters}, tmp / f"mp_rank_{layout.tp_rank:02d}.pt")
+            torch.save({"model": masters}, tmp / f"mp_rank_{rank_tag(layout)}.pt")
         if strategy.dp_rank == 0 or partitioned:
-            torch.save(named_optimizer_state(strategy), tmp / optimizer_file(layout.tp_rank, strategy.dp_rank))
-        meta = {"role": strategy.role, "tensor_model_parallel_size": layout.tp, "world_size": dist.get_world_size(),
+            torch.save(named_optimizer_state(strategy), tmp / optimizer_file(layout, strategy.dp_rank))
+        meta = {"role": strategy.role, "tensor_model_parallel_size": layout.tp,
+                "pipeline_model_parallel_size": layout.pp, "world_size": dist.get_world_size(),
                 "data_parallel_size": strategy.dp_size, "use_distributed_optimizer": partitioned,
                 "global_step": strategy.global_step}  # fmt: skip
         save_trainer_state(strategy, tmp, rank, meta)
@@ -56,17 +60,19 @@ def save(strategy: Any, path: str) -> None:
 
 
 def load(strategy: Any, path: str) -> None:
-    """Restore ``strategy`` from ``path`` (same tensor-parallel size); RNG per rank when the world size matches."""
+    """Restore ``strategy`` from ``path`` (same tensor- and pipeline-parallel sizes); RNG per rank when the world
+    size matches."""
     root = require_complete(path, strategy.role)
     meta = json.loads((root / "meta.json").read_text())
     layout = strategy.model.layout
-    if meta["tensor_model_parallel_size"] != layout.tp:
-        raise ValueError(
-            f"{strategy.role}: {path} was saved with tensor_model_parallel_size={meta['tensor_model_parallel_size']}"
-            f", this run has {layout.tp} ({strategy.role}.strategy_args.strategy_config.tensor_model_parallel_size). "
-            "Resume with the same size, or start from a save_hf export of it."
-        )
-    state = torch.load(root / f"mp_rank_{layout.tp_rank:02d}.pt", map_location=strategy.device, weights_only=True)
+    for key, here in (("tensor_model_parallel_size", layout.tp), ("pipeline_model_parallel_size", layout.pp)):
+        if meta.get(key, 1) != here:
+            raise ValueError(
+                f"{strategy.role}: {path} was saved with {key}={meta.get(key, 1)}, this run has {here} "
+                f"({strategy.role}.strategy_args.strategy_config.{key}). Resume with the same size, or start from a "
+                "save_hf export of it."
+            )
+    state = torch.load(root / f"mp_rank_{rank_tag(layout)}.pt", map_location=strategy.device, weights_only=True)
     with torch.no_grad():
         for name, value in state["model"].items():
             strategy.masters[name].copy_(value)
@@ -75,9 +81,15 @@ def load(strategy: Any, path: str) -> None:
     load_trainer_state(strategy, root, restore_rng=meta["world_size"] == dist.get_world_size())
 
 
-def optimizer_file(tp_rank: int, dp_rank: int | None) -> str:
-    """Name of one optimizer-state partition file; ``dp_rank`` None gives the glob of all of a TP rank's."""
-    return f"optim_mp_rank_{tp_rank:02d}_dp_rank_{'*' if dp_rank is None else f'{dp_rank:03d}'}.pt"
+def rank_tag(layout: Any) -> str:
+    """Megatron's model-parallel rank tag of a file: ``<TT>`` (TP rank), ``<TT>_<PPP>`` under pipeline parallelism."""
+    return f"{layout.tp_rank:02d}" if layout.pp == 1 else f"{layout.tp_rank:02d}_{layout.pp_rank:03d}"
+
+
+def optimizer_file(layout: Any, dp_rank: int | None) -> str:
+    """Name of one optimizer-state partition file of ``layout``'s TP rank and stage; ``dp_rank`` None gives the glob
+    of all of them."""
+    return f"optim_mp_rank_{rank_tag(layout)}_dp_rank_{'*' if dp_rank is None else f'{dp_rank:03d}'}.pt"
 
 
 def named_optimizer_state(strategy: Any) -> dict[str, Any]:
@@ -90,9 +102,9 @@ def named_optimizer_state(strategy: Any) -> dict[str, Any]:
 
 
 def load_optimizer_state(strategy: Any, root: Path) -> None:
-    """Fill this rank's optimizer from its TP rank's partition files in ``root`` (saved at any DP size, partitioned
-    or not): the entries of the parameters this rank owns only."""
-    pattern = optimizer_file(strategy.model.layout.tp_rank, None)
+    """Fill this rank's optimizer from its TP rank's (and stage's) partition files in ``root`` (saved at any DP size,
+    partitioned or not): the entries of the parameters this rank owns only."""
+    pattern = optimizer_file(strategy.model.layout, None)
     local = local_optimizer(strategy.optimizer)
     names = {id(master): name for name, master in strategy.masters.items()}
     params = [names[id(param)] for group in local.param_groups for param in group["params"]]
@@ -127,8 +139,9 @@ def _hf_config(strategy: Any, dtype: torch.dtype) -> Any:
 
 
 def save_hf(strategy: Any, path: str) -> None:
-    """Full HF-named weights (gathered over TP) written by rank 0 as safetensors + config + tokenizer, atomically."""
-    weights = strategy.named_weights()  # a generator: every rank must run it, for the TP gathers
+    """Full HF-named weights (gathered over TP and stages) written by rank 0 as safetensors + config + tokenizer,
+    atomically."""
+    weights = strategy.named_weights()  # a generator: every rank must run it, for the TP gathers and PP broadcasts
 
     def write(tmp: Path) -> None:
         writer = ShardedSafetensorsWriter(tmp, parse_size(MAX_SHARD_SIZE))

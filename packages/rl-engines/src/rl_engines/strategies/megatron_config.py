@@ -7,6 +7,7 @@ performance-only switch (a kernel choice that does not change what is computed),
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,8 @@ class MegatronOptions:
 
     tensor_model_parallel_size: int = 1
     """Ranks one layer's matrices are split over (Megatron TP); divides the role's world size."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline stages the decoder layers are split over (Megatron PP, an even split); TP x PP divides the world."""
     sequence_parallel: bool = False
     """Split layer norms / dropout activations along the sequence over the TP ranks (no effect at TP = 1)."""
     recompute_granularity: str | None = None
@@ -90,8 +93,8 @@ class MegatronOptions:
 
     @property
     def model_parallel_size(self) -> int:
-        """Ranks holding one copy of the model (TP; PP and CP are 1 here)."""
-        return self.tensor_model_parallel_size
+        """Ranks holding one copy of the model (TP x PP; CP is 1 here)."""
+        return self.tensor_model_parallel_size * self.pipeline_model_parallel_size
 
 
 def _check_types(config: dict[str, Any], keys: dict[str, tuple[type, ...]], prefix: str) -> None:
@@ -106,12 +109,6 @@ def _check_types(config: dict[str, Any], keys: dict[str, tuple[type, ...]], pref
 
 def _reject_unsupported(config: dict[str, Any], prefix: str) -> None:
     """Keys ROLL accepts that this adapter cannot honour (yet), each with the reason and the alternative."""
-    if config.get("pipeline_model_parallel_size", 1) > 1:
-        raise ValueError(
-            f"{prefix}.pipeline_model_parallel_size={config['pipeline_model_parallel_size']}: pipeline parallelism "
-            "is not supported by this adapter yet (megatron-core 0.16.1's pipeline schedules allocate on 'cuda'). "
-            "Set it to 1 and use tensor_model_parallel_size, or fsdp2_train for models that need more memory."
-        )
     for key, reason in (
         ("context_parallel_size", "needs Transformer Engine attention; the local Megatron spec used here has none"),
         ("expert_model_parallel_size", "applies to MoE models; this adapter supports dense decoders only"),
@@ -120,8 +117,9 @@ def _reject_unsupported(config: dict[str, Any], prefix: str) -> None:
             raise ValueError(f"{prefix}.{key}={config[key]}: {reason}. Set it to 1 (or remove it).")
     if config.get("virtual_pipeline_model_parallel_size") not in (None, 1):
         raise ValueError(
-            f"{prefix}.virtual_pipeline_model_parallel_size={config['virtual_pipeline_model_parallel_size']} needs "
-            "pipeline_model_parallel_size > 1, which is not supported; remove it."
+            f"{prefix}.virtual_pipeline_model_parallel_size={config['virtual_pipeline_model_parallel_size']}: the "
+            "interleaved pipeline schedule is not supported by this adapter (it runs one model chunk per stage with "
+            "a 1F1B schedule); remove it and keep pipeline_model_parallel_size."
         )
     moe = sorted(key for key in config if key.startswith("moe_"))
     if moe:
@@ -161,6 +159,17 @@ def _check_recompute(config: dict[str, Any], prefix: str) -> None:
         )
 
 
+SEQUENCE_PARALLEL_REASON = (
+    "megatron-core's sequence-parallel layer norms need Apex (FusedLayerNorm) or Transformer Engine, and neither is "
+    "installed; running with it off (same results, the activations of layer norms are not split over TP)"
+)
+
+
+def fused_norms_available() -> bool:
+    """Apex is what the local layer spec uses for layer norms that support sequence parallelism."""
+    return importlib.util.find_spec("apex") is not None
+
+
 def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dtype: str) -> MegatronOptions:
     """Validate a megatron_train (``train``) or megatron_infer strategy_config against the role's
     ``model_args.dtype``; errors name every bad key."""
@@ -175,14 +184,19 @@ def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dt
     tp = int(config.get("tensor_model_parallel_size", 1))
     granularity = config.get("recompute_granularity")
     full = granularity == "full"
+    unused = tuple(key for key in switches if config.get(key))
+    sequence_parallel = bool(config.get("sequence_parallel", False)) and tp > 1
+    if sequence_parallel and not fused_norms_available():
+        sequence_parallel, unused = False, (*unused, "sequence_parallel")
     return MegatronOptions(
         tensor_model_parallel_size=tp,
-        sequence_parallel=bool(config.get("sequence_parallel", False)) and tp > 1,
+        pipeline_model_parallel_size=int(config.get("pipeline_model_parallel_size", 1)),
+        sequence_parallel=sequence_parallel,
         recompute_granularity=granularity,
         recompute_method=(config.get("recompute_method") or "uniform") if full else None,
         recompute_num_layers=(config.get("recompute_num_layers") or 1) if full else None,
         use_distributed_optimizer=bool(config.get("use_distributed_optimizer", False)),
-        unused_switches=tuple(key for key in switches if config.get(key)),
+        unused_switches=unused,
     )
 
 
@@ -190,7 +204,7 @@ def describe_unused_switches(options: MegatronOptions, role: str) -> str:
     """One line naming the performance-only switches that are set but not acted on, and why ("" when none)."""
     if not options.unused_switches:
         return ""
-    switches = KERNEL_FUSION_SWITCHES | TRAIN_PERFORMANCE_SWITCHES
+    switches = KERNEL_FUSION_SWITCHES | TRAIN_PERFORMANCE_SWITCHES | {"sequence_parallel": SEQUENCE_PARALLEL_REASON}
     reasons = "; ".join(f"{key}: {switches[key]}" for key in options.unused_switches)
     return (
         f"{role}.strategy_args.strategy_config: performance-only switches accepted but not used by this build "
@@ -199,11 +213,13 @@ def describe_unused_switches(options: MegatronOptions, role: str) -> str:
 
 
 def check_world_size(options: MegatronOptions, world_size: int, role: str) -> int:
-    """The data-parallel size ``world / TP``; raises naming the key when TP does not divide the world size."""
-    tp = options.tensor_model_parallel_size
-    if world_size % tp:
+    """The data-parallel size ``world / (TP x PP)``; raises naming the keys when TP x PP does not divide the world
+    size."""
+    tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
+    if world_size % (tp * pp):
+        prefix = f"{role}.strategy_args.strategy_config"
         raise ValueError(
-            f"{role}.strategy_args.strategy_config.tensor_model_parallel_size={tp} does not divide the role's "
-            f"world size {world_size} (len({role}.device_mapping)); pick a divisor."
+            f"{prefix}.tensor_model_parallel_size={tp} x {prefix}.pipeline_model_parallel_size={pp} = {tp * pp} "
+            f"does not divide the role's world size {world_size} (len({role}.device_mapping)); pick divisors."
         )
-    return world_size // tp
+    return world_size // (tp * pp)

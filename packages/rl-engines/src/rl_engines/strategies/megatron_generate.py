@@ -2,7 +2,8 @@
 
 A reference path for tests and small models: every new token recomputes the whole sequence (no KV cache), so it
 is O(L^2) in the response length. ROLL's megatron_infer does not generate at all; use vllm / sglang (or hf_infer)
-for actor_infer at scale. The tensor-parallel ranks of a model sample in lockstep: rank 0's draw is broadcast.
+for actor_infer at scale. The tensor- and pipeline-parallel ranks of a model sample in lockstep: each step runs the
+whole pipeline forward, the last stage's logits are broadcast to the other stages, and rank 0's draw to all.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from rl_engines.strategies.megatron_model import MegatronModel
 from rl_engines.strategies.megatron_ops import gather_vocab
+from rl_engines.strategies.megatron_pipeline import broadcast_from_last, run_schedule
 
 
 def load_generation_config(model_path: str, hf_config: dict[str, Any]) -> Any:
@@ -59,12 +61,21 @@ class MegatronGenerator:
         self.generation_config = generation_config
 
     def _next_logits(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """Full-vocabulary float32 logits ``[rows, V]`` of the token after ``ids [rows, S]``."""
-        out = self.model.run(ids, mask)[:, -1]  # [rows, Vp/tp]
-        return gather_vocab(out.float(), self.model.layout.spec.vocab_size, self.model.tp_group)
+        """Full-vocabulary float32 logits ``[rows, V]`` of the token after ``ids [rows, S]`` (on every stage)."""
+        model = self.model
+        vocab = model.layout.spec.vocab_size
+        logits = torch.empty(ids.shape[0], vocab, dtype=torch.float32, device=ids.device)
+
+        def on_output(index: int, micro: Any, out: torch.Tensor) -> None:  # last stage: [rows, S, Vp/tp]
+            logits.copy_(gather_vocab(out[:, -1].float(), vocab, model.tp_group))
+
+        run_schedule(model.stage, [(ids, mask)], lambda micro, hidden: model.run(micro[0], micro[1], hidden),
+                     hidden_shape=lambda micro: model.hidden_shape(micro[0]), dtype=model.dtype, device=ids.device,
+                     on_output=on_output, train=False)  # fmt: skip
+        return broadcast_from_last(model.stage, {"logits": logits})["logits"]
 
     def _same_on_all_ranks(self, tokens: torch.Tensor) -> torch.Tensor:
-        group = self.model.tp_group
+        group = self.model.mp_group
         if group is not None and dist.get_world_size(group) > 1:
             dist.broadcast(tokens, src=dist.get_global_rank(group, 0), group=group)
         return tokens

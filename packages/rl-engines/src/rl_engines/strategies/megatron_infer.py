@@ -1,4 +1,5 @@
-"""``megatron_infer``: a frozen Megatron-core model for scoring (ROLL's reference role), tensor-parallel over ranks.
+"""``megatron_infer``: a frozen Megatron-core model for scoring (ROLL's reference role), tensor- and
+pipeline-parallel over ranks (megatron_pipeline: a forward-only pass through the stages).
 
 ``compute_log_probs`` is the point of the strategy (vocabulary-parallel log-softmax, equal to the HF model's).
 ``generate`` works but is a slow reference path (no KV cache; see megatron_generate); ROLL's megatron_infer does
@@ -28,7 +29,8 @@ from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve
 
 @STRATEGIES.register("megatron_infer")
 class MegatronInferStrategy:
-    """Frozen Megatron GPTModel in ``model_args.dtype``, split over ``tensor_model_parallel_size`` ranks."""
+    """Frozen Megatron GPTModel in ``model_args.dtype``, split over ``tensor_model_parallel_size`` x
+    ``pipeline_model_parallel_size`` ranks."""
 
     kind = "infer"
 
@@ -73,25 +75,20 @@ class MegatronInferStrategy:
     ) -> RolloutBatch:
         """``log_probs [B, R]`` (and ``entropy``) of the batch's responses, in infer_batch_size slices."""
         self.reload()
-        pooled, own = gather_batch(batch, self.megatron.tp_group)
-        parts = [
-            self.megatron.outputs(micro, temperature=temperature, with_entropy=with_entropy)
-            for micro in pooled.split(self.config.infer_batch_size)
-        ]
-        tensors = {key: torch.cat([p[key] for p in parts])[own].cpu() for key in parts[0]}
-        return RolloutBatch(tensors, meta_info=dict(batch.meta_info))
+        return self.megatron.score(batch, self.config.infer_batch_size, temperature=temperature,
+                                   with_entropy=with_entropy)  # fmt: skip
 
     @torch.no_grad()
     def generate(self, batch: RolloutBatch, generating_args: GeneratingArgs | None = None) -> RolloutBatch:
         """Sample ``num_return_sequences`` responses per prompt (slow reference path; see the module docstring).
 
-        Same output layout as hf_infer's generate; the TP ranks of a replica pool their prompts and sample them in
-        lockstep, each returning the rows of its own prompts.
+        Same output layout as hf_infer's generate; the TP x PP ranks of a replica pool their prompts and sample them
+        in lockstep, each returning the rows of its own prompts.
         """
         args = generating_args or self.config.generating_args
         args.validate(f"{self.role}.generating_args")
         self.reload()
-        pooled, own = gather_batch(batch, self.megatron.tp_group)
+        pooled, own = gather_batch(batch, self.megatron.mp_group)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             if args.seed is not None:  # offset by data-parallel rank: replicas must not draw the same numbers
                 torch.manual_seed(args.seed + self.dp_rank)
@@ -104,16 +101,18 @@ class MegatronInferStrategy:
         return out.index(list(range(own.start * n, own.stop * n)))
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named weights, gathered over the TP group (every rank must iterate)."""
+        """Full HF-named weights, gathered over the TP group and the pipeline stages (every rank must iterate)."""
         self.reload()
-        params = dict(self.megatron.module.named_parameters())
-        return export_hf(params, sharded_names(self.megatron.module), self.megatron.layout, self.megatron.tp_group)
+        model = self.megatron
+        params = dict(model.module.named_parameters())
+        return export_hf(params, sharded_names(model.module), model.layout, model.tp_group, model.stage)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Reshard HF-named full tensors onto this rank (cast to its dtype / device); unknown names are an error.
 
         q / k / v and gate / up are fused in Megatron, so they are written once all parts arrived (parts may come in
-        different calls, as weight-sync buckets do). Returns the number of HF tensors taken.
+        different calls, as weight-sync buckets do). Under pipeline parallelism each stage keeps its own layers and
+        checks, then skips, the others'. Returns the number of HF tensors taken.
         """
         self.reload()
         return self.megatron.loader.load(weights)

@@ -21,8 +21,15 @@ from rl_ckpt.layout import padded_vocab_size
 from rl_ckpt.spec import ModelSpec, spec_from_hf_config
 from rl_core.batch import RolloutBatch
 from rl_engines.strategies.megatron_config import MegatronOptions
-from rl_engines.strategies.megatron_ops import vocab_parallel_log_probs
-from rl_engines.strategies.megatron_weights import RankLayout, WeightLoader
+from rl_engines.strategies.megatron_ops import gather_batch, vocab_parallel_log_probs
+from rl_engines.strategies.megatron_pipeline import (
+    OnOutput,
+    PipelineStage,
+    broadcast_from_last,
+    current_stage,
+    run_schedule,
+)
+from rl_engines.strategies.megatron_weights import ELSEWHERE, RankLayout, WeightLoader, hf_target
 from rl_engines.strategies.model_io import model_inputs, response_length
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
@@ -48,18 +55,23 @@ def read_spec(model_path: str, role: str) -> ModelSpec:
 
 
 def init_model_parallel(options: MegatronOptions, seed: int, role: str) -> None:
-    """Megatron's process groups for this layout (reused when already set up with the same sizes) and RNG."""
+    """Megatron's process groups for this layout (reused when already set up with the same sizes) and RNG.
+
+    Megatron's rank order: TP ranks are consecutive, then DP, then PP (world = TP x DP x PP; stage s holds global
+    ranks ``[s * TP * DP, (s + 1) * TP * DP)``)."""
     from megatron.core import parallel_state, tensor_parallel
 
-    tp = options.tensor_model_parallel_size
+    tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
     if parallel_state.model_parallel_is_initialized():
-        if parallel_state.get_tensor_model_parallel_world_size() != tp:
+        have = (parallel_state.get_tensor_model_parallel_world_size(),
+                parallel_state.get_pipeline_model_parallel_world_size())  # fmt: skip
+        if have != (tp, pp):
             raise RuntimeError(
-                f"{role}: this process already runs Megatron with tensor_model_parallel_size="
-                f"{parallel_state.get_tensor_model_parallel_world_size()}; one process holds one Megatron layout."
+                f"{role}: this process already runs Megatron with tensor_model_parallel_size={have[0]}, "
+                f"pipeline_model_parallel_size={have[1]}; one process holds one Megatron layout."
             )
     else:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -87,6 +99,8 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=options.tensor_model_parallel_size,
+        pipeline_model_parallel_size=options.pipeline_model_parallel_size,
+        pipeline_dtype=params_dtype,  # of the hidden states sent between stages
         sequence_parallel=options.sequence_parallel,
         recompute_granularity=options.recompute_granularity,
         recompute_method=options.recompute_method,
@@ -125,7 +139,7 @@ class ValueHead(nn.Module):
 
 @dataclass
 class MegatronModel:
-    """One rank's GPTModel plus what its forward pass and weight mapping need."""
+    """One rank's GPTModel (its pipeline stage's part) plus what its forward pass and weight mapping need."""
 
     module: Any
     role: str
@@ -133,6 +147,9 @@ class MegatronModel:
     tp_group: Any
     sequence_parallel: bool
     device: torch.device
+    stage: PipelineStage = field(default_factory=PipelineStage)
+    mp_group: Any = None
+    """The TP x PP group of ranks that hold one model replica together (None when that is this rank alone)."""
     loader: WeightLoader = field(init=False)
 
     def __post_init__(self) -> None:
@@ -143,32 +160,58 @@ class MegatronModel:
         """First vocabulary id of this rank's logits slice."""
         return self.layout.tp_rank * self.layout.padded_vocab // self.layout.tp
 
-    def run(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """``ids [B, S]``, ``mask [B, S]`` (True = real token) -> ``[B, S, Vp/tp]`` logits (``[B, S, 1]`` values)."""
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' (and hidden states') dtype."""
+        return next(self.module.parameters()).dtype  # type: ignore[no-any-return]
+
+    def _padding(self, length: int) -> int:
+        """Right padding of a sequence: under sequence parallelism it must split evenly over the TP ranks."""
+        return -length % self.layout.tp if self.sequence_parallel else 0
+
+    def hidden_shape(self, ids: torch.Tensor) -> tuple[int, int, int]:
+        """``[S, B, H]`` of the hidden states this stage receives for ``ids [B, S]`` (``S/tp`` rows, after the
+        padding, under sequence parallelism)."""
+        seq = ids.shape[1] + self._padding(ids.shape[1])
+        rows = seq // self.layout.tp if self.sequence_parallel else seq
+        return rows, ids.shape[0], self.layout.spec.hidden_size
+
+    def run(self, ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """``ids [B, S]``, ``mask [B, S]`` (True = real token) -> the last stage's ``[B, S, Vp/tp]`` logits
+        (``[B, S, 1]`` values); earlier stages return the hidden states ``[S, B, H]`` for the next one, and every
+        stage but the first takes the previous one's as ``hidden``."""
         length = ids.shape[1]
-        if self.sequence_parallel:  # the sequence must split evenly over the TP ranks: pad on the right
-            extra = -length % self.layout.tp
-            ids = nn.functional.pad(ids, (0, extra))
-            mask = nn.functional.pad(mask, (0, extra))
+        extra = self._padding(length)
+        ids, mask = nn.functional.pad(ids, (0, extra)), nn.functional.pad(mask, (0, extra))
         seq = ids.shape[1]
         causal = torch.ones(seq, seq, dtype=torch.bool, device=self.device).tril()
         blocked = ~(causal.unsqueeze(0) & mask.unsqueeze(1)).unsqueeze(1)  # [B, 1, S, S], True = masked
         # RoPE is relative, so Megatron's 0..S-1 positions equal HF's left-padding-aware position_ids here.
         positions = torch.arange(seq, device=self.device).expand_as(ids)
-        out = self.module(ids, positions, blocked)  # [B, S, Vp/tp], in the parameters' dtype
-        return out[:, :length]  # type: ignore[no-any-return]
+        if not self.stage.first:
+            self.module.set_input_tensor(hidden)
+        out = self.module(ids, positions, blocked)  # in the parameters' dtype
+        return out[:, :length] if self.stage.last else out  # type: ignore[no-any-return]
 
-    def forward(self, batch: RolloutBatch) -> torch.Tensor:
-        """Outputs at the positions that predict the responses: ``[B, R, Vp/tp]`` logits (row t predicts response
-        token t) or ``[B, R, 1]`` values. Padding: prompts left, responses right (see model_io)."""
+    def forward(self, batch: RolloutBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's forward of ``batch``; the last stage returns the outputs at the positions that predict the
+        responses: ``[B, R, Vp/tp]`` logits (row t predicts response token t) or ``[B, R, 1]`` values. Padding:
+        prompts left, responses right (see model_io)."""
         inputs = model_inputs(batch, self.device)
-        out = self.run(inputs["input_ids"], inputs["attention_mask"].bool())
+        out = self.run(inputs["input_ids"], inputs["attention_mask"].bool(), hidden)
+        if not self.stage.last:
+            return out
         length, resp = out.shape[1], response_length(batch)
         return out[:, length - resp - 1 : length - 1]
 
-    def outputs(self, batch: RolloutBatch, *, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
-        """``values`` (value head) or ``log_probs`` (and ``entropy``) of the responses, ``[B, R]`` float32."""
-        out = self.forward(batch)
+    def batch_hidden_shape(self, batch: RolloutBatch) -> tuple[int, int, int]:
+        """:meth:`hidden_shape` of ``batch``'s input ids."""
+        return self.hidden_shape(batch.batch["input_ids"])
+
+    def head(self, batch: RolloutBatch, out: torch.Tensor, *, temperature: float,
+             with_entropy: bool) -> dict[str, torch.Tensor]:  # fmt: skip
+        """Last stage: ``values`` (value head) or ``log_probs`` (and ``entropy``) of the responses from
+        :meth:`forward`'s ``out``, ``[B, R]`` float32."""
         if self.layout.value_head:
             return {"values": out[..., 0].float()}
         log_probs, entropy = vocab_parallel_log_probs(
@@ -177,6 +220,58 @@ class MegatronModel:
             group=self.tp_group,
         )  # fmt: skip
         return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
+
+    def schedule(self, micros: list[RolloutBatch], on_output: OnOutput, *, train: bool) -> None:
+        """:func:`run_schedule` of ``micros`` through this model's pipeline (every TP x PP rank calls it)."""
+        run_schedule(self.stage, micros, self.forward, hidden_shape=self.batch_hidden_shape, dtype=self.dtype,
+                     device=self.device, on_output=on_output, train=train)  # fmt: skip
+
+    @torch.no_grad()
+    def score(self, batch: RolloutBatch, micro_size: int, *, temperature: float, with_entropy: bool) -> RolloutBatch:
+        """``values`` or ``log_probs`` (and ``entropy``) ``[B, R]`` of this rank's ``batch``: the model-parallel
+        ranks pool their batches, run them through the pipeline in ``micro_size`` slices, the last stage's results
+        are broadcast to the others, and every rank returns its own rows (on the CPU)."""
+        pooled, own = gather_batch(batch, self.mp_group)
+        micros = pooled.split(micro_size)
+        parts: list[dict[str, torch.Tensor]] = []
+
+        def on_output(index: int, micro: RolloutBatch, out: torch.Tensor) -> None:
+            parts.append(self.head(micro, out, temperature=temperature, with_entropy=with_entropy))
+
+        self.schedule(micros, on_output, train=False)
+        keys = ["values"] if self.layout.value_head else ["log_probs", "entropy"][: 1 + with_entropy]
+        shape = (len(pooled), response_length(pooled))
+        if self.stage.last:
+            tensors = {key: torch.cat([part[key] for part in parts]) for key in keys}
+        else:
+            tensors = {key: torch.empty(shape, dtype=torch.float32, device=self.device) for key in keys}
+        tensors = broadcast_from_last(self.stage, tensors)
+        return RolloutBatch({key: value[own].cpu() for key, value in tensors.items()}, meta_info=dict(batch.meta_info))
+
+
+def _check_divisors(spec: ModelSpec, options: MegatronOptions, role: str, model_path: str) -> None:
+    """TP must divide the heads, KV groups and FFN size, PP the layers; errors name the key and the model's field."""
+    prefix = f"{role}.strategy_args.strategy_config"
+    tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
+    for key, value in (("num_attention_heads", spec.num_attention_heads), ("num_key_value_heads",
+                       spec.num_query_groups), ("intermediate_size", spec.ffn_hidden_size)):  # fmt: skip
+        if value % tp:
+            raise ValueError(
+                f"{prefix}.tensor_model_parallel_size={tp} does not divide the model's {key}={value} "
+                f"({model_path}/config.json); Megatron splits them over TP ranks. Pick a divisor."
+            )
+    if spec.num_layers % pp:
+        raise ValueError(
+            f"{prefix}.pipeline_model_parallel_size={pp} does not divide the model's num_hidden_layers="
+            f"{spec.num_layers} ({model_path}/config.json); the stages get equal numbers of layers. Pick a divisor."
+        )
+
+
+def _stage_offsets(config: Any, pp: int) -> tuple[int, ...]:
+    """Each stage's first layer (Megatron's ``get_transformer_layer_offset``), then the number of layers."""
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    return (*(int(get_transformer_layer_offset(config, pp_rank=rank)) for rank in range(pp)), config.num_layers)
 
 
 def build_model(
@@ -189,46 +284,51 @@ def build_model(
     value_head: bool,
     seed: int,
 ) -> MegatronModel:
-    """This rank's GPTModel in ``params_dtype`` (also the compute dtype) with the HF folder's weights; a critic
-    gets a fresh ``score`` head (HF's init)."""
+    """This rank's GPTModel stage in ``params_dtype`` (also the compute dtype) with the HF folder's weights; a
+    critic gets a fresh ``score`` head (HF's init).
+
+    Under pipeline parallelism Megatron keeps tied embeddings as two parameters (the first stage's embedding, the
+    last stage's output layer) whose gradients are summed; GPTModel's own set-up of that copy moves it to CUDA, so
+    the stages are built untied and the copy is loaded from the same HF tensor (megatron_weights) and its gradient
+    summed by the train strategy."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = read_spec(model_path, role)
-    tp = options.tensor_model_parallel_size
-    for key, value in (("num_attention_heads", spec.num_attention_heads), ("num_key_value_heads",
-                       spec.num_query_groups), ("intermediate_size", spec.ffn_hidden_size)):  # fmt: skip
-        if value % tp:
-            raise ValueError(
-                f"{role}.strategy_args.strategy_config.tensor_model_parallel_size={tp} does not divide the model's "
-                f"{key}={value} ({model_path}/config.json); Megatron splits them over TP ranks. Pick a divisor."
-            )
+    _check_divisors(spec, options, role, model_path)
+    tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
+    stage = current_stage()
     padded = padded_vocab_size(spec.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
+    config = transformer_config(spec, options, params_dtype, device)
     module = GPTModel(
-        transformer_config(spec, options, params_dtype, device),
+        config,
         get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm),
         vocab_size=padded,
         max_sequence_length=spec.max_position_embeddings,
-        share_embeddings_and_output_weights=spec.tied_embeddings and not value_head,
+        pre_process=stage.first,
+        post_process=stage.last,
+        share_embeddings_and_output_weights=spec.tied_embeddings and not value_head and pp == 1,
         position_embedding_type="rope",
         rotary_base=int(spec.rotary_base),
     )
-    if value_head:
+    if value_head and stage.last:
         module.output_layer = ValueHead(spec.hidden_size, options.sequence_parallel, params_dtype)
     module.to(device)
-    layout = RankLayout(spec, parallel_state.get_tensor_model_parallel_rank(), tp, padded, value_head)
+    layout = RankLayout(spec, parallel_state.get_tensor_model_parallel_rank(), tp, padded, value_head,
+                        stage.rank, pp, _stage_offsets(config, pp))  # fmt: skip
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
-    model = MegatronModel(module, role, layout, group, options.sequence_parallel, device)
+    mp_group = parallel_state.get_model_parallel_group() if tp * pp > 1 else None
+    model = MegatronModel(module, role, layout, group, options.sequence_parallel, device, stage, mp_group)
     load_folder(model, model_path, seed)
     return model
 
 
 def load_folder(model: MegatronModel, model_path: str, seed: int) -> None:
-    """Load every tensor of the HF folder into this rank; initialise a missing value head like HF does."""
+    """Load this rank's tensors of the HF folder; initialise a missing value head like HF does."""
     source = HFCheckpoint(Path(model_path))
     hf_config = source.config
-    if model.layout.value_head:
+    if model.layout.value_head and model.stage.last:
         generator = torch.Generator().manual_seed(seed)  # the same head on every TP rank
         head = model.module.output_layer
         std = float(hf_config.get("initializer_range", 0.02))
@@ -236,9 +336,15 @@ def load_folder(model: MegatronModel, model_path: str, seed: int) -> None:
         head.bias.data.zero_()
         model.loader.written.update({"output_layer.weight", "output_layer.bias"})
     names = [name for name in source.weight_map if name != "lm_head.weight" or not model.layout.value_head]
-    model.loader.load((name, source.get(name)) for name in names)
+    model.loader.load((name, source.get(name)) for name in names if _on_stage(model.layout, name))
     missing = model.loader.missing()
     if missing:
         raise ValueError(f"{model_path}: the folder lacks tensors for the Megatron parameters {missing}")
-    if dist.is_initialized() and model.tp_group is not None:
-        dist.barrier(group=model.tp_group)
+    if dist.is_initialized() and model.mp_group is not None:
+        dist.barrier(group=model.mp_group)
+
+
+def _on_stage(layout: RankLayout, name: str) -> bool:
+    """Whether HF tensor ``name`` has a home on this stage (others are not read from disk)."""
+    target = hf_target(layout, name)
+    return target is None or target.kind != ELSEWHERE

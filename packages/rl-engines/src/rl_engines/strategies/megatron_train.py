@@ -1,16 +1,19 @@
-"""``megatron_train``: train one role's model with Megatron-core tensor parallelism (TP) x data parallelism (DP).
+"""``megatron_train``: train one role's model with Megatron-core tensor (TP) x pipeline (PP) x data (DP) parallelism.
 
 The model is megatron-core's ``GPTModel`` (local layer spec) loaded from the HF folder with rl_ckpt's mapping; each
-rank holds its TP shards. Parallel layout and memory keys are ROLL's (see megatron_config); pipeline / context /
-expert parallelism are rejected with a message for now.
+rank holds its TP shards of its pipeline stage's layers. Parallel layout and memory keys are ROLL's (see
+megatron_config); context / expert / virtual-pipeline parallelism are rejected with a message for now.
 
-Batches: ``dp_split`` gives each rank a chunk; the ranks of one TP group pool their chunks, so a data-parallel
-replica trains on ``world / TP`` ranks' worth of samples (ROLL: global batch = per_device_train_batch_size x
-gradient_accumulation_steps x world / TP). Gradient semantics as in fsdp2_train: each micro-batch loss is its
-share of the mini-batch loss (rl-core GlobalBatchInfo over DP ranks), gradients are summed over DP ranks and
-accumulation steps. Optimizer: torch AdamW over each rank's own shards (elementwise, so identical to AdamW on the
-full tensors), replicated over DP ranks; with ``use_distributed_optimizer: true`` its state is partitioned over
-the DP ranks instead (ZeRO stage 1, as Megatron's DistributedOptimizer), with the same update.
+Batches: ``dp_split`` gives each rank a chunk; the ranks of one model replica (its TP x PP group) pool their
+chunks, so a data-parallel replica trains on its TP x PP ranks' chunks together (ROLL: global batch =
+per_device_train_batch_size x gradient_accumulation_steps x world / (TP x PP)). A mini-batch's micro-batches run
+through the stages with the 1F1B schedule of megatron_pipeline; the last stage computes the losses. Gradient
+semantics as in fsdp2_train: each micro-batch loss is its share of the mini-batch loss (rl-core GlobalBatchInfo
+over DP ranks), gradients are summed over DP ranks and accumulation steps (and, for tied embeddings under PP, over
+the first stage's embedding and the last stage's copy, as Megatron does). Optimizer: torch AdamW over each rank's
+own shards (elementwise, so identical to AdamW on the full tensors), replicated over DP ranks; with
+``use_distributed_optimizer: true`` its state is partitioned over the DP ranks instead (ZeRO stage 1, as
+Megatron's DistributedOptimizer), with the same update. The gradient norm is global: over TP shards and stages.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from rl_engines.strategies.megatron_ops import (
     partition_optimizer_state,
     sum_gradients,
 )
+from rl_engines.strategies.megatron_pipeline import broadcast_object_from_last
 from rl_engines.strategies.megatron_weights import export_hf, sharded_names
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path
 from rl_engines.strategies.train_utils import (
@@ -60,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 @STRATEGIES.register("megatron_train")
 class MegatronTrainStrategy:
-    """Megatron-core TP x DP training of a dense decoder (or its critic, with a ``score`` value head)."""
+    """Megatron-core TP x PP x DP training of a dense decoder (or its critic, with a ``score`` value head)."""
 
     kind = "train"
 
@@ -84,6 +88,8 @@ class MegatronTrainStrategy:
         self.tokenizer: Any = None
         self.dp_rank, self.dp_group = 0, None
         self.dp_size = 1
+        self.embedding_group: Any = None
+        """First and last pipeline stage, which sum the gradients of tied embeddings (PP > 1 only)."""
         self._offloaded_state: list[tuple[int, str, torch.device]] = []
         self._offloaded = False
 
@@ -111,6 +117,9 @@ class MegatronTrainStrategy:
         self._sequence_split = {n for n, p in module.named_parameters() if getattr(p, "sequence_parallel", False)}
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group() if dist.get_world_size() > 1 else None
+        layout = self.model.layout
+        if layout.tied_copy and (layout.first or layout.last):
+            self.embedding_group = parallel_state.get_embedding_group()
         self.optimizer = build_optimizer(self.masters.values(), self.config.training_args)
         if self.options.use_distributed_optimizer:  # at DP = 1 this keeps the plain AdamW
             self.optimizer = partition_optimizer_state(self.optimizer, self.dp_group)
@@ -118,14 +127,11 @@ class MegatronTrainStrategy:
         self.tokenizer = load_tokenizer(path)
 
     # ---- forward -------------------------------------------------------------------------------------------
-    @torch.no_grad()
-    def _infer(self, batch: RolloutBatch, **kwargs: Any) -> RolloutBatch:
+    def _infer(self, batch: RolloutBatch, *, temperature: float, with_entropy: bool) -> RolloutBatch:
         self.reload()
         self.model.module.eval()
-        pooled, own = gather_batch(batch, self.model.tp_group)
-        parts = [self.model.outputs(mb, **kwargs) for mb in pooled.split(self.config.infer_batch_size)]
-        tensors = {key: torch.cat([p[key] for p in parts])[own].cpu() for key in parts[0]}
-        return RolloutBatch(tensors, meta_info=dict(batch.meta_info))
+        return self.model.score(batch, self.config.infer_batch_size, temperature=temperature,
+                                with_entropy=with_entropy)  # fmt: skip
 
     def compute_log_probs(
         self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
@@ -144,11 +150,13 @@ class MegatronTrainStrategy:
         """One optimizer step per mini-batch of ``per_device_train_batch_size x gradient_accumulation_steps``
         samples of this data-parallel replica's pooled batch. Returns metrics summed over DP replicas."""
         check_objective(self.role, objective, self.value_head)
-        pooled, _ = gather_batch(batch, self.model.tp_group)
+        pooled, _ = gather_batch(batch, self.model.mp_group)
+        layout = self.model.layout
         micro, minibatch = check_minibatch(
             self.role, len(pooled), self.config.training_args,
-            per=f"per data-parallel replica (pooled over tensor_model_parallel_size={self.model.layout.tp} ranks)",
-            dp_note=" (world size / tensor_model_parallel_size)",
+            per=f"per data-parallel replica (pooled over tensor_model_parallel_size={layout.tp} x "
+            f"pipeline_model_parallel_size={layout.pp} ranks)",
+            dp_note=" (world size / (tensor_model_parallel_size x pipeline_model_parallel_size))",
         )  # fmt: skip
         self.reload()
         self.model.module.train()
@@ -158,18 +166,20 @@ class MegatronTrainStrategy:
     def _optimizer_step(self, micros: list[RolloutBatch], objective: Objective, metrics: MetricAccumulator) -> float:
         assert self.optimizer is not None
         info = minibatch_info(micros, self.dp_group)
-        reports = self.model.layout.tp_rank == 0  # one rank per replica reports, so the world sum is over DP
         self.optimizer.zero_grad(set_to_none=True)
-        for micro in micros:
-            outputs = self.model.outputs(micro, temperature=objective.temperature, with_entropy=objective.needs_entropy)
+        found: list[dict[str, torch.Tensor]] = []
+
+        def loss_of(index: int, micro: RolloutBatch, out: torch.Tensor) -> torch.Tensor:  # on the last stage
+            outputs = self.model.head(micro, out, temperature=objective.temperature,
+                                      with_entropy=objective.needs_entropy)  # fmt: skip
             loss, values = objective(outputs, micro, info)
-            loss.backward()  # type: ignore[no-untyped-call]
-            metrics.add({k: v if reports else torch.zeros(()) for k, v in values.items()}, token_share(micro, info))
-        metrics.end_minibatch()
+            found.append({k: v.detach() for k, v in values.items()})
+            return loss
+
+        self.model.schedule(micros, loss_of, train=True)
+        self._add_metrics(micros, found, info, metrics)
         self._finalize_gradients()
-        first = self.model.layout.tp_rank == 0  # replicated tensors count once, on TP rank 0
-        owned = [master for name, master in self.masters.items() if name in self.sharded or first]
-        norm = grad_norm(owned, self.model.tp_group)
+        norm = grad_norm(self._norm_owned(), self.model.mp_group)
         clip_gradients(self.masters.values(), norm, self.config.training_args.max_grad_norm)
         if math.isfinite(norm):  # else skip the update (as DeepSpeed does; the norm, hence the skip, is global)
             self.optimizer.step()  # partitioned: each DP rank updates the tensors it owns, then broadcasts them
@@ -179,8 +189,31 @@ class MegatronTrainStrategy:
         self.global_step += 1
         return norm
 
+    def _add_metrics(self, micros: list[RolloutBatch], found: list[dict[str, torch.Tensor]], info: Any,
+                     metrics: MetricAccumulator) -> None:  # fmt: skip
+        """The last stage's per-micro-batch metrics, counted by one rank per replica (TP rank 0 of the last stage;
+        the others add zeros under the same names), so the world sum in MetricAccumulator is over DP replicas."""
+        stage = self.model.stage
+        if stage.size > 1:  # exact: float64 holds every float32 / float64 metric value
+            floats = [{k: float(v) for k, v in values.items()} for values in found] if stage.last else None
+            received = broadcast_object_from_last(stage, floats)
+            found = [{k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()} for values in received]
+        reports = self.model.layout.tp_rank == 0 and stage.last
+        for micro, values in zip(micros, found, strict=True):
+            metrics.add({k: v if reports else torch.zeros(()) for k, v in values.items()}, token_share(micro, info))
+        metrics.end_minibatch()
+
+    def _norm_owned(self) -> list[torch.nn.Parameter]:
+        """The masters whose gradients the global norm counts on this rank: TP shards, replicated tensors on TP rank
+        0 only, and not the last stage's copy of tied embeddings (the first stage counts them)."""
+        layout = self.model.layout
+        copy = "output_layer.weight" if layout.tied_copy and layout.last else None
+        return [master for name, master in self.masters.items()
+                if (name in self.sharded or layout.tp_rank == 0) and name != copy]  # fmt: skip
+
     def _finalize_gradients(self) -> None:
-        """fp32 master gradients summed over DP ranks (and over TP ranks for sequence-split norm weights)."""
+        """fp32 master gradients summed over DP ranks (and over TP ranks for sequence-split norm weights, and over
+        the first and last stage for tied embeddings under PP)."""
         for param, master in self._pairs:
             master.grad = None if param.grad is None else param.grad.float()
             param.grad = None
@@ -189,6 +222,13 @@ class MegatronTrainStrategy:
             grad = self.masters[name].grad
             if grad is not None:
                 dist.all_reduce(grad, group=self.model.tp_group)
+        if self.embedding_group is not None:  # both copies get the same sum, so they stay identical
+            master = self.masters[
+                "embedding.word_embeddings.weight" if self.model.layout.first else "output_layer.weight"
+            ]
+            if master.grad is None:
+                master.grad = torch.zeros_like(master)
+            dist.all_reduce(master.grad, group=self.embedding_group)
 
     @torch.no_grad()
     def publish_masters(self) -> None:
@@ -198,11 +238,12 @@ class MegatronTrainStrategy:
 
     # ---- weights -------------------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights under HF names, gathered over the TP group (every rank must iterate)."""
+        """Full weights under HF names, gathered over the TP group and the pipeline stages (every rank must
+        iterate)."""
         was_offloaded = self._offloaded
         self.reload()
         try:
-            yield from export_hf(self.masters, self.sharded, self.model.layout, self.model.tp_group)
+            yield from export_hf(self.masters, self.sharded, self.model.layout, self.model.tp_group, self.model.stage)
         finally:
             if was_offloaded:
                 self.offload()
@@ -212,13 +253,13 @@ class MegatronTrainStrategy:
         raise NotImplementedError(f"{self.role}: load weights through load_checkpoint")
 
     def save_checkpoint(self, path: str) -> None:
-        """Atomically save each TP rank's shards, the AdamW state (one partition per DP rank when it is
+        """Atomically save each TP rank's shards of each stage, the AdamW state (one partition per DP rank when it is
         partitioned), schedule, step and RNG."""
         megatron_checkpoint.save(self, path)
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore a checkpoint written by :meth:`save_checkpoint` (same tensor_model_parallel_size; any DP size,
-        with or without use_distributed_optimizer)."""
+        """Restore a checkpoint written by :meth:`save_checkpoint` (same tensor_model_parallel_size and
+        pipeline_model_parallel_size; any DP size, with or without use_distributed_optimizer)."""
         megatron_checkpoint.load(self, path)
 
     def save_hf(self, path: str) -> None:

@@ -1,14 +1,18 @@
 """HF-named full tensors <-> this rank's Megatron-core parameters, with rl_ckpt's layout (QKV / gate-up fusion,
-TP splits, vocabulary padding).
+TP splits, vocabulary padding, pipeline stages).
 
 Notation as in ``rl_ckpt.layout``: H hidden, d head dim, nq query heads, g query groups, F ffn size, V vocabulary,
 Vp padded vocabulary, tp tensor-parallel size. The critic's value head is HF ``score.{weight,bias}`` ([1, H], [1]).
+Under pipeline parallelism a stage holds the layers ``[offset, offset + n)`` under local names
+(``decoder.layers.<layer - offset>``); HF tensors of other stages are checked and skipped on load and broadcast
+from their stage on export. With tied embeddings the last stage keeps its own copy of the embedding as
+``output_layer.weight`` (as Megatron does), loaded from the same HF tensor.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +24,7 @@ from rl_ckpt.families import FAMILIES
 from rl_ckpt.layout import fuse_fc1, fuse_qkv, pad_rows, split
 from rl_ckpt.mcore_to_hf import StageShards, layer_to_hf
 from rl_ckpt.spec import ModelSpec
+from rl_engines.strategies.megatron_pipeline import PipelineStage
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _QKV = re.compile(r"self_attn\.([qkv])_proj\.(weight|bias)")
@@ -29,13 +34,42 @@ VALUE_HEAD = {"score.weight": "output_layer.weight", "score.bias": "output_layer
 
 @dataclass(frozen=True)
 class RankLayout:
-    """Where this rank sits: its TP rank among ``tp``, the padded vocabulary, whether it has a value head."""
+    """Where this rank sits: its TP rank among ``tp``, the padded vocabulary, whether it has a value head, and its
+    pipeline stage (``pp_rank`` of ``pp``; ``stage_offsets[s]`` is stage s's first layer, then ``num_layers``)."""
 
     spec: ModelSpec
     tp_rank: int
     tp: int
     padded_vocab: int
     value_head: bool
+    pp_rank: int = 0
+    pp: int = 1
+    stage_offsets: tuple[int, ...] = ()
+    """``pp + 1`` layer boundaries; empty means one stage holding every layer."""
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """The stage boundaries, ``(0, num_layers)`` at one stage."""
+        return self.stage_offsets or (0, self.spec.num_layers)
+
+    @property
+    def first(self) -> bool:
+        """This stage holds the embedding."""
+        return self.pp_rank == 0
+
+    @property
+    def last(self) -> bool:
+        """This stage holds the final norm and the output layer / value head."""
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def tied_copy(self) -> bool:
+        """The last stage holds its own copy of tied embeddings as ``output_layer.weight`` (PP > 1)."""
+        return self.pp > 1 and self.spec.tied_embeddings and not self.value_head
+
+    def stage_of(self, layer: int) -> int:
+        """The pipeline stage holding global decoder layer ``layer``."""
+        return next(s for s in range(self.pp) if layer < self.offsets[s + 1])
 
 
 @dataclass(frozen=True)
@@ -46,13 +80,21 @@ class Target:
     shape: tuple[int, ...]
     kind: str
     """``vocab`` (pad rows, split rows), ``rows`` / ``cols`` (split dim 0 / 1), ``copy`` (replicated),
-    ``qkv:<q|k|v>`` or ``fc1:<gate|up>`` (one part of a fused tensor)."""
+    ``qkv:<q|k|v>`` or ``fc1:<gate|up>`` (one part of a fused tensor), ``elsewhere`` (another pipeline stage's)."""
+
+
+ELSEWHERE = "elsewhere"
+
+
+def _elsewhere(target: Target | None, here: bool) -> Target | None:
+    """``target`` when it is on this stage, else its ``elsewhere`` stand-in (same HF shape, no key)."""
+    return target if target is None or here else Target("", target.shape, ELSEWHERE)
 
 
 def _layer_target(layout: RankLayout, layer: int, suffix: str) -> Target | None:
     s = layout.spec
     h, d, g, nq, f = s.hidden_size, s.head_dim, s.num_query_groups, s.num_attention_heads, s.ffn_hidden_size
-    mc = f"decoder.layers.{layer}."
+    mc = f"decoder.layers.{layer - layout.offsets[layout.pp_rank]}."  # local numbering on this stage
     norms = FAMILIES.get(s.model_type).layer_norms
     if suffix in norms:
         size = d if "q_norm" in suffix or "k_norm" in suffix else h
@@ -74,21 +116,28 @@ def _layer_target(layout: RankLayout, layer: int, suffix: str) -> Target | None:
 
 
 def hf_target(layout: RankLayout, name: str) -> Target | None:
-    """Where HF tensor ``name`` goes on this rank, or None when the model has no such tensor."""
+    """Where HF tensor ``name`` goes on this rank (kind ``elsewhere``: on another pipeline stage), or None when
+    the model has no such tensor."""
     s = layout.spec
     vocab_shape = (s.vocab_size, s.hidden_size)
+    embedding = Target("embedding.word_embeddings.weight", vocab_shape, "vocab")
     if name == "model.embed_tokens.weight":
-        return Target("embedding.word_embeddings.weight", vocab_shape, "vocab")
+        if layout.tied_copy and layout.last:
+            return Target("output_layer.weight", vocab_shape, "vocab")
+        return _elsewhere(embedding, layout.first)
     if name == "lm_head.weight" and not layout.value_head:
-        key = "embedding.word_embeddings.weight" if s.tied_embeddings else "output_layer.weight"
-        return Target(key, vocab_shape, "vocab")  # tied: the one shared matrix, as in HF
+        if s.tied_embeddings:  # the one shared matrix, as in HF (and the last stage's copy under PP)
+            return hf_target(layout, "model.embed_tokens.weight")
+        return _elsewhere(Target("output_layer.weight", vocab_shape, "vocab"), layout.last)
     if name == "model.norm.weight":
-        return Target("decoder.final_layernorm.weight", (s.hidden_size,), "copy")
+        return _elsewhere(Target("decoder.final_layernorm.weight", (s.hidden_size,), "copy"), layout.last)
     if name in VALUE_HEAD and layout.value_head:
-        return Target(VALUE_HEAD[name], (1, s.hidden_size) if name.endswith("weight") else (1,), "copy")
+        shape = (1, s.hidden_size) if name.endswith("weight") else (1,)
+        return _elsewhere(Target(VALUE_HEAD[name], shape, "copy"), layout.last)
     match = _LAYER.fullmatch(name)
     if match and int(match.group(1)) < s.num_layers:
-        return _layer_target(layout, int(match.group(1)), match.group(2))
+        layer = int(match.group(1))
+        return _elsewhere(_layer_target(layout, layer, match.group(2)), layout.stage_of(layer) == layout.pp_rank)
     return None
 
 
@@ -105,7 +154,7 @@ class WeightLoader:
     def target(self, name: str, tensor: torch.Tensor) -> Target:
         """The checked destination of ``name``; KeyError / ValueError naming the tensor otherwise."""
         found = hf_target(self.layout, name)
-        if found is None or found.key not in self.params:
+        if found is None or (found.kind != ELSEWHERE and found.key not in self.params):
             raise KeyError(
                 f"{self.role}: weight {name!r} has no counterpart in this Megatron model "
                 f"({self.layout.spec.model_type}, {self.layout.spec.num_layers} layers); are the two roles the same "
@@ -124,7 +173,9 @@ class WeightLoader:
         count = 0
         for name, tensor in weights:
             target = self.target(name, tensor)
-            if ":" in target.kind:
+            if target.kind == ELSEWHERE:
+                pass  # another pipeline stage's tensor (checked above)
+            elif ":" in target.kind:
                 self._add_part(target, tensor)
             else:
                 self._write(target.key, self._shard(target, tensor))
@@ -179,15 +230,41 @@ def sharded_names(module: nn.Module) -> set[str]:
     return {name for name, param in module.named_parameters() if getattr(param, "tensor_model_parallel", False)}
 
 
+HFTensors = list[tuple[str, torch.Tensor]]
+
+
+def _from_stage(stage: PipelineStage, owner: int, items: HFTensors | None, device: torch.device) -> HFTensors:
+    """``items`` (HF name, tensor) of pipeline stage ``owner`` on every stage: their names, shapes and dtypes as one
+    object, then each tensor, broadcast over the pipeline group."""
+    if stage.size == 1:
+        assert items is not None
+        return items
+    src = stage.ranks[owner]
+    metas = [[(name, tuple(t.shape), t.dtype) for name, t in items] if items is not None else None]
+    dist.broadcast_object_list(metas, src=src, group=stage.group)
+    if items is None:
+        items = [(name, torch.empty(shape, dtype=dtype, device=device)) for name, shape, dtype in metas[0] or []]
+    for _, tensor in items:
+        dist.broadcast(tensor if tensor.is_contiguous() else tensor.contiguous(), src=src, group=stage.group)
+    return items
+
+
 def export_hf(
-    params: Mapping[str, torch.Tensor], sharded: set[str], layout: RankLayout, group: dist.ProcessGroup | None
+    params: Mapping[str, torch.Tensor],
+    sharded: set[str],
+    layout: RankLayout,
+    group: dist.ProcessGroup | None,
+    stage: PipelineStage | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF-named tensors from this rank's ``params`` (Megatron names; ``sharded`` ones split over TP), gathered
-    over the TP group (a collective: every TP rank iterates), in HF order (a tied ``lm_head.weight`` comes second,
-    as the same tensor as ``model.embed_tokens.weight``).
+    over the TP group and, under pipeline parallelism, broadcast from the stage that holds them (a collective:
+    every rank of the model's TP x PP group iterates, and each gets every tensor). HF order: a tied
+    ``lm_head.weight`` comes second, as the same tensor as ``model.embed_tokens.weight``.
     """
     spec, tp = layout.spec, layout.tp
+    stage = stage or PipelineStage(ranks=(dist.get_rank() if dist.is_initialized() else 0,))
     paths = [Path(f"<tensor-parallel rank {r}>") for r in range(tp)]
+    device = next(iter(params.values())).device
 
     def shards(key: str) -> list[torch.Tensor]:
         return _all_shards(params[key], key in sharded, tp, group)
@@ -195,19 +272,36 @@ def export_hf(
     def vocab(key: str) -> torch.Tensor:
         return torch.cat(shards(key), dim=0)[: spec.vocab_size]
 
-    embed = vocab("embedding.word_embeddings.weight")
-    yield "model.embed_tokens.weight", embed
+    def piece(owner: int, make: Callable[[], HFTensors]) -> HFTensors:
+        return _from_stage(stage, owner, make() if owner == layout.pp_rank else None, device)
+
+    [(name, embed)] = piece(0, lambda: [("model.embed_tokens.weight", vocab("embedding.word_embeddings.weight"))])
+    yield name, embed
     if spec.tied_embeddings and not layout.value_head:
         yield "lm_head.weight", embed  # right after its twin, so weight sync sends it once (as an alias)
+    offsets = layout.offsets
     for layer in range(spec.num_layers):
-        prefix = f"decoder.layers.{layer}."
-        keys = [key for key in params if key.startswith(prefix)]
-        gathered = {key: shards(key) for key in keys}
-        stage = StageShards([{key: gathered[key][r] for key in keys} for r in range(tp)], paths)
-        yield from layer_to_hf(stage, spec, layer, layer)
-    yield "model.norm.weight", params["decoder.final_layernorm.weight"].detach()
+
+        def layer_tensors(layer: int = layer) -> HFTensors:
+            local = layer - offsets[layout.pp_rank]
+            prefix = f"decoder.layers.{local}."
+            keys = [key for key in params if key.startswith(prefix)]
+            gathered = {key: shards(key) for key in keys}
+            state = StageShards([{key: gathered[key][r] for key in keys} for r in range(tp)], paths)
+            return list(layer_to_hf(state, spec, local, layer))
+
+        yield from piece(layout.stage_of(layer), layer_tensors)
+    yield from piece(layout.pp - 1, lambda: _last_stage_tensors(params, layout, vocab))
+
+
+def _last_stage_tensors(
+    params: Mapping[str, torch.Tensor], layout: RankLayout, vocab: Callable[[str], torch.Tensor]
+) -> HFTensors:
+    """The final norm and the value head or (untied) lm_head, in HF order."""
+    out = [("model.norm.weight", params["decoder.final_layernorm.weight"].detach())]
     if layout.value_head:
-        yield "score.weight", params["output_layer.weight"].detach()
-        yield "score.bias", params["output_layer.bias"].detach()
-    elif not spec.tied_embeddings:
-        yield "lm_head.weight", vocab("output_layer.weight")
+        out += [("score.weight", params["output_layer.weight"].detach()),
+                ("score.bias", params["output_layer.bias"].detach())]  # fmt: skip
+    elif not layout.spec.tied_embeddings:
+        out.append(("lm_head.weight", vocab("output_layer.weight")))
+    return out

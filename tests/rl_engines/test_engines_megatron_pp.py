@@ -1,0 +1,420 @@
+"""megatron_train / megatron_infer with pipeline_model_parallel_size=2 on Ray ranks (CPU, gloo, real megatron-core).
+
+PP=2 on two ranks (one data-parallel replica), and TP=2 x PP=2 on four. Expected values are independent: the HF
+model's log-probs (one un-padded forward per token, engine_fixtures), fsdp2_train doing the same update on one rank
+in this process, megatron_train at PP=1 in this process (weight export, the critic), and an uninterrupted run for
+checkpoint resume. The workers apply the test-harness shims (megatron_shims) through a sitecustomize on their
+PYTHONPATH; the test reads strategy internals on a worker through Ray's ``__ray_call__``.
+"""
+
+from __future__ import annotations
+
+import megatron_shims
+import pytest
+import ray
+import torch
+from engine_fixtures import (
+    CORPUS,
+    prompt_batch,
+    reference_log_probs,
+    require_engine,
+    rollout_batch,
+    worker_config,
+)
+
+from rl_engines.config import GeneratingArgs
+from rl_engines.objectives import ActorObjective, CriticObjective
+from rl_engines.placement import ClusterSpec
+from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
+from rl_engines.roles import Roles
+from rl_engines.strategies import create_strategy
+from rl_engines.tiny_model import build_tiny_causal_lm, build_tiny_tokenizer
+
+pytest.importorskip("megatron.core")
+
+PP2 = {"pipeline_model_parallel_size": 2}
+TP2_PP2 = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
+# As test_engines_megatron: 2 optimizer steps of 4 samples per 8-sample batch; adam_epsilon 1e-4 so that rounding
+# noise of near-zero gradients is not amplified into visible steps.
+TRAIN_ARGS = {"learning_rate": 1e-2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+              "adam_epsilon": 1e-4, "lr_scheduler_type": "linear", "max_steps": 10}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny tied-embedding Qwen2 with 4 layers (2 per stage, so stage 1 numbers its layers from an offset) and
+    4 query heads in 2 KV groups (TP=2 splits whole KV groups)."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny_pp")
+    build_tiny_tokenizer(path, CORPUS, vocab_size=256)
+    vocab = len(AutoTokenizer.from_pretrained(str(path)))
+    build_tiny_causal_lm(path, vocab_size=vocab, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         seed=3)  # fmt: skip
+    return path
+
+
+def megatron(name, strategy_config, **sections):
+    return {"strategy_args": {"strategy_name": name, "strategy_config": strategy_config}, **sections}
+
+
+def start_roles(cluster, configs, tmp_path_factory):
+    start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
+    envs = megatron_shims.worker_envs(tmp_path_factory.mktemp("megatron_shims"))
+    try:
+        with Roles(cluster, configs, rpc_timeout=180, system_envs=envs) as started:
+            yield started
+    finally:
+        stop_ray(remove_temp_dir=True)
+
+
+# ---- run on a worker (worker = the RoleWorker instance) ---------------------------------------------------------
+def on_ranks(group, fn, *args):
+    """``fn(worker, *args)`` on every rank at once (the strategies run collectives)."""
+    return ray.get([actor.__ray_call__.remote(fn, *args) for actor in group.actors])
+
+
+def exported(worker):
+    return [(name, value.clone()) for name, value in worker.strategy.named_weights()]
+
+
+def parameter_names(worker):
+    return sorted(name for name, _ in worker.strategy.model.module.named_parameters())
+
+
+# ---- references in this process ---------------------------------------------------------------------------------
+def hf_state(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).state_dict()
+
+
+def fsdp2(model_dir):
+    strategy = create_strategy(worker_config(model_dir, training_args=TRAIN_ARGS, infer_batch_size=4), "actor_train")
+    strategy.initialize()
+    return strategy
+
+
+def megatron_pp1(model_dir, role="actor_train"):
+    """megatron_train at TP = PP = 1 in this process (a world of one)."""
+    require_engine("megatron_train")
+    config = worker_config(model_dir, role, training_args=TRAIN_ARGS, infer_batch_size=4,
+                           **megatron("megatron_train", {}))  # fmt: skip
+    strategy = create_strategy(config, role)
+    strategy.initialize()
+    return strategy
+
+
+def with_old_log_probs(group, batch):
+    batch.batch["old_log_probs"] = group.call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
+    return batch
+
+
+# ---- PP = 2 on two ranks ----------------------------------------------------------------------------------------
+@pytest.fixture(scope="class")
+def pp2_roles(tiny_model_dir, tmp_path_factory):
+    common = {"device_mapping": [0, 1], "infer_batch_size": 4}
+    configs = {
+        "actor_train": worker_config(tiny_model_dir, "actor_train", training_args=TRAIN_ARGS, **common,
+                                     **megatron("megatron_train", PP2)),
+        "reference": worker_config(tiny_model_dir, "reference", **common, **megatron("megatron_infer", PP2)),
+        "critic": worker_config(tiny_model_dir, "critic", training_args=TRAIN_ARGS, **common,
+                                **megatron("megatron_train", PP2)),
+    }  # fmt: skip
+    yield from start_roles(ClusterSpec(num_nodes=1, num_gpus_per_node=2), configs, tmp_path_factory)
+
+
+class TestPipelineTwoStages:
+    def test_each_stage_holds_its_layers_and_export_equals_pp1(self, pp2_roles, tiny_model_dir):
+        first, last = on_ranks(pp2_roles["actor_train"], parameter_names)
+        assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
+        assert "decoder.final_layernorm.weight" in last and "embedding.word_embeddings.weight" not in last
+        assert "output_layer.weight" in last  # the last stage's copy of the tied embedding
+        for names in (first, last):  # two of the four layers each, numbered locally
+            assert {n.split(".")[2] for n in names if n.startswith("decoder.layers.")} == {"0", "1"}
+        expected = list(megatron_pp1(tiny_model_dir).named_weights())
+        assert [name for name, _ in expected][:2] == ["model.embed_tokens.weight", "lm_head.weight"]
+        for group in (pp2_roles["actor_train"], pp2_roles["reference"]):
+            for got in on_ranks(group, exported):  # every stage receives every tensor, in PP=1's order
+                assert [name for name, _ in got] == [name for name, _ in expected]
+                assert all(torch.equal(a, b) for (_, a), (_, b) in zip(got, expected, strict=True))
+
+    def test_pp2_scores_equal_the_hf_model(self, pp2_roles, tiny_model_dir):
+        batch = rollout_batch(batch_size=8, seed=1)
+        mask = batch.batch["response_mask"]
+        expected = reference_log_probs(tiny_model_dir, batch)
+        train = pp2_roles["actor_train"].call("compute_log_probs", batch, with_entropy=True, dispatch="dp_split")
+        ref = pp2_roles["reference"].call("compute_log_probs", batch, dispatch="dp_split")
+        # measured 4.0e-7 (entropy 4.8e-7): fp32, the same sums as at PP=1
+        torch.testing.assert_close(train.batch["log_probs"][mask].double(), expected[mask], atol=2e-6, rtol=0)
+        torch.testing.assert_close(ref.batch["log_probs"], train.batch["log_probs"], atol=0, rtol=0)
+        hf_entropy = fsdp2(tiny_model_dir).compute_log_probs(batch, with_entropy=True).batch["entropy"]
+        torch.testing.assert_close(train.batch["entropy"][mask], hf_entropy[mask], atol=2e-6, rtol=0)
+
+    def test_pp2_greedy_generation_follows_hf(self, pp2_roles, tiny_model_dir):
+        prompts = prompt_batch(tiny_model_dir, ["1+2=", "10+12=", "3+3=", "4+5="])
+        args = {"max_new_tokens": 6, "temperature": 0.0}
+        hf = create_strategy(worker_config(tiny_model_dir, "actor_infer", generating_args=args,
+                                           strategy_args={"strategy_name": "hf_infer"}), "actor_infer")  # fmt: skip
+        hf.initialize()
+        expected = hf.generate(prompts)
+        got = pp2_roles["reference"].call("generate", prompts, GeneratingArgs(**args), dispatch="dp_split")
+        assert torch.equal(got.batch["responses"], expected.batch["responses"])
+        assert list(got.non_tensor_batch["finish_reasons"]) == list(expected.non_tensor_batch["finish_reasons"])
+
+    def test_pp2_update_equals_fsdp2_sync_and_resume(self, pp2_roles, tiny_model_dir, tmp_path):
+        actor = pp2_roles["actor_train"]
+        batch = with_old_log_probs(actor, rollout_batch(batch_size=8, seed=2))
+        mask = batch.batch["response_mask"]
+        objective = ActorObjective()
+        metrics = actor.call("train_step", batch, objective, dispatch="dp_split")
+        assert metrics[0] == metrics[1]  # the last stage's metrics, on both stages
+
+        single = fsdp2(tiny_model_dir)
+        single_metrics = single.train_step(batch, objective)  # the same 2 optimizer steps of 4 samples each
+        for key in ("pg_loss", "total_loss", "ppo_kl"):
+            assert metrics[0][f"actor/{key}"] == pytest.approx(single_metrics[key], abs=1e-6), key
+        assert metrics[0]["actor/grad_norm"] == pytest.approx(single_metrics["grad_norm"], rel=1e-5)
+        actor.call("save_hf", str(tmp_path / "hf_step1"))
+        saved, expected = hf_state(tmp_path / "hf_step1"), dict(single.named_weights())
+        assert {k: v.shape for k, v in saved.items()} == {k: v.shape for k, v in expected.items()}
+        for name, value in expected.items():  # measured max |diff| 9.3e-7 after two lr=1e-2 AdamW steps
+            torch.testing.assert_close(saved[name], value, atol=2e-6, rtol=0, msg=name)
+        stage_0, stage_1 = on_ranks(actor, exported)  # the tied copies stayed identical (same summed gradient)
+        assert torch.equal(stage_0[0][1], stage_1[0][1]) and torch.equal(stage_0[1][1], stage_0[0][1])
+
+        pp2_roles["reference"].call("offload")
+        sync = pp2_roles.model_updater("actor_train", "reference", bucket_bytes=30_000).sync()
+        assert sync["model_update/tensors"] == len(expected) - 1  # the tied lm_head travels as an alias
+        synced = pp2_roles["reference"].call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
+        trained = actor.call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
+        torch.testing.assert_close(synced[mask], trained[mask], atol=0, rtol=0)
+
+        next_batch = rollout_batch(batch_size=8, seed=3)
+        next_batch.batch["old_log_probs"] = trained
+        actor.call("save_checkpoint", str(tmp_path / "ckpt"))
+        files = sorted(p.name for p in (tmp_path / "ckpt").glob("*_rank_*.pt"))
+        assert files == ["mp_rank_00_000.pt", "mp_rank_00_001.pt", "optim_mp_rank_00_000_dp_rank_000.pt",
+                         "optim_mp_rank_00_001_dp_rank_000.pt"]  # fmt: skip
+        uninterrupted = actor.call("train_step", next_batch, objective, dispatch="dp_split")
+        actor.call("save_hf", str(tmp_path / "hf_uninterrupted"))
+        actor.call("load_checkpoint", str(tmp_path / "ckpt"))
+        resumed = actor.call("train_step", next_batch, objective, dispatch="dp_split")
+        actor.call("save_hf", str(tmp_path / "hf_resumed"))
+        assert resumed == uninterrupted
+        a, b = hf_state(tmp_path / "hf_uninterrupted"), hf_state(tmp_path / "hf_resumed")
+        assert all(torch.equal(a[name], b[name]) for name in a)
+
+    def test_pp2_critic_values_and_update_equal_pp1(self, pp2_roles, tiny_model_dir):
+        critic = pp2_roles["critic"]
+        batch = rollout_batch(batch_size=8, seed=4)
+        mask = batch.batch["response_mask"]
+        values = critic.call("compute_values", batch, dispatch="dp_split").batch["values"]
+        single = megatron_pp1(tiny_model_dir, "critic")  # the same seeded value head
+        expected = single.compute_values(batch).batch["values"]
+        torch.testing.assert_close(values[mask], expected[mask], atol=2e-6, rtol=0)  # measured 0 (same sums)
+
+        batch.batch["values"] = expected
+        batch.batch["returns"] = torch.randn(batch.batch["responses"].shape, generator=torch.Generator().manual_seed(5))
+        metrics = critic.call("train_step", batch, CriticObjective(), dispatch="dp_split")
+        single_metrics = single.train_step(batch, CriticObjective())
+        assert metrics[0]["critic/value_loss"] == pytest.approx(single_metrics["value_loss"], abs=1e-6)
+        assert metrics[0]["critic/grad_norm"] == pytest.approx(single_metrics["grad_norm"], rel=1e-5)
+        after = critic.call("compute_values", batch, dispatch="dp_split").batch["values"]
+        expected = single.compute_values(batch).batch["values"]
+        torch.testing.assert_close(after[mask], expected[mask], atol=5e-6, rtol=0)  # measured 1.2e-6 (|values| ~ 1)
+
+
+# ---- TP = 2 x PP = 2 on four ranks ------------------------------------------------------------------------------
+@pytest.fixture(scope="class")
+def tp2_pp2_roles(tiny_model_dir, tmp_path_factory):
+    configs = {
+        "actor_train": worker_config(
+            tiny_model_dir,
+            "actor_train",
+            device_mapping=[0, 1, 2, 3],
+            training_args=TRAIN_ARGS,
+            infer_batch_size=4,
+            **megatron("megatron_train", TP2_PP2),
+        )
+    }
+    yield from start_roles(ClusterSpec(num_nodes=1, num_gpus_per_node=4), configs, tmp_path_factory)
+
+
+class TestTensorAndPipeline:
+    def test_tp2_pp2_scores_and_update_equal_the_references(self, tp2_pp2_roles, tiny_model_dir, tmp_path):
+        actor = tp2_pp2_roles["actor_train"]
+        batch = rollout_batch(batch_size=8, seed=6)
+        mask = batch.batch["response_mask"]
+        scored = with_old_log_probs(actor, batch).batch["old_log_probs"]
+        expected = reference_log_probs(tiny_model_dir, batch)
+        torch.testing.assert_close(scored[mask].double(), expected[mask], atol=2e-6, rtol=0)  # measured 3.9e-7
+
+        objective = ActorObjective()
+        metrics = actor.call("train_step", batch, objective, dispatch="dp_split")
+        assert all(m == metrics[0] for m in metrics)
+        single = fsdp2(tiny_model_dir)
+        single_metrics = single.train_step(batch, objective)
+        assert metrics[0]["actor/pg_loss"] == pytest.approx(single_metrics["pg_loss"], abs=1e-6)
+        assert metrics[0]["actor/grad_norm"] == pytest.approx(single_metrics["grad_norm"], rel=1e-5)
+        actor.call("save_hf", str(tmp_path / "hf"))
+        saved = hf_state(tmp_path / "hf")
+        for name, value in single.named_weights():  # measured max |diff| 5.2e-7
+            torch.testing.assert_close(saved[name], value, atol=2e-6, rtol=0, msg=name)
+
+
+# ---- PP = 2 x DP = 2 on four ranks, with the distributed optimizer -----------------------------------------------
+@pytest.fixture(scope="class")
+def pp2_dp2_roles(tiny_model_dir, tmp_path_factory):
+    common = {"device_mapping": [0, 1, 2, 3], "infer_batch_size": 4}
+    configs = {
+        "actor_train": worker_config(tiny_model_dir, "actor_train", training_args=TRAIN_ARGS, **common,
+                                     **megatron("megatron_train", {**PP2, "use_distributed_optimizer": True})),
+        "reference": worker_config(tiny_model_dir, "reference", **common, **megatron("megatron_infer", PP2)),
+    }  # fmt: skip
+    yield from start_roles(ClusterSpec(num_nodes=1, num_gpus_per_node=4), configs, tmp_path_factory)
+
+
+class TestPipelineAndDataParallel:
+    def test_pp2_dp2_scores_update_and_resume(self, pp2_dp2_roles, tiny_model_dir, tmp_path):
+        actor = pp2_dp2_roles["actor_train"]
+        batch = rollout_batch(batch_size=8, seed=7)
+        mask = batch.batch["response_mask"]
+        scored = with_old_log_probs(actor, batch).batch["old_log_probs"]
+        expected = reference_log_probs(tiny_model_dir, batch)
+        torch.testing.assert_close(scored[mask].double(), expected[mask], atol=2e-6, rtol=0)
+        ref = pp2_dp2_roles["reference"].call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
+        assert torch.equal(ref, scored)
+
+        # each replica pools the chunks of its two stages' ranks (rows 0,1,4,5 and 2,3,6,7): one optimizer step of
+        # 4 samples per replica, i.e. one step over all 8 on one rank (gradient_accumulation_steps 4)
+        objective = ActorObjective()
+        metrics = actor.call("train_step", batch, objective, dispatch="dp_split")
+        assert all(m == metrics[0] for m in metrics)
+        single = create_strategy(worker_config(tiny_model_dir, infer_batch_size=4,
+                                               training_args={**TRAIN_ARGS, "gradient_accumulation_steps": 4}),
+                                 "actor_train")  # fmt: skip
+        single.initialize()
+        single_metrics = single.train_step(batch.reorder([0, 1, 4, 5, 2, 3, 6, 7]), objective)
+        assert metrics[0]["actor/pg_loss"] == pytest.approx(single_metrics["pg_loss"], abs=1e-6)
+        assert metrics[0]["actor/grad_norm"] == pytest.approx(single_metrics["grad_norm"], rel=1e-5)
+        weights = on_ranks(actor, exported)
+        for name, value in single.named_weights():  # measured max |diff| 6.5e-7
+            for got in weights:  # every rank: the ZeRO owners' broadcasts and the stages' exports reached it
+                torch.testing.assert_close(dict(got)[name], value, atol=2e-6, rtol=0, msg=name)
+
+        actor.call("save_checkpoint", str(tmp_path / "ckpt"))
+        files = sorted(p.name for p in (tmp_path / "ckpt").glob("*_rank_*.pt"))
+        assert files == ["mp_rank_00_000.pt", "mp_rank_00_001.pt",
+                         "optim_mp_rank_00_000_dp_rank_000.pt", "optim_mp_rank_00_000_dp_rank_001.pt",
+                         "optim_mp_rank_00_001_dp_rank_000.pt", "optim_mp_rank_00_001_dp_rank_001.pt"]  # fmt: skip
+        next_batch = rollout_batch(batch_size=8, seed=8)
+        next_batch.batch["old_log_probs"] = scored
+        uninterrupted = actor.call("train_step", next_batch, objective, dispatch="dp_split")
+        expected_weights = on_ranks(actor, exported)[0]
+        actor.call("load_checkpoint", str(tmp_path / "ckpt"))
+        assert actor.call("train_step", next_batch, objective, dispatch="dp_split") == uninterrupted
+        resumed = on_ranks(actor, exported)[0]
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(resumed, expected_weights, strict=True))
+
+
+# ---- the 1F1B schedule alone (no megatron): 3 stages, 5 micro-batches, over gloo ---------------------------------
+STAGES, MICROS = 3, 5
+
+
+def stage_layers():
+    torch.manual_seed(0)
+    return [torch.nn.Linear(4, 4) for _ in range(STAGES)]
+
+
+def micro_batches():
+    return list(torch.randn(MICROS, 2, 4, generator=torch.Generator().manual_seed(1)))
+
+
+def micro_loss(index, out):
+    return (index + 1) * out.pow(2).sum()  # a different weight per micro-batch: an out-of-order bug shows
+
+
+def schedule_worker(rank, port, results):
+    import torch.distributed as dist
+
+    from rl_engines.strategies.megatron_pipeline import PipelineStage, run_schedule
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=STAGES)
+    layer = stage_layers()[rank]
+    stage = PipelineStage(rank, STAGES, tuple(range(STAGES)), dist.group.WORLD)
+    losses = {}
+
+    def forward(micro, hidden):
+        return torch.tanh(layer(micro if hidden is None else hidden))
+
+    def on_output(index, micro, out):
+        losses[index] = micro_loss(index, out)
+        return losses[index]
+
+    run_schedule(stage, micro_batches(), forward, hidden_shape=lambda micro: micro.shape, dtype=torch.float32,
+                 device=torch.device("cpu"), on_output=on_output, train=True)  # fmt: skip
+    results[rank] = ([p.grad.clone() for p in layer.parameters()], {i: float(v) for i, v in losses.items()})
+    dist.destroy_process_group()
+
+
+def test_1f1b_schedule_gives_the_sequential_gradients():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    with context.Manager() as manager:
+        results = manager.dict()
+        procs = [context.Process(target=schedule_worker, args=(rank, port, results)) for rank in range(STAGES)]
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(timeout=120)
+        assert [proc.exitcode for proc in procs] == [0] * STAGES
+        results = dict(results)
+    layers = stage_layers()
+    expected_losses = {}
+    for index, micro in enumerate(micro_batches()):  # the reference: the whole chain, one micro-batch at a time
+        hidden = micro
+        for layer in layers:
+            hidden = torch.tanh(layer(hidden))
+        loss = micro_loss(index, hidden)
+        loss.backward()
+        expected_losses[index] = float(loss)
+    assert results[STAGES - 1][1] == pytest.approx(expected_losses, rel=1e-6)
+    for rank, layer in enumerate(layers):
+        for got, param in zip(results[rank][0], layer.parameters(), strict=True):
+            torch.testing.assert_close(got, param.grad, atol=1e-6, rtol=1e-6)
+
+
+# ---- validation -------------------------------------------------------------------------------------------------
+def test_pipeline_size_must_divide_the_layers(tiny_model_dir):
+    from rl_engines.strategies.megatron_config import parse_megatron_options
+    from rl_engines.strategies.megatron_model import _check_divisors, read_spec
+
+    options = parse_megatron_options({"pipeline_model_parallel_size": 3}, "actor_train", train=True, dtype="fp32")
+    spec = read_spec(str(tiny_model_dir), "actor_train")
+    match = r"strategy_config\.pipeline_model_parallel_size=3 does not divide the model's num_hidden_layers=4"
+    with pytest.raises(ValueError, match=match):
+        _check_divisors(spec, options, "actor_train", str(tiny_model_dir))
+
+
+def test_tp_times_pp_must_divide_the_world_size():
+    from rl_engines.strategies.megatron_config import check_world_size, parse_megatron_options
+
+    options = parse_megatron_options(TP2_PP2, "actor_train", train=True, dtype="fp32")
+    assert check_world_size(options, 8, "actor_train") == 2  # data-parallel size
+    match = (r"tensor_model_parallel_size=2 x actor_train\.strategy_args\.strategy_config\.pipeline_model_parallel_size"
+             r"=2 = 4 does not divide the role's world size 2")  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        check_world_size(options, 2, "actor_train")
+
+
+def test_virtual_pipeline_is_rejected_by_name(tmp_path):
+    config = megatron("megatron_train", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2})
+    with pytest.raises(ValueError, match=r"strategy_config\.virtual_pipeline_model_parallel_size=2: the interleaved"):
+        create_strategy(worker_config(tmp_path, **config), "actor_train")
