@@ -73,9 +73,9 @@ def test_every_roll_rlvr_file_passes_preflight_with_its_own_engines(roll_file):
 
 
 def test_a_bad_engine_option_fails_preflight_naming_the_key():
-    megatron = {"strategy_name": "megatron_train", "strategy_config": {"pipeline_model_parallel_size": 2}}
+    megatron = {"strategy_name": "megatron_train", "strategy_config": {"context_parallel_size": 2}}
     config = with_(base(), actor_train__strategy_args=megatron)
-    with pytest.raises(ValueError, match=r"actor_train\.strategy_args\.strategy_config\.pipeline_model_parallel_size"):
+    with pytest.raises(ValueError, match=r"actor_train\.strategy_args\.strategy_config\.context_parallel_size"):
         preflight(RLVRConfig.from_dict(config))
 
 
