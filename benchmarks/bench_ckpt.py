@@ -2,28 +2,44 @@
 
 Model: Qwen2.5-0.5B's config (hidden 896, 14 heads in 2 KV groups, FFN 4864, vocabulary 151,936, tied embeddings,
 bfloat16 as released) with ``--layers`` decoder layers, random weights, saved by transformers (one safetensors file).
-Conversions, each in its own fresh process: HF -> Megatron-core TP=2 x PP=2 (per-rank files) and back.
+Layouts, each conversion in its own fresh process:
 
-Baselines, measured in the same run: a plain sequential read (16 MiB ``readinto``) of the very files the conversion
-reads, and a plain write of as many bytes as it writes. Before every timed step the input files are evicted from the
-page cache (``os.sync`` + ``posix_fadvise DONTNEED``), so baseline and conversions all start cold; outputs go to the
-page cache (no fsync), as the converter leaves them. Throughput = input bytes / wall time. Printed: its ratio to the
-read bandwidth (goal >= 0.5), and to the I/O floor "read the input + write the output" (1.0 = nothing but I/O);
-each is the median over the repeats of the ratio within one repeat (read, convert, write run back to back).
-transformers (imported to build config.json, a fixed ~2-3 s here) is imported before the clock starts.
+- ``hf2mcore``: HF -> Megatron-core TP=2 x PP=2 per-rank files;
+- ``mcore2hf``: those per-rank files -> HF (``--max_shard_size`` shards);
+- ``dist2hf``: a torch_dist (DCP) folder -> HF. The folder holds megatron's global keys (layers stacked on a leading
+  dimension) saved by ``torch.distributed.checkpoint`` in one process: one chunk per tensor, so a layer is a slice
+  of a chunk (megatron's own TP x PP saves cut chunks per rank; rl-ckpt reads both, see tests/rl_ckpt).
+
+Baselines, measured in the same run, back to back with each conversion: a plain sequential read (16 MiB
+``readinto``) of the very files the conversion reads, and a plain write of as many bytes as it writes, the way it
+writes them (16 MiB ``O_DIRECT`` writes from an aligned buffer, buffered where the file system refuses O_DIRECT).
+``--cache cold`` (default): before every timed step the input files are evicted from the page cache (``os.sync`` +
+``posix_fadvise DONTNEED``), so the read baseline and the conversion both read them from the disk; ``--cache
+warm``: the inputs are read once and kept in the page cache, so both read from memory. Every timed step starts
+after ``os.sync`` and a ``--settle`` pause, so that no step pays for the writes (or deleted files' discards) of the
+one before: on the project's VM the host takes writes into its own cache (~2 GB/s) and flushes them later, and a
+read right after ran up to 3x slower. The disk's read bandwidth there also drifts over minutes (~0.6 to ~2.7 GB/s):
+compare a conversion only with the baselines of its own repeat, which is what the ratios do. Throughput = input bytes /
+wall time (a conversion may skip input bytes it does not need, e.g. the last stage's copy of tied embeddings).
+Printed: its ratio to the read bandwidth (goal >= 0.5), and to the I/O floor "read the input + write the output"
+(1.0 = nothing but I/O; reads and writes share the disk here, so their times add up); each is the median over the
+repeats of the ratio within one repeat. Fixed import costs, the same whatever the model size, are paid before the
+clock starts: transformers with the model's config class (config.json is written with it, ~2-3 s here) and
+``torch.distributed.checkpoint`` (its metadata classes read a torch_dist folder, ~0.8 s).
 
 Memory, sampled every 5 ms in the converting process from /proc/self/status: the peak RSS (VmHWM, which counts the
-touched pages of memory-mapped input files) and the peak anonymous RSS (RssAnon: memory the converter allocated,
-without the clean file pages the kernel can drop), both above the process's RSS before converting, against the model
-size.
+touched pages of memory-mapped files) and the peak anonymous RSS (RssAnon: memory the converter allocated), both
+above the process's RSS before converting, against the model size.
 
-Run: python benchmarks/bench_ckpt.py [--layers 24] [--repeat 3] [--max_shard_size 500MB] [--dir /tmp/somewhere]
+Run: python benchmarks/bench_ckpt.py [--layers 24] [--repeat 3] [--max_shard_size 500MB] [--cache cold|warm]
+     [--layouts hf2mcore,mcore2hf,dist2hf] [--settle 3] [--dir /tmp/somewhere]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import shutil
 import statistics
@@ -50,6 +66,8 @@ QWEN25_05B = {
     "use_sliding_window": False,
 }
 MB = 1e6
+CHUNK = 16 * 2**20
+LAYOUTS = ("hf2mcore", "mcore2hf", "dist2hf")
 
 
 def build_model(path: Path, layers: int) -> None:
@@ -66,9 +84,33 @@ def build_model(path: Path, layers: int) -> None:
     model.save_pretrained(str(path))
 
 
+def build_dist(hf: Path, out: Path) -> None:
+    """A torch_dist iteration folder of the HF model: megatron's global keys, layers stacked, one chunk each."""
+    import torch
+    from torch.distributed.checkpoint import FileSystemWriter, save
+
+    from rl_ckpt import convert_hf_to_mcore
+
+    with tempfile.TemporaryDirectory() as tmp:
+        convert_hf_to_mcore(hf, tmp, tp=1, pp=1)
+        rank = torch.load(Path(tmp) / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt", weights_only=True)
+    model, layers = rank["model"], int(rank["args"]["num_layers"])
+    te_names = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight"}
+    te_names["pre_mlp_layernorm.weight"] = "mlp.linear_fc1.layer_norm_weight"
+    state = {k: v for k, v in model.items() if not k.startswith("decoder.layers.")}
+    for key in [k.removeprefix("decoder.layers.0.") for k in model if k.startswith("decoder.layers.0.")]:
+        stacked = torch.stack([model[f"decoder.layers.{i}.{key}"] for i in range(layers)])
+        state[f"decoder.layers.{te_names.get(key, key)}"] = stacked
+    iteration = out / "iter_0000001"
+    save(state, storage_writer=FileSystemWriter(str(iteration)), no_dist=True)
+    torch.save({"args": rank["args"], "checkpoint_version": 3.0, "iteration": 1}, iteration / "common.pt")
+    (iteration / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
+    (out / "latest_checkpointed_iteration.txt").write_text("1")
+
+
 def files_of(folder: Path) -> list[Path]:
-    """Every weight file of a HF or Megatron folder (what a conversion reads)."""
-    return sorted(p for p in folder.rglob("*") if p.suffix in (".safetensors", ".pt"))
+    """Every weight file of a HF, Megatron or torch_dist folder (what a conversion reads)."""
+    return sorted(p for p in folder.rglob("*") if p.suffix in (".safetensors", ".pt", ".distcp"))
 
 
 def evict(paths: list[Path]) -> None:
@@ -82,14 +124,35 @@ def evict(paths: list[Path]) -> None:
             os.close(fd)
 
 
+def prepare(paths: list[Path], cache: str, settle: float) -> None:
+    """Inputs cold (evicted) or warm (read once), as ``--cache`` says; then ``settle`` seconds of quiet."""
+    if cache == "cold":
+        evict(paths)
+    else:
+        os.sync()
+        read_all(paths)
+    time.sleep(settle)
+
+
 def write_bytes(path: Path, size: int) -> float:
-    """Seconds to write ``size`` bytes to a new file (16 MiB writes), as the conversions' outputs are written."""
-    view = memoryview(os.urandom(16 * 2**20))
-    os.sync()
+    """Seconds to write ``size`` bytes to a new file as the converter does: 16 MiB writes from an aligned buffer,
+    O_DIRECT (buffered where refused), the last partial block padded and the file truncated to ``size``."""
+    buffer = mmap.mmap(-1, CHUNK)
+    view = memoryview(buffer)
+    view[:] = os.urandom(2**20) * (CHUNK // 2**20)
     start = time.perf_counter()
-    with path.open("wb", buffering=0) as f:
-        for offset in range(0, size, len(view)):
-            f.write(view[: min(len(view), size - offset)])
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd = os.open(path, flags | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        fd = os.open(path, flags)
+    try:
+        for offset in range(0, size, CHUNK):
+            n = min(CHUNK, size - offset)
+            os.write(fd, view[: -(-n // 4096) * 4096])
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
     seconds = time.perf_counter() - start
     path.unlink()
     return seconds
@@ -97,7 +160,7 @@ def write_bytes(path: Path, size: int) -> float:
 
 def read_all(paths: list[Path]) -> float:
     """Seconds to read every byte of ``paths`` sequentially."""
-    buffer = bytearray(16 * 2**20)
+    buffer = bytearray(CHUNK)
     start = time.perf_counter()
     for path in paths:
         with path.open("rb", buffering=0) as f:
@@ -142,16 +205,19 @@ class MemorySampler:
         self._thread.join()
 
 
-def child(direction: str, src: str, dst: str, max_shard_size: str) -> None:
+def child(layout: str, src: str, dst: str, max_shard_size: str) -> None:
     """Run one conversion in this (fresh) process and print its time and memory as JSON."""
-    import transformers  # noqa: F401 (a fixed import cost, kept off the clock)
+    import torch.distributed.checkpoint  # noqa: F401 (fixed import costs, kept off the clock)
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("qwen2")  # imports the config class config.json is written with
 
     from rl_ckpt import convert_hf_to_mcore, convert_mcore_to_hf, open_mcore_checkpoint
 
     before = MemorySampler.read()
     with MemorySampler() as sampler:
         start = time.perf_counter()
-        if direction == "hf2mcore":
+        if layout == "hf2mcore":
             convert_hf_to_mcore(src, dst, tp=2, pp=2)
         else:
             convert_mcore_to_hf(open_mcore_checkpoint(src), dst, max_shard_size=max_shard_size)
@@ -165,64 +231,78 @@ def child(direction: str, src: str, dst: str, max_shard_size: str) -> None:
     print(json.dumps(result))
 
 
-def run_child(direction: str, src: Path, dst: Path, max_shard_size: str) -> dict[str, Any]:
-    """One conversion in a subprocess (inputs evicted first); its JSON result."""
+def run_child(layout: str, src: Path, dst: Path, ns: argparse.Namespace) -> dict[str, Any]:
+    """One conversion in a subprocess (inputs cold or warm first); its JSON result."""
     shutil.rmtree(dst, ignore_errors=True)
-    evict(files_of(src))
-    cmd = [sys.executable, __file__, "--child", direction, str(src), str(dst), "--max_shard_size", max_shard_size]
+    prepare(files_of(src), ns.cache, ns.settle)
+    cmd = [sys.executable, __file__, "--child", layout, str(src), str(dst), "--max_shard_size", ns.max_shard_size]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
 
-def bench(root: Path, layers: int, repeat: int, max_shard_size: str) -> None:
-    hf, mcore, back = root / "hf", root / "mcore", root / "hf_back"
-    build_model(hf, layers)
+def measure(layout: str, src: Path, dst: Path, root: Path, ns: argparse.Namespace, model_bytes: int) -> None:
+    """Baseline read, conversion, baseline write, ``ns.repeat`` times; print one table row."""
+    runs, reads, writes = [], [], []
+    for _ in range(ns.repeat):  # back to back: drift hits all alike
+        prepare(files_of(src), ns.cache, ns.settle)
+        reads.append(read_all(files_of(src)))
+        runs.append(run_child(layout, src, dst, ns))
+        out_bytes = sum(p.stat().st_size for p in files_of(dst))
+        prepare([], ns.cache, ns.settle)
+        writes.append(write_bytes(root / "baseline.bin", out_bytes))
+    in_bytes = sum(p.stat().st_size for p in files_of(src))
+    conv = [r["seconds"] for r in runs]
+    read_ratio = statistics.median(r / c for r, c in zip(reads, conv))
+    io_ratio = statistics.median((r + w) / c for r, w, c in zip(reads, writes, conv))
+    hwm, anon = max(r["hwm"] for r in runs), max(r["anon"] for r in runs)
+    print(
+        f"{layout:<9} {in_bytes / MB:>6.0f} {out_bytes / MB:>6.0f} "
+        f"{in_bytes / statistics.median(reads) / MB:>9.0f} {out_bytes / statistics.median(writes) / MB:>10.0f} "
+        f"{in_bytes / statistics.median(conv) / MB:>12.0f} {read_ratio:>5.2f} {io_ratio:>5.2f} {hwm / MB:>11.0f} "
+        f"{hwm / model_bytes:>6.2f} {anon / MB:>12.0f} {anon / model_bytes:>6.2f}",
+        flush=True,
+    )
+
+
+def bench(root: Path, ns: argparse.Namespace) -> None:
+    hf, mcore, dist = root / "hf", root / "mcore", root / "dist"
+    build_model(hf, ns.layers)
     model_bytes = sum(p.stat().st_size for p in files_of(hf))
-    print(f"model: Qwen2.5-0.5B shape, {layers} layers, bfloat16, {model_bytes / MB:.0f} MB of safetensors")
-    print(f"conversions: HF -> Megatron TP=2 x PP=2 -> HF (--max_shard_size {max_shard_size}); median of {repeat}\n")
-    header = f"{'direction':<9} {'in MB':>6} {'out MB':>6} {'read MB/s':>9} {'write MB/s':>10} {'convert MB/s':>12}"
+    print(f"model: Qwen2.5-0.5B shape, {ns.layers} layers, bfloat16, {model_bytes / MB:.0f} MB of safetensors")
+    print(f"inputs {ns.cache}; HF shards --max_shard_size {ns.max_shard_size}; median of {ns.repeat}\n")
+    header = f"{'layout':<9} {'in MB':>6} {'out MB':>6} {'read MB/s':>9} {'write MB/s':>10} {'convert MB/s':>12}"
     print(f"{header} {'/read':>5} {'/I-O':>5} {'peak RSS MB':>11} {'/model':>6} {'peak anon MB':>12} {'/model':>6}")
-    for direction, src, dst in (("hf2mcore", hf, mcore), ("mcore2hf", mcore, back)):
-        if direction == "mcore2hf" and not mcore.exists():
-            run_child("hf2mcore", hf, mcore, max_shard_size)
-        runs, reads, writes = [], [], []
-        for _ in range(repeat):  # baseline read, conversion, baseline write back to back: drift hits all alike
-            evict(files_of(src))
-            reads.append(read_all(files_of(src)))
-            runs.append(run_child(direction, src, dst, max_shard_size))
-            out_bytes = sum(p.stat().st_size for p in files_of(dst))
-            writes.append(write_bytes(root / "baseline.bin", out_bytes))
-        in_bytes = sum(p.stat().st_size for p in files_of(src))
-        conv = [r["seconds"] for r in runs]
-        read_ratio = statistics.median(r / c for r, c in zip(reads, conv))
-        io_ratio = statistics.median((r + w) / c for r, w, c in zip(reads, writes, conv))
-        hwm, anon = max(r["hwm"] for r in runs), max(r["anon"] for r in runs)
-        print(
-            f"{direction:<9} {in_bytes / MB:>6.0f} {out_bytes / MB:>6.0f} "
-            f"{in_bytes / statistics.median(reads) / MB:>9.0f} {out_bytes / statistics.median(writes) / MB:>10.0f} "
-            f"{in_bytes / statistics.median(conv) / MB:>12.0f} {read_ratio:>5.2f} {io_ratio:>5.2f} {hwm / MB:>11.0f} "
-            f"{hwm / model_bytes:>6.2f} {anon / MB:>12.0f} {anon / model_bytes:>6.2f}"
-        )
+    sources = {"hf2mcore": (hf, mcore), "mcore2hf": (mcore, root / "hf_back"), "dist2hf": (dist, root / "hf_dist")}
+    for layout in ns.layouts.split(","):
+        src, dst = sources[layout]
+        if layout == "mcore2hf" and not mcore.exists():
+            run_child("hf2mcore", hf, mcore, ns)
+        if layout == "dist2hf" and not dist.exists():
+            build_dist(hf, dist)
+        measure(layout, src, dst, root, ns, model_bytes)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2.5-0.5B has 24; even for PP=2)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed runs per direction (median)")
-    parser.add_argument("--max_shard_size", default="500MB", help="HF output shard size (the writer buffers one)")
+    parser.add_argument("--repeat", type=int, default=3, help="timed runs per layout (median)")
+    parser.add_argument("--max_shard_size", default="500MB", help="HF output shard size")
+    parser.add_argument("--cache", choices=("cold", "warm"), default="cold", help="inputs evicted / in page cache")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated subset of {LAYOUTS}")
+    parser.add_argument("--settle", type=float, default=3.0, help="seconds of quiet before every timed step")
     parser.add_argument("--dir", default=None, help="working folder (default: a temporary one, removed after)")
-    parser.add_argument("--child", nargs=3, metavar=("DIRECTION", "SRC", "DST"), help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=3, metavar=("LAYOUT", "SRC", "DST"), help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.child:
         child(*ns.child, ns.max_shard_size)
         return
     if ns.dir:
         Path(ns.dir).mkdir(parents=True, exist_ok=True)
-        bench(Path(ns.dir), ns.layers, ns.repeat, ns.max_shard_size)
+        bench(Path(ns.dir), ns)
         return
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as tmp:
-        bench(Path(tmp), ns.layers, ns.repeat, ns.max_shard_size)
+        bench(Path(tmp), ns)
 
 
 if __name__ == "__main__":

@@ -152,22 +152,23 @@ def test_ckpt_real_missing_pieces_are_named(real, tmp_path):
 
 
 def test_ckpt_real_dist_streams_one_layer_at_a_time(real, tmp_path, monkeypatch):
-    """When layer i is read, no tensor read for an earlier piece (embedding, layers < i) is alive."""
+    """When layer i is planned, no plan (views of the chunks) made for an earlier piece (embedding, layers < i) is
+    alive: the writer holds the plans of one output shard at most, and reads their bytes only then."""
     _, out = real
-    real_read = DcpFolder.read
+    real_view = DcpFolder.view
     live: dict[int, int] = {}
     violations: list[str] = []
 
-    def tracking_read(self, key, index=None):
+    def tracking_view(self, key, index=None):
         piece = -1 if index is None and key.startswith("embedding") else (10**6 if index is None else index)
         if any(n for p, n in live.items() if p < piece):
             violations.append(f"reading {key}[{index}] with {live}")
-        tensor = real_read(self, key, index)
+        tensor = real_view(self, key, index)
         live[piece] = live.get(piece, 0) + 1
         weakref.finalize(tensor, lambda p=piece: live.__setitem__(p, live[p] - 1))
         return tensor
 
-    monkeypatch.setattr(DcpFolder, "read", tracking_read)
+    monkeypatch.setattr(DcpFolder, "view", tracking_view)
     convert_mcore_to_hf(open_mcore_checkpoint(out / "tp2" / "dist"), tmp_path, max_shard_size=1)
     assert violations == []
     assert sorted(live) == [-1, 0, 1, 2, 3, 10**6]

@@ -1,8 +1,9 @@
 """mcore -> HF streams: when a PP stage's rank files are read, no tensor loaded for an earlier stage is alive.
 
 The hook wraps ``torch.load`` and tracks every loaded model tensor with ``weakref.finalize``. A tensor stays alive
-while anything refers to it, including views of it (a view keeps its base), so the count is what the converter
-really holds. The negative control shows the hook fails a converter that keeps tensors across stages.
+while anything refers to it, including views of it (a view keeps its base) and the plans built from them
+(``iter_hf_sources``), so the count is what the converter really holds. The negative control shows the hook fails
+a converter that keeps tensors across stages.
 """
 
 import re
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from rl_ckpt import convert_hf_to_mcore, convert_mcore_to_hf, iter_hf_tensors, open_mcore_checkpoint
+from rl_ckpt.mcore_to_hf import iter_hf_sources
 
 
 class LoadTracker:
@@ -62,6 +64,14 @@ def test_ckpt_converter_holds_one_stage_at_a_time(pp4_checkpoint, tmp_path, monk
 def test_ckpt_tracker_catches_a_converter_that_keeps_tensors(pp4_checkpoint, monkeypatch):
     tracker = LoadTracker(torch.load)
     monkeypatch.setattr(torch, "load", tracker)
-    kept = list(iter_hf_tensors(open_mcore_checkpoint(pp4_checkpoint)))  # holds every layer's norms
+    kept = list(iter_hf_sources(open_mcore_checkpoint(pp4_checkpoint)))  # views of every stage's tensors
     assert kept
     assert len(tracker.violations) == 6  # on reading each of the 2 rank files of stages 1, 2 and 3
+
+
+def test_ckpt_iter_hf_tensors_holds_one_stage_at_a_time(pp4_checkpoint, monkeypatch):
+    tracker = LoadTracker(torch.load)
+    monkeypatch.setattr(torch, "load", tracker)
+    kept = list(iter_hf_tensors(open_mcore_checkpoint(pp4_checkpoint)))  # read into memory: no views kept
+    assert kept and all(t.device.type == "cpu" for _, t in kept)
+    assert tracker.violations == []

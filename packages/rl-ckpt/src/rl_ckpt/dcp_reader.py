@@ -2,9 +2,11 @@
 
 A DCP folder holds ``.metadata`` (a pickle: for every tensor its global shape, dtype and the chunks it was saved in,
 and for every chunk the file, byte offset and length) and the data files (``__<rank>_<n>.distcp``), in which each
-chunk is a ``torch.save`` blob. :class:`DcpFolder` reads the metadata with an allow-listed unpickler and assembles
-any region of a tensor (the whole tensor, or one index of its leading dimension) from just the chunks that cover it,
-each loaded with ``torch.load(weights_only=True)``. Non-tensor entries (pickled objects) are never loaded.
+chunk is a ``torch.save`` blob. :class:`DcpFolder` reads the metadata with an allow-listed unpickler and plans
+any region of a tensor (the whole tensor, or one index of its leading dimension) as views of just the chunks that
+cover it, concatenated (``sources``): each chunk is opened once with ``torch.load(weights_only=True)`` on the meta
+device and its bytes are read only when written out, only the region's. Non-tensor entries (pickled objects) are
+never loaded.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import torch
 
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.safe_load import load_restricted_pickle, load_torch_bytes
+from rl_ckpt.sources import Concat, Source, cat, materialize, shape_of
+from rl_ckpt.torch_zip import locate_storages
 
 METADATA_FILE = ".metadata"
 _DCP_METADATA_CLASSES = (
@@ -156,6 +160,7 @@ class DcpFolder:
             raise CheckpointError(f"{path} has no {METADATA_FILE}: the dist checkpoint is incomplete or still saving")
         self.tensors = parse_metadata(path, load_restricted_pickle(metadata_file, metadata_allow_list()))
         self._check_files()
+        self._on_disk: dict[tuple[str, int], torch.Tensor] = {}
 
     def _check_files(self) -> None:
         """Raise naming the first data file that is missing or shorter than its chunks need."""
@@ -180,16 +185,49 @@ class DcpFolder:
             raise CheckpointError(f"tensor {key} is missing from the dist checkpoint {self.path}")
         return self.tensors[key]
 
-    def _load_chunk(self, entry: TensorEntry, chunk: Chunk) -> torch.Tensor:
+    def _load_chunk(self, entry: TensorEntry, chunk: Chunk, *, meta: bool = False) -> torch.Tensor:
         where = f"chunk {chunk.offsets} of {entry.key} in {self.path / chunk.file}"
         with (self.path / chunk.file).open("rb") as f:
-            tensor = load_torch_bytes(io.BufferedReader(_FileSlice(f, chunk.start, chunk.length)), where)
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.sizes:
-            raise CheckpointError(f"{where} does not hold a tensor of shape {chunk.sizes}; the file is corrupt")
+            stream = io.BufferedReader(_FileSlice(f, chunk.start, chunk.length))
+            tensor = load_torch_bytes(stream, where, meta=meta)
+            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != chunk.sizes:
+                raise CheckpointError(f"{where} does not hold a tensor of shape {chunk.sizes}; the file is corrupt")
+            if meta and not locate_storages([tensor], self.path / chunk.file, chunk.start, stream):
+                return self._load_chunk(entry, chunk)  # offsets not checked: read it into memory
         return tensor
+
+    def _chunk(self, entry: TensorEntry, chunk: Chunk) -> torch.Tensor:
+        """The chunk's tensor, left on disk (opened once) or, failing that, read into memory."""
+        key = (chunk.file, chunk.start)
+        if key in self._on_disk:
+            return self._on_disk[key]
+        tensor = self._load_chunk(entry, chunk, meta=True)
+        if tensor.device.type == "meta":
+            self._on_disk[key] = tensor
+        return tensor
+
+    def view(self, key: str, index: int | None = None) -> Source:
+        """Tensor ``key`` whole, or ``key[index]`` (one stacked layer), as views of its chunks, concatenated."""
+        entry = self.entry(key)
+        lo, hi = [0] * len(entry.shape), list(entry.shape)
+        if index is not None:
+            lo[0], hi[0] = index, index + 1
+        pieces: list[tuple[tuple[int, ...], Source]] = []
+        for chunk in entry.chunks:
+            parts = _overlap(chunk, lo, hi)
+            if parts is not None:
+                corner = tuple(int(s.start) for s in parts[1])
+                pieces.append((corner, self._chunk(entry, chunk)[tuple(parts[0])]))
+        tiled = _tile(pieces, tuple(b - a for a, b in zip(lo, hi)), 0) if pieces else None
+        if tiled is None:  # chunks not on a grid (or not covering the region): copy them into place
+            return self._read_copy(key, index)
+        return _drop_leading(tiled) if index is not None else tiled
 
     def read(self, key: str, index: int | None = None) -> torch.Tensor:
         """Tensor ``key`` whole, or ``key[index]`` (one slice of the leading dimension: one stacked layer)."""
+        return materialize(self.view(key, index))
+
+    def _read_copy(self, key: str, index: int | None) -> torch.Tensor:
         entry = self.entry(key)
         lo, hi = [0] * len(entry.shape), list(entry.shape)
         if index is not None:
@@ -200,7 +238,7 @@ class DcpFolder:
             parts = _overlap(chunk, lo, hi)
             if parts is not None:
                 region = out[tuple(parts[1])]
-                region.copy_(self._load_chunk(entry, chunk)[tuple(parts[0])])
+                region.copy_(materialize(self._chunk(entry, chunk)[tuple(parts[0])]))
                 filled += region.numel()
         if filled != out.numel():
             raise CheckpointError(
@@ -208,3 +246,33 @@ class DcpFolder:
                 "is inconsistent"
             )
         return out[0] if index is not None else out
+
+
+def _tile(pieces: list[tuple[tuple[int, ...], Source]], shape: tuple[int, ...], dim: int) -> Source | None:
+    """The box ``shape`` as concatenations of ``pieces`` ((corner, source) each), when they tile it as a grid
+    (dims in order: rows of pieces, then pieces within a row, ...); None otherwise."""
+    if dim == len(shape):
+        return pieces[0][1] if len(pieces) == 1 else None
+    by_start: dict[int, list[tuple[tuple[int, ...], Source]]] = {}
+    for corner, piece in pieces:
+        by_start.setdefault(corner[dim], []).append((corner, piece))
+    parts, at = [], 0
+    for start in sorted(by_start):
+        group = by_start[start]
+        extents = {shape_of(piece)[dim] for _, piece in group}
+        if start != at or len(extents) != 1:
+            return None
+        extent = extents.pop()
+        sub = _tile(group, (*shape[:dim], extent, *shape[dim + 1 :]), dim + 1)
+        if sub is None:
+            return None
+        parts.append(sub)
+        at += extent
+    return cat(parts, dim) if at == shape[dim] else None
+
+
+def _drop_leading(src: Source) -> Source:
+    """``src[0]`` of a source whose leading dimension has size 1."""
+    if isinstance(src, Concat):
+        return Concat([_drop_leading(p) for p in src.parts], src.dim - 1)
+    return src[0]

@@ -7,6 +7,7 @@ import re
 import shutil
 import struct
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rl_ckpt.errors import CheckpointError
+from rl_ckpt.sources import Source, dtype_of, materialize, nbytes_of, on_disk, shape_of
 from rl_ckpt.spec import ModelSpec, hf_config_dict
+from rl_ckpt.staged_file import StagedFile, StagingBuffers
+from rl_ckpt.stream_io import FileReader, Prefetcher
 
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = (
@@ -52,6 +56,7 @@ class HFCheckpoint:
         self.config: dict[str, Any] = json.loads(config.read_text(encoding="utf-8"))
         self.weight_map = self._weight_map()
         self._handles: dict[str, Any] = {}
+        self._headers: dict[str, tuple[dict[str, Any], int]] = {}
 
     def _weight_map(self) -> dict[str, str]:
         index = self.path / INDEX_FILE
@@ -81,6 +86,24 @@ class HFCheckpoint:
         """Tensor ``name`` (a copy); raises naming the folder when it is missing."""
         tensor: torch.Tensor = self._handle(name).get_tensor(name)
         return tensor
+
+    def lazy(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` left on disk: a meta tensor marked with its file and offset (see ``sources``); slices
+        of it read only their bytes when written or materialized. Unknown dtypes are read into memory."""
+        if name not in self.weight_map:
+            raise CheckpointError(f"tensor {name!r} is missing from {self.path}")
+        file = self.weight_map[name]
+        if file not in self._headers:
+            self._headers[file] = safetensors_header(self.path / file)
+        header, data_start = self._headers[file]
+        entry = header.get(name)
+        if not isinstance(entry, dict) or entry.get("dtype") not in _TORCH_DTYPES:
+            return self.get(name)
+        begin, end = (int(x) for x in entry["data_offsets"])
+        meta = torch.empty(tuple(int(n) for n in entry["shape"]), dtype=_TORCH_DTYPES[entry["dtype"]], device="meta")
+        if meta.numel() * meta.element_size() != end - begin:
+            raise CheckpointError(f"{self.path / file}: tensor {name} has {end - begin} bytes for shape {meta.shape}")
+        return on_disk(meta, self.path / file, data_start + begin)
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor ``name``, read from the file header only."""
@@ -118,62 +141,100 @@ _SAFETENSORS_DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 
 
-def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """A safetensors file written straight from the tensors' memory (``safetensors.torch.save_file`` first copies
-    every tensor into a bytes object): 8-byte header length, JSON header, then the data in ``tensors``' order.
+def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """(JSON header, byte offset of the data) of a safetensors file; raises naming the file when malformed."""
+    with path.open("rb") as f:
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        if not 0 < size <= 100 * 2**20:
+            raise CheckpointError(f"{path} is not a safetensors file (header length {size})")
+        try:
+            header: dict[str, Any] = json.loads(f.read(size))
+        except ValueError as err:
+            raise CheckpointError(f"{path}: unreadable safetensors header ({err})") from None
+    return header, 8 + size
+
+
+def write_safetensors(
+    path: Path,
+    tensors: Mapping[str, Source],
+    metadata: dict[str, str],
+    *,
+    buffers: StagingBuffers | None = None,
+    reader: FileReader | None = None,
+    direct: bool = True,
+) -> None:
+    """A safetensors file streamed from the sources (``safetensors.torch.save_file`` would first copy every tensor
+    into one bytes object): 8-byte header length, JSON header, then the data in ``tensors``' order, each source
+    read straight into the write buffers (see ``stream_io``).
 
     Falls back to ``save_file`` for dtypes outside the table above and on big-endian machines.
     """
-    if sys.byteorder != "little" or any(t.dtype not in _SAFETENSORS_DTYPES for t in tensors.values()):
-        save_file(tensors, str(path), metadata=metadata)
+    if sys.byteorder != "little" or any(dtype_of(t) not in _SAFETENSORS_DTYPES for t in tensors.values()):
+        save_file({k: materialize(t).contiguous() for k, t in tensors.items()}, str(path), metadata=metadata)
         return
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for name, t in tensors.items():
-        size = t.numel() * t.element_size()
+        size = nbytes_of(t)
         header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[t.dtype],
-            "shape": list(t.shape),
+            "dtype": _SAFETENSORS_DTYPES[dtype_of(t)],
+            "shape": list(shape_of(t)),
             "data_offsets": [offset, offset + size],
         }
         offset += size
     raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
     raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for t in tensors.values():
-            if t.numel():
-                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+    own_reader = reader is None
+    reader = FileReader() if reader is None else reader
+    sources = list(tensors.values())
+    prefetch = Prefetcher(reader, sources)
+    try:
+        with StagedFile(path, buffers or StagingBuffers(), direct=direct) as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for i, t in enumerate(sources):
+                prefetch.before(i)
+                f.write_source(t, reader)
+    finally:
+        if own_reader:
+            reader.close()
 
 
 class ShardedSafetensorsWriter:
     """Writes tensors as they come into ``model-0000X-of-0000Y.safetensors`` shards plus the index.
 
-    Holds at most one shard (``max_shard_bytes``, or one tensor when that is larger) in memory; a shard is written
-    as soon as it is full. Shards get their final ``-of-N`` names in :meth:`close`, when N is known.
+    Queues sources (tensors in memory, or on disk and not read yet, see ``sources``) up to one shard
+    (``max_shard_bytes``, or one tensor when that is larger), then streams them into the shard file through a few
+    reused 16 MiB buffers: a source on disk is read only then, so the memory held is the queued in-memory tensors
+    plus the buffers. Shards get their final ``-of-N`` names in :meth:`close`, when N is known. ``direct``: write
+    with O_DIRECT where the file system takes it (see ``stream_io``).
     """
 
-    def __init__(self, out_dir: Path, max_shard_bytes: int) -> None:
+    def __init__(self, out_dir: Path, max_shard_bytes: int, *, direct: bool = True) -> None:
         self.out_dir = out_dir
         self.max_shard_bytes = max_shard_bytes
-        self._buffer: dict[str, torch.Tensor] = {}
+        self.direct = direct
+        self._buffer: dict[str, Source] = {}
         self._buffer_bytes = 0
         self._files: list[Path] = []
         self._where: dict[str, int] = {}
         self.total_bytes = 0
+        self._staging: StagingBuffers | None = None
+        self._reader = FileReader()
         out_dir.mkdir(parents=True, exist_ok=True)
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        """Queue ``tensor`` as ``name``; raises when a name comes twice."""
+    def add(self, name: str, tensor: Source) -> None:
+        """Queue ``tensor`` as ``name`` (not copied: do not change it before :meth:`close`); raises when a name
+        comes twice."""
         if name in self._where or name in self._buffer:
             raise CheckpointError(f"tensor {name!r} was produced twice; the checkpoint has duplicate layers")
-        size = tensor.numel() * tensor.element_size()
+        size = nbytes_of(tensor)
         if self._buffer and self._buffer_bytes + size > self.max_shard_bytes:
             self.flush()
-        self._buffer[name] = tensor.contiguous()
+        self._buffer[name] = tensor
         self._buffer_bytes += size
         self.total_bytes += size
         if self._buffer_bytes >= self.max_shard_bytes:
@@ -184,14 +245,21 @@ class ShardedSafetensorsWriter:
         if not self._buffer:
             return
         path = self.out_dir / f".partial-{len(self._files) + 1:05d}.safetensors"
-        write_safetensors(path, self._buffer, metadata={"format": "pt"})
+        if self._staging is None:
+            self._staging = StagingBuffers()
+        write_safetensors(
+            path, self._buffer, {"format": "pt"}, buffers=self._staging, reader=self._reader, direct=self.direct
+        )
         self._where.update(dict.fromkeys(self._buffer, len(self._files)))
         self._files.append(path)
         self._buffer, self._buffer_bytes = {}, 0
 
     def close(self) -> dict[str, str]:
         """Flush, give the shards their final names, write the index; returns the weight map."""
-        self.flush()
+        try:
+            self.flush()
+        finally:
+            self._reader.close()
         n = len(self._files)
         names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         for path, name in zip(self._files, names):

@@ -1,7 +1,8 @@
 """HuggingFace -> Megatron-core per-rank checkpoint at a chosen TP x PP (for starting megatron_train from HF).
 
-Streams one rank file at a time: a rank's tensors are cut from the memory-mapped HF files (only its rows / columns
-are read), fused and copied once, saved, and dropped before the next rank is built.
+Streams one rank file at a time: a rank's tensors are planned as views of the HF files (its rows / columns) and
+concatenations of them (fused QKV, gate/up), never built in memory: the rank file is written with the bytes
+``torch.save`` would write, each tensor's bytes read from the HF files straight into the write buffers.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ import torch
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.families import FAMILIES
 from rl_ckpt.hf_io import HFCheckpoint
-from rl_ckpt.layout import compact, fuse_qkv, padded_vocab_size
+from rl_ckpt.layout import fuse_qkv_parts, padded_vocab_size
 from rl_ckpt.mcore_io import RankLayout, iteration_dir_name, save_rank, write_tracker
+from rl_ckpt.sources import Source, cat
 from rl_ckpt.spec import ModelSpec, mcore_args, spec_from_hf_config
+from rl_ckpt.staged_file import StagingBuffers
+from rl_ckpt.stream_io import FileReader
 
 
 def stage_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
@@ -47,25 +51,24 @@ def _checked(src: HFCheckpoint, name: str, shape: tuple[int, ...]) -> None:
 
 def _get(src: HFCheckpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     _checked(src, name, shape)
-    return src.get(name)
+    return src.lazy(name)
 
 
 def _block(src: HFCheckpoint, name: str, shape: tuple[int, ...], dim: int, tp: int, rank: int) -> torch.Tensor:
-    """TP rank ``rank``'s block of ``name`` along ``dim``: a view of the memory-mapped file (only it is read)."""
+    """TP rank ``rank``'s block of ``name`` along ``dim``: a view of the tensor on disk (only it is read)."""
     _checked(src, name, shape)
     if shape[dim] % tp:
         raise CheckpointError(f"{name}: dimension {dim} of shape {shape} does not divide by TP={tp}")
     size = shape[dim] // tp
-    start, stop = rank * size, (rank + 1) * size
-    return src.get_rows(name, start, stop) if dim == 0 else src.get_columns(name, start, stop)
+    return src.lazy(name).narrow(dim, rank * size, size)
 
 
-def layer_to_mcore(src: HFCheckpoint, spec: ModelSpec, layer: int, tp: int, rank: int) -> dict[str, torch.Tensor]:
+def layer_to_mcore(src: HFCheckpoint, spec: ModelSpec, layer: int, tp: int, rank: int) -> dict[str, Source]:
     """One HF decoder layer -> TP rank ``rank``'s megatron-core tensors (keys after ``decoder.layers.N.``).
 
     linear_qkv [g*(r+2)*d/tp, H] (this rank's groups: their q heads, k, v); linear_proj [H, nq*d/tp];
     linear_fc1 [2F/tp, H] (this rank's gate rows on its up rows); linear_fc2 [H, F/tp]; norms [H] (q/k norms [d]).
-    Each is one fresh compact tensor, copied once from the rank's rows / columns of the HF file.
+    Each is a plan (views of the HF files, concatenated), read when the rank file is written.
     """
     hf = f"model.layers.{layer}."
     h, d, g, nq, f = (
@@ -75,44 +78,41 @@ def layer_to_mcore(src: HFCheckpoint, spec: ModelSpec, layer: int, tp: int, rank
         spec.num_attention_heads,
         spec.ffn_hidden_size,
     )
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Source] = {}
     for kind, tail in (("weight", (h,)), ("bias", ())) if spec.qkv_bias else (("weight", (h,)),):
         q, k, v = (
             _block(src, f"{hf}self_attn.{n}_proj.{kind}", (rows, *tail), 0, tp, rank)
             for n, rows in (("q", nq * d), ("k", g * d), ("v", g * d))
         )
-        out[f"self_attention.linear_qkv.{kind}"] = fuse_qkv(q, k, v, g // tp)
-    o_proj = _block(src, f"{hf}self_attn.o_proj.weight", (h, nq * d), 1, tp, rank)
-    out["self_attention.linear_proj.weight"] = compact(o_proj)
+        out[f"self_attention.linear_qkv.{kind}"] = fuse_qkv_parts(q, k, v, g // tp)
+    out["self_attention.linear_proj.weight"] = _block(src, f"{hf}self_attn.o_proj.weight", (h, nq * d), 1, tp, rank)
     gate = _block(src, f"{hf}mlp.gate_proj.weight", (f, h), 0, tp, rank)
-    out["mlp.linear_fc1.weight"] = torch.cat([gate, _block(src, f"{hf}mlp.up_proj.weight", (f, h), 0, tp, rank)])
-    out["mlp.linear_fc2.weight"] = compact(_block(src, f"{hf}mlp.down_proj.weight", (h, f), 1, tp, rank))
+    out["mlp.linear_fc1.weight"] = cat([gate, _block(src, f"{hf}mlp.up_proj.weight", (f, h), 0, tp, rank)], 0)
+    out["mlp.linear_fc2.weight"] = _block(src, f"{hf}mlp.down_proj.weight", (h, f), 1, tp, rank)
     for hf_name, mcore_name in FAMILIES.get(spec.model_type).layer_norms.items():
         size = d if "q_norm" in hf_name or "k_norm" in hf_name else h
         out[mcore_name] = _get(src, hf + hf_name, (size,))
     return out
 
 
-def vocab_block(src: HFCheckpoint, name: str, spec: ModelSpec, padded: int, tp: int, rank: int) -> torch.Tensor:
+def vocab_block(src: HFCheckpoint, name: str, spec: ModelSpec, padded: int, tp: int, rank: int) -> Source:
     """Rank ``rank``'s rows [Vp/tp, H] of the padded vocabulary matrix; rows past V are zero."""
     _checked(src, name, (spec.vocab_size, spec.hidden_size))
     rows = padded // tp
     start = rank * rows
-    stop = min(start + rows, spec.vocab_size)
-    first = src.get_rows(name, 0, 0)
-    out = torch.empty((rows, spec.hidden_size), dtype=first.dtype)
-    real = max(stop - start, 0)
-    if real:
-        out[:real] = src.get_rows(name, start, stop)
-    out[real:] = 0  # megatron never reads them: the tokenizer has no such ids
-    return out
+    real = max(min(start + rows, spec.vocab_size) - start, 0)
+    table = src.lazy(name)
+    parts: list[Source] = [table[start : start + real]] if real else []
+    if rows > real:  # megatron never reads them: the tokenizer has no such ids
+        parts.append(torch.zeros((rows - real, spec.hidden_size), dtype=table.dtype))
+    return cat(parts, 0)
 
 
 def rank_to_mcore(
     src: HFCheckpoint, spec: ModelSpec, tp: int, rank: int, stage: int, bounds: list[tuple[int, int]], padded: int
-) -> dict[str, torch.Tensor]:
-    """The model state dict of TP rank ``rank`` of PP stage ``stage`` (local layer numbers restart at 0)."""
-    state: dict[str, torch.Tensor] = {}
+) -> dict[str, Source]:
+    """The model state dict of TP rank ``rank`` of PP stage ``stage`` (local layer numbers restart at 0), planned."""
+    state: dict[str, Source] = {}
     if stage == 0:
         embedding = vocab_block(src, "model.embed_tokens.weight", spec, padded, tp, rank)
         state["embedding.word_embeddings.weight"] = embedding
@@ -140,9 +140,9 @@ def convert_hf_to_mcore(
 ) -> RankLayout:
     """Write ``out_path/iter_NNNNNNN/mp_rank_XX[_YYY]/model_optim_rng.pt`` for a HF model folder.
 
-    Works one rank file at a time: each rank reads only its rows / columns of the memory-mapped HF files, so peak
-    memory is about one rank file. Each rank file stores ``args`` (a dict with megatron's argument names plus
-    ``model_type_hf`` and the HF config).
+    Works one rank file at a time: each rank reads only its rows / columns of the HF files, straight into a few
+    16 MiB write buffers, so peak memory does not grow with the model. Each rank file stores ``args`` (a dict with
+    megatron's argument names plus ``model_type_hf`` and the HF config).
     """
     src = HFCheckpoint(Path(hf_path))
     spec = spec_from_hf_config(src.config)
@@ -153,11 +153,13 @@ def convert_hf_to_mcore(
     out = Path(out_path)
     layout = RankLayout(out / iteration_dir_name(iteration), tp, pp)
     bounds = stage_bounds(spec.num_layers, pp)
-    for stage in range(pp):
-        for tp_rank in range(tp):
-            state = rank_to_mcore(src, spec, tp, tp_rank, stage, bounds, padded)
-            save_rank(layout.path(tp_rank, stage), state, args, iteration)
-            del state
-            src.release()
+    buffers = StagingBuffers()
+    with FileReader() as reader:
+        for stage in range(pp):
+            for tp_rank in range(tp):
+                state = rank_to_mcore(src, spec, tp, tp_rank, stage, bounds, padded)
+                save_rank(layout.path(tp_rank, stage), state, args, iteration, buffers=buffers, reader=reader)
+                del state
+    src.release()
     write_tracker(out, iteration)
     return layout

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from rl_ckpt.errors import CheckpointError
+from rl_ckpt.sources import Source, cat, rows, shape_of
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -76,3 +77,32 @@ def split_fc1(shards: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`fuse_fc1`: tp shards [2*F/tp, H] -> gate [F, H], up [F, H]."""
     halves = [torch.chunk(s, 2, dim=0) for s in shards]
     return torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
+
+
+def qkv_parts(fused: Source, groups: int, head_dim: int) -> tuple[Source, Source, Source]:
+    """:func:`split_qkv` without copying: q, k, v as concatenations of ``fused``'s row blocks (one per group)."""
+    per_group = shape_of(fused)[0] // groups
+    q_rows = per_group - 2 * head_dim
+    parts: tuple[list[Source], list[Source], list[Source]] = ([], [], [])
+    for g in range(groups):
+        start = g * per_group
+        for out, lo, hi in zip(parts, (0, q_rows, q_rows + head_dim), (q_rows, q_rows + head_dim, per_group)):
+            out.append(rows(fused, start + lo, start + hi))
+    return cat(parts[0], 0), cat(parts[1], 0), cat(parts[2], 0)
+
+
+def fc1_parts(shards: list[Source]) -> tuple[Source, Source]:
+    """:func:`split_fc1` without copying: gate, up as concatenations of each shard's halves."""
+    halves = [shape_of(s)[0] // 2 for s in shards]
+    gate = cat([rows(s, 0, h) for s, h in zip(shards, halves)], 0)
+    up = cat([rows(s, h, 2 * h) for s, h in zip(shards, halves)], 0)
+    return gate, up
+
+
+def fuse_qkv_parts(q: Source, k: Source, v: Source, groups: int) -> Source:
+    """:func:`fuse_qkv` without copying: per group its q rows, k rows, v rows, concatenated."""
+    rq, rk = shape_of(q)[0] // groups, shape_of(k)[0] // groups
+    parts: list[Source] = []
+    for g in range(groups):
+        parts += [rows(q, g * rq, (g + 1) * rq), rows(k, g * rk, (g + 1) * rk), rows(v, g * rk, (g + 1) * rk)]
+    return cat(parts, 0)

@@ -61,7 +61,7 @@ class DistCheckpoint:
 
     def _piece(self, keys: dict[str, str], index: int | None, **where: bool) -> StageShards:
         """A one-"rank" piece: {local key: tensor read from the checkpoint key (at ``index``)}."""
-        state = {local: self.folder.read(key, index) for local, key in keys.items()}
+        state = {local: self.folder.view(key, index) for local, key in keys.items()}
         label = self.iteration_dir if index is None else self.iteration_dir / f"layer {index}"
         return StageShards([state], [label], **where)
 
@@ -77,7 +77,8 @@ class DistCheckpoint:
             raise CheckpointError(f"{self.iteration_dir} holds tensors rl-ckpt does not convert: {sorted(extra)}")
 
     def stages(self) -> Iterator[StageShards]:
-        """The embedding, then one layer at a time (its stacked tensors at that index), then the tail."""
+        """The embedding, then one layer at a time (its stacked tensors at that index), then the tail: views of
+        the chunks on disk, read when written (see ``DcpFolder.view``)."""
         yield self._piece({EMBEDDING: EMBEDDING}, None, first=True)
         layer_keys = {f"decoder.layers.0.{local_norm_name(k[len(LAYERS_PREFIX) :])}": k for k in self.layer_keys()}
         for layer in range(self.num_layers()):

@@ -15,7 +15,9 @@ A dist_checkpointing (``torch_dist``) iteration folder holds ``metadata.json`` a
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,11 @@ import torch
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.families import MCORE_NORM_ALIASES
 from rl_ckpt.safe_load import load_torch_file
+from rl_ckpt.sources import Source
 from rl_ckpt.spec import arg
+from rl_ckpt.staged_file import StagingBuffers
+from rl_ckpt.stream_io import FileReader
+from rl_ckpt.torch_zip import locate_storages, save_streamed
 
 CHECKPOINT_VERSION = 3.0
 RANK_FILE = "model_optim_rng.pt"
@@ -159,19 +165,48 @@ def normalize_keys(model: dict[str, Any], where: Path) -> dict[str, torch.Tensor
     return out
 
 
-def load_rank(path: Path, trust_checkpoint: bool = False) -> tuple[object, dict[str, torch.Tensor]]:
+def load_rank(
+    path: Path, trust_checkpoint: bool = False, *, lazy: bool = False
+) -> tuple[object, dict[str, torch.Tensor]]:
     """(args, model state dict) of one rank file, memory-mapped; see ``safe_load`` for what ``trust_checkpoint``
-    changes (by default no code from the file runs, whatever it holds)."""
-    state = load_torch_file(path, trust=trust_checkpoint)
+    changes (by default no code from the file runs, whatever it holds).
+
+    ``lazy``: the tensors are left on disk, meta tensors marked with their bytes' place (see ``sources``), read
+    only when a writer copies them (memory-mapped when their offsets cannot be checked against the zip directory).
+    """
+    if lazy:
+        state = _load_state(path, trust_checkpoint, meta=True)
+        model = normalize_keys(state["model"], path)
+        with path.open("rb") as f:
+            if locate_storages(model.values(), path, 0, f):
+                return state.get("args"), model
+    state = _load_state(path, trust_checkpoint, meta=False)
+    return state.get("args"), normalize_keys(state["model"], path)
+
+
+def _load_state(path: Path, trust_checkpoint: bool, *, meta: bool) -> dict[str, Any]:
+    state = load_torch_file(path, trust=trust_checkpoint, meta=meta)
     if not isinstance(state, dict) or "model" not in state:
         keys = sorted(state) if isinstance(state, dict) else type(state).__name__
         extra = " (virtual pipeline stages model0, model1, ... are not supported yet)" if "model0" in keys else ""
         raise CheckpointError(f"{path} has no 'model' entry{extra}; keys: {keys}")
-    return state.get("args"), normalize_keys(state["model"], path)
+    return state
 
 
-def save_rank(path: Path, model: dict[str, torch.Tensor], args: dict[str, Any], iteration: int) -> None:
-    """Write one rank file as megatron's ``save_checkpoint`` does (model only: no optimizer or RNG state)."""
+def save_rank(
+    path: Path,
+    model: Mapping[str, Source],
+    args: dict[str, Any],
+    iteration: int,
+    *,
+    buffers: StagingBuffers | None = None,
+    reader: FileReader | None = None,
+) -> None:
+    """Write one rank file as megatron's ``save_checkpoint`` does (model only: no optimizer or RNG state): the
+    bytes ``torch.save`` writes, every tensor compact, streamed from the sources (``torch_zip.save_streamed``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration, "model": model}
-    torch.save(state, path)
+    state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
+    with contextlib.ExitStack() as stack:
+        if reader is None:
+            reader = stack.enter_context(FileReader())
+        save_streamed(path, state, model, buffers=buffers or StagingBuffers(), reader=reader)

@@ -1,16 +1,18 @@
 """Megatron-core tensors -> HF tensors, shared by both checkpoint formats (per-rank files and torch_dist).
 
 A format yields :class:`StageShards`: the model state dicts of one piece of the model (a PP stage's TP ranks, or one
-already-merged layer), with megatron-core's local-spec key names and layer numbers local to the piece.
-:func:`iter_hf_tensors` turns the pieces into HF tensors in order, holding one piece at a time, and refuses
-tensors it would otherwise drop (biases, experts, ...).
+already-merged layer), with megatron-core's local-spec key names and layer numbers local to the piece. The tensors
+may be on disk and not read yet (``sources``): the merge is then a plan (views and concatenations), and the bytes
+move once, from the rank files into the output file. :func:`iter_hf_sources` turns the pieces into HF tensors in
+order, holding one piece at a time, and refuses tensors it would otherwise drop (biases, experts, ...);
+:func:`iter_hf_tensors` reads each into memory.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,7 +21,8 @@ import torch
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.families import FAMILIES
 from rl_ckpt.hf_io import vocab_size_from_tokenizer
-from rl_ckpt.layout import split_fc1, split_qkv
+from rl_ckpt.layout import fc1_parts, qkv_parts
+from rl_ckpt.sources import Source, cat, materialize, rows, shape_of
 from rl_ckpt.spec import ModelSpec, arg, spec_from_mcore_args
 
 _LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.")
@@ -36,14 +39,19 @@ class StageShards:
     """
 
     def __init__(
-        self, states: list[dict[str, torch.Tensor]], paths: list[Path], *, first: bool = False, last: bool = False
+        self,
+        states: Sequence[Mapping[str, Source]],
+        paths: Sequence[Path],
+        *,
+        first: bool = False,
+        last: bool = False,
     ) -> None:
         self.states = states
         self.paths = paths
         self.first, self.last = first, last
         self.used: set[str] = set()
 
-    def shards(self, key: str) -> list[torch.Tensor]:
+    def shards(self, key: str) -> list[Source]:
         """One tensor per TP rank; raises naming the state dict that lacks ``key`` or disagrees in shape."""
         for state, path in zip(self.states, self.paths):
             if key not in state:
@@ -51,17 +59,20 @@ class StageShards:
         self.used.add(key)
         out = [state[key] for state in self.states]
         for t, path in zip(out[1:], self.paths[1:]):
-            if t.shape != out[0].shape:
+            if shape_of(t) != shape_of(out[0]):
                 raise CheckpointError(
-                    f"tensor {key} has shape {tuple(out[0].shape)} in {self.paths[0]} but {tuple(t.shape)} in "
+                    f"tensor {key} has shape {shape_of(out[0])} in {self.paths[0]} but {shape_of(t)} in "
                     f"{path}; the rank files come from different models or one is corrupt"
                 )
         return out
 
+    def concat(self, key: str, dim: int) -> Source:
+        """TP shards of ``key`` concatenated along ``dim``, not computed (the only shard itself when TP = 1)."""
+        return cat(self.shards(key), dim)
+
     def cat(self, key: str, dim: int) -> torch.Tensor:
         """TP shards of ``key`` concatenated along ``dim`` (the only shard itself when TP = 1)."""
-        shards = self.shards(key)
-        return shards[0] if len(shards) == 1 else torch.cat(shards, dim=dim)
+        return materialize(self.concat(key, dim))
 
     def num_layers(self) -> int:
         """Number of decoder layers in this piece (local numbering 0..n-1)."""
@@ -70,11 +81,11 @@ class StageShards:
             raise CheckpointError(f"{self.paths[0]}: local layer numbers {sorted(found)} are not 0..n-1")
         return len(found)
 
-    def check(self, t: torch.Tensor, shape: tuple[int, ...], key: str) -> torch.Tensor:
+    def check(self, t: Source, shape: tuple[int, ...], key: str) -> Source:
         """``t`` when it has ``shape``; else raise naming the tensor, the rank files and the args."""
-        if tuple(t.shape) != shape:
+        if shape_of(t) != shape:
             raise CheckpointError(
-                f"tensor {key} from {', '.join(map(str, self.paths))} merges to shape {tuple(t.shape)} but the "
+                f"tensor {key} from {', '.join(map(str, self.paths))} merges to shape {shape_of(t)} but the "
                 f"args imply {shape}; the file is corrupt or the args (or --model_type / --vocab_size) are wrong"
             )
         return t
@@ -85,7 +96,13 @@ class StageShards:
 
 
 def layer_to_hf(stage: StageShards, spec: ModelSpec, local: int, layer: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF tensors of global layer ``layer`` from local layer ``local`` of ``stage``.
+    """HF tensors of global layer ``layer`` from local layer ``local`` of ``stage`` (see :func:`layer_sources`)."""
+    for name, src in layer_sources(stage, spec, local, layer):
+        yield name, materialize(src)
+
+
+def layer_sources(stage: StageShards, spec: ModelSpec, local: int, layer: int) -> Iterator[tuple[str, Source]]:
+    """HF tensors of global layer ``layer`` from local layer ``local`` of ``stage``, as views / concatenations.
 
     linear_qkv [g*(r+2)*d, H] -> q [nq*d, H], k, v [g*d, H]; linear_fc1 shards [2F/tp, H] -> gate, up [F, H].
     """
@@ -97,31 +114,32 @@ def layer_to_hf(stage: StageShards, spec: ModelSpec, local: int, layer: int) -> 
         spec.num_attention_heads,
         spec.ffn_hidden_size,
     )
-    rows = (nq + 2 * g) * d
+    rows_qkv = (nq + 2 * g) * d
     for kind, tail in (("weight", (h,)), ("bias", ())) if spec.qkv_bias else (("weight", (h,)),):
         key = f"{mc}self_attention.linear_qkv.{kind}"
-        q, k, v = split_qkv(stage.check(stage.cat(key, 0), (rows, *tail), key), g, d)
+        q, k, v = qkv_parts(stage.check(stage.concat(key, 0), (rows_qkv, *tail), key), g, d)
         yield from ((f"{hf}{n}_proj.{kind}", t) for n, t in (("q", q), ("k", k), ("v", v)))
     key = f"{mc}self_attention.linear_proj.weight"
-    yield f"{hf}o_proj.weight", stage.check(stage.cat(key, 1), (h, nq * d), key)
+    yield f"{hf}o_proj.weight", stage.check(stage.concat(key, 1), (h, nq * d), key)
     key = f"{mc}mlp.linear_fc1.weight"
-    gate, up = split_fc1([stage.check(s, (2 * f // len(stage.paths), h), key) for s in stage.shards(key)])
+    gate, up = fc1_parts([stage.check(s, (2 * f // len(stage.paths), h), key) for s in stage.shards(key)])
     mlp = f"model.layers.{layer}.mlp."
     yield f"{mlp}gate_proj.weight", gate
     yield f"{mlp}up_proj.weight", up
     key = f"{mc}mlp.linear_fc2.weight"
-    yield f"{mlp}down_proj.weight", stage.check(stage.cat(key, 1), (h, f), key)
+    yield f"{mlp}down_proj.weight", stage.check(stage.concat(key, 1), (h, f), key)
     for hf_name, mc_name in FAMILIES.get(spec.model_type).layer_norms.items():
         size = d if "q_norm" in hf_name or "k_norm" in hf_name else h
         yield f"model.layers.{layer}.{hf_name}", stage.check(stage.shards(mc + mc_name)[0], (size,), mc + mc_name)
 
 
-def vocab_rows(stage: StageShards, key: str, spec: ModelSpec) -> torch.Tensor:
+def vocab_rows(stage: StageShards, key: str, spec: ModelSpec) -> Source:
     """[Vp, H] merged over TP, trimmed to [V, H]."""
-    full = stage.cat(key, 0)
-    if full.shape[0] < spec.vocab_size or full.shape[1:] != (spec.hidden_size,):
+    full = stage.concat(key, 0)
+    shape = shape_of(full)
+    if shape[0] < spec.vocab_size or shape[1:] != (spec.hidden_size,):
         stage.check(full, (spec.vocab_size, spec.hidden_size), key)
-    return full[: spec.vocab_size]
+    return rows(full, 0, spec.vocab_size)
 
 
 class McoreSource(Protocol):
@@ -141,7 +159,7 @@ class McoreSource(Protocol):
         ...
 
 
-def _end_of_piece(stage: StageShards, spec: ModelSpec) -> Iterator[tuple[str, torch.Tensor]]:
+def _end_of_piece(stage: StageShards, spec: ModelSpec) -> Iterator[tuple[str, Source]]:
     if stage.last:
         yield "model.norm.weight", stage.check(stage.shards(FINAL_NORM)[0], (spec.hidden_size,), FINAL_NORM)
         if not spec.tied_embeddings:
@@ -157,7 +175,15 @@ def _end_of_piece(stage: StageShards, spec: ModelSpec) -> Iterator[tuple[str, to
 
 
 def iter_hf_tensors(ckpt: McoreSource) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, tensor) in order, holding only one piece (PP stage or layer) of the checkpoint at a time."""
+    """Yield (HF name, tensor in memory) in order, holding only one piece (PP stage or layer) at a time."""
+    for name, src in iter_hf_sources(ckpt):
+        tensor = materialize(src)
+        del src  # else it keeps the last piece's tensors alive while the next piece is read
+        yield name, tensor
+
+
+def iter_hf_sources(ckpt: McoreSource) -> Iterator[tuple[str, Source]]:
+    """Yield (HF name, source: views / concatenations of the checkpoint's tensors) in order, one piece at a time."""
     spec = ckpt.spec
     offset = 0
     for stage in ckpt.stages():
@@ -165,7 +191,7 @@ def iter_hf_tensors(ckpt: McoreSource) -> Iterator[tuple[str, torch.Tensor]]:
             yield "model.embed_tokens.weight", vocab_rows(stage, EMBEDDING, spec)
         n_local = stage.num_layers()
         for local in range(n_local):
-            yield from layer_to_hf(stage, spec, local, offset + local)
+            yield from layer_sources(stage, spec, local, offset + local)
         offset += n_local
         yield from _end_of_piece(stage, spec)
         del stage  # release this piece before the next one is read

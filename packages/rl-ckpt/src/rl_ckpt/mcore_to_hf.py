@@ -19,7 +19,16 @@ from rl_ckpt.mcore_io import (
     load_rank,
     resolve_iteration_dir,
 )
-from rl_ckpt.mcore_merge import McoreSource, StageShards, checkpoint_spec, iter_hf_tensors, layer_to_hf
+from rl_ckpt.mcore_merge import (
+    McoreSource,
+    StageShards,
+    checkpoint_spec,
+    iter_hf_sources,
+    iter_hf_tensors,
+    layer_sources,
+    layer_to_hf,
+)
+from rl_ckpt.sources import dtype_of
 from rl_ckpt.spec import ModelSpec, arg
 
 __all__ = [
@@ -28,7 +37,9 @@ __all__ = [
     "McoreSource",
     "StageShards",
     "convert_mcore_to_hf",
+    "iter_hf_sources",
     "iter_hf_tensors",
+    "layer_sources",
     "layer_to_hf",
     "open_mcore_checkpoint",
 ]
@@ -49,13 +60,16 @@ class McoreCheckpoint:
         return self.layout.iteration_dir
 
     def stages(self) -> Iterator[StageShards]:
-        """One PP stage at a time: its TP ranks' model state dicts, memory-mapped."""
+        """One PP stage at a time: its TP ranks' model state dicts, left on disk (see ``load_rank``)."""
         pp = self.layout.pp
         for p in range(pp):
             paths = [self.layout.path(t, p) for t in range(self.layout.tp)]
             # No local variable keeps the states: the caller's ``del`` must free the stage before the next is read.
             yield StageShards(
-                [load_rank(path, self.trust_checkpoint)[1] for path in paths], paths, first=p == 0, last=p == pp - 1
+                [load_rank(path, self.trust_checkpoint, lazy=True)[1] for path in paths],
+                paths,
+                first=p == 0,
+                last=p == pp - 1,
             )
 
 
@@ -79,7 +93,7 @@ def open_mcore_checkpoint(
             trust_checkpoint=trust_checkpoint,
         )  # fmt: skip
     layout = discover_layout(iteration_dir)
-    args, _ = load_rank(layout.path(0, 0), trust_checkpoint)
+    args, _ = load_rank(layout.path(0, 0), trust_checkpoint, lazy=True)
     if args is None:
         raise CheckpointError(f"{layout.path(0, 0)} has no 'args'; pass --model_type and the sizes are unknown")
     check_layout_against_args(layout, args)
@@ -96,14 +110,15 @@ def convert_mcore_to_hf(
 ) -> dict[str, str]:
     """Write a HF folder (sharded safetensors + index, config.json, generation / tokenizer files when known).
 
-    Peak memory: one piece of the checkpoint (a PP stage's rank files, memory-mapped, or one layer of a torch_dist
-    checkpoint) plus one output shard. Returns the index weight map.
+    No tensor is built in memory: the merge of each tensor is planned (views of the rank files, concatenations) and
+    its bytes are read from the rank files straight into the output shard's write buffers. Peak memory: those
+    buffers and the plans of one output shard. Returns the index weight map.
     """
     out = Path(out_path)
     writer = ShardedSafetensorsWriter(out, parse_size(max_shard_size))
     dtype = torch.float32
-    for name, tensor in iter_hf_tensors(ckpt):
-        dtype = tensor.dtype
+    for name, tensor in iter_hf_sources(ckpt):
+        dtype = dtype_of(tensor)
         writer.add(name, tensor)
         del tensor  # the loop variable would otherwise keep the last tensor of a stage alive into the next
     weight_map = writer.close()

@@ -64,14 +64,17 @@ def _trust_hint(path: Path, err: Exception) -> CheckpointError:
     )
 
 
-def load_torch_file(path: Path, *, trust: bool = False, mmap: bool = True) -> Any:
+def load_torch_file(path: Path, *, trust: bool = False, mmap: bool = True, meta: bool = False) -> Any:
     """``torch.load(path)`` on CPU; without ``trust`` unknown classes become :class:`Opaque` (see the module doc).
 
     ``mmap``: tensors stay in the page cache until touched (peak memory is what the caller keeps, not the file).
+    ``meta``: tensors on the meta device, nothing read (``torch_zip.locate_storages`` finds their bytes).
     """
+    location = "meta" if meta else "cpu"
+    mmap = mmap and not meta
     try:
         if trust:
-            return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
+            return torch.load(path, map_location=location, weights_only=False, mmap=mmap)
         try:
             unknown = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
         except ValueError:  # not a zip checkpoint (pre-1.6 format): torch.load reports it below
@@ -79,17 +82,18 @@ def load_torch_file(path: Path, *, trust: bool = False, mmap: bool = True) -> An
         real = {f"{cls.__module__}.{cls.__qualname__}" for cls in REAL_CLASSES}
         stand_ins = [(opaque_class(name), name) for name in unknown if name not in real]
         with torch.serialization.safe_globals([*REAL_CLASSES, *stand_ins]):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(path, map_location=location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         raise _trust_hint(path, err) from None
     except (RuntimeError, OSError, EOFError, ValueError) as err:
         raise CheckpointError(f"cannot read {path}: {err}; the file is corrupt or truncated") from None
 
 
-def load_torch_bytes(data: IO[bytes], where: str) -> Any:
-    """A ``torch.save`` blob inside a bigger file (a dist_checkpointing chunk), weights only: tensors and containers."""
+def load_torch_bytes(data: IO[bytes], where: str, *, meta: bool = False) -> Any:
+    """A ``torch.save`` blob inside a bigger file (a dist_checkpointing chunk), weights only: tensors and containers;
+    ``meta``: on the meta device, nothing read."""
     try:
-        return torch.load(data, map_location="cpu", weights_only=True)
+        return torch.load(data, map_location="meta" if meta else "cpu", weights_only=True)
     except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError) as err:
         raise CheckpointError(f"cannot read {where}: {str(err).splitlines()[0]}; the file is corrupt") from None
 
