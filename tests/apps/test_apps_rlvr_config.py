@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import pytest
 
@@ -14,9 +13,9 @@ from rl_core.batch import BatchSizeError
 from rl_engines.config import WorkerConfigError
 from rl_engines.device_mapping import parse_device_mapping
 from rl_engines.placement import PlacementError
+from tests.shared_dir import require_shared, roll_example_files
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "roll-examples"
-RLVR_FILES = sorted([*SHARED.glob("qwen2.5-7B-rlvr_megatron/*.yaml"), *SHARED.glob("docs_examples/*.yaml")])
+RLVR_FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/*.yaml", "docs_examples/*.yaml")
 TORCH_NATIVE = {"megatron_train": "fsdp2_train", "deepspeed_train": "fsdp2_train", "vllm": "hf_infer",
                 "sglang": "hf_infer", "megatron_infer": "hf_infer"}  # fmt: skip
 
@@ -56,7 +55,7 @@ def adapt(raw: dict) -> dict:
 
 @pytest.fixture(params=RLVR_FILES, ids=lambda p: p.name)
 def roll_file(request):
-    return request.param
+    return require_shared(request.param)
 
 
 def test_every_roll_rlvr_file_loads_as_typed_config(roll_file):

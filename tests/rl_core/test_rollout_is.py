@@ -1,5 +1,6 @@
 """Rollout importance sampling: hand-computed cases for every level x mode, a slow loop reference, the veto,
-metrics-only mode, thresholds, padding garbage and the `mismatch/` metric contract of the verl PR."""
+metrics-only mode, thresholds, padding garbage, the `mismatch/` metric contract of the verl PR, and verl's
+convention that rejections and vetoes live in the returned mask only (the loss is unchanged by it)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from rl_core import rollout_is_metrics
+from rl_core.losses import LOSS_AGGREGATIONS, POLICY_LOSSES, PolicyLossConfig, get_policy_loss
 from rl_core.rollout_is import (
     IS_LEVELS,
     IS_MODES,
@@ -83,22 +85,23 @@ def assert_close(actual: torch.Tensor, expected: list[list[float]], atol: float 
 #   token: per-token ratios [3, .25, 1] and [1.5, .8]; threshold 2 -> bounds [0.5, 2]
 #   sequence: 3 * .25 * 1 = 0.75 and 1.5 * .8 = 1.2; threshold 1.1 -> bounds [0.909.., 1.1]: row 0 below, row 1 above
 #   geometric: 0.75 ** (1/3) = 0.9086 and 1.2 ** (1/2) = 1.0954; threshold 1.05 -> [0.952.., 1.05]: below / above
+# mask mode keeps the ratio as the weight of a rejected token (verl); only the mask rejects it.
 G0, G1 = 0.75 ** (1 / 3), math.sqrt(1.2)
 HAND_CASES = {
     ("token", "truncate", 2.0): ([[2.0, 0.25, 1.0], [1.5, 0.8, 0.0]], MASK),
     ("token", "clip", 2.0): ([[0.0, 0.0, 1.0], [1.5, 0.8, 0.0]], MASK),
-    ("token", "mask", 2.0): ([[0.0, 0.0, 1.0], [1.5, 0.8, 0.0]], [[False, False, True], [True, True, False]]),
+    ("token", "mask", 2.0): ([[3.0, 0.25, 1.0], [1.5, 0.8, 0.0]], [[False, False, True], [True, True, False]]),
     ("sequence", "truncate", 2.0): ([[0.75] * 3, [1.2, 1.2, 0.0]], MASK),
     ("sequence", "truncate", 1.1): ([[0.75] * 3, [1.1, 1.1, 0.0]], MASK),
     ("sequence", "clip", 2.0): ([[0.75] * 3, [1.2, 1.2, 0.0]], MASK),
     ("sequence", "clip", 1.1): ([[0.0] * 3, [0.0] * 3], MASK),
     ("sequence", "mask", 2.0): ([[0.75] * 3, [1.2, 1.2, 0.0]], MASK),
-    ("sequence", "mask", 1.1): ([[0.0] * 3, [0.0] * 3], [[False] * 3, [False] * 3]),
+    ("sequence", "mask", 1.1): ([[0.75] * 3, [1.2, 1.2, 0.0]], [[False] * 3, [False] * 3]),
     ("geometric", "truncate", 2.0): ([[G0] * 3, [G1, G1, 0.0]], MASK),
     ("geometric", "truncate", 1.05): ([[G0] * 3, [1.05, 1.05, 0.0]], MASK),
     ("geometric", "clip", 1.05): ([[0.0] * 3, [0.0] * 3], MASK),
     ("geometric", "clip", 2.0): ([[G0] * 3, [G1, G1, 0.0]], MASK),
-    ("geometric", "mask", 1.05): ([[0.0] * 3, [0.0] * 3], [[False] * 3, [False] * 3]),
+    ("geometric", "mask", 1.05): ([[G0] * 3, [G1, G1, 0.0]], [[False] * 3, [False] * 3]),
     ("geometric", "mask", 2.0): ([[G0] * 3, [G1, G1, 0.0]], MASK),
 }
 
@@ -203,7 +206,8 @@ def reference(
     lower = 1.0 / threshold if lower is None else lower
     B, T = old.shape
     o, r, v = old.tolist(), rollout.tolist(), (mask != 0).tolist()
-    weights = [[0.0] * T for _ in range(B)]
+    weights = [[0.0] * T for _ in range(B)]  # returned weights: bounded, also at rejected / vetoed tokens
+    applied = [[0.0] * T for _ in range(B)]  # what the loss sees: 0 at rejected / vetoed tokens
     keep_mask = [[False] * T for _ in range(B)]
     pop_tokens: list[float] = []  # unit ratio of every token of the statistics population
     seq_means, units_w, n_valid, n_cat, n_vetoed, n_rows = [], [], 0, 0, 0, 0
@@ -221,11 +225,10 @@ def reference(
         n_cat += sum(1 for g in gaps.values() if not math.isfinite(g) or (veto is not None and g < math.log(veto)))
         vetoed = bad or (veto is not None and any(g < math.log(veto) for g in gaps.values()))
         n_vetoed += vetoed
-        finite = {t: (g if math.isfinite(g) else 0.0) for t, g in gaps.items()}
-        if level == "token":
-            unit_log = finite
-        else:
-            total = sum(finite.values())
+        # A non-finite gap counts as a ratio ~0 (its sequence leaves the mask and the statistics anyway).
+        unit_log = {t: (g if math.isfinite(g) else -INF) for t, g in gaps.items()}
+        if level != "token":
+            total = sum(unit_log.values())
             unit_log = {t: total if level == "sequence" else total / len(idx) for t in idx}
         row_affected = False
         row_weights = []
@@ -241,9 +244,10 @@ def reference(
             else:
                 w = ratio
                 keep = keep and not (is_high or is_low)
-            weights[b][t] = w if keep else 0.0
+            weights[b][t] = w
+            applied[b][t] = w if keep else 0.0
             keep_mask[b][t] = keep
-            row_weights.append(weights[b][t])
+            row_weights.append(applied[b][t])
             if not bad:
                 pop_tokens.append(ratio)
                 high += is_high
@@ -305,7 +309,7 @@ def reference(
         "mismatch_log_ppl_diff_min": min(diffs, default=0.0),
         "mismatch_ppl_ratio": mean([math.exp(clamp(d)) for d in diffs]),
     }
-    return weights, keep_mask, metrics
+    return weights, applied, keep_mask, metrics
 
 
 def random_batch(
@@ -334,9 +338,11 @@ def test_matches_loop_reference(level: str, mode: str, threshold: float, lower: 
         weights, new_mask, metrics = compute_rollout_is_weights(
             old, rollout, mask, level=level, mode=mode, threshold=threshold, threshold_lower=lower, veto_threshold=veto
         )
-        ref_w, ref_keep, ref_metrics = reference(old, rollout, mask, level, mode, threshold, lower, veto)
+        ref_w, ref_applied, ref_keep, ref_metrics = reference(old, rollout, mask, level, mode, threshold, lower, veto)
         assert weights is not None
         torch.testing.assert_close(weights, torch.tensor(ref_w, dtype=torch.float64), atol=1e-10, rtol=1e-10)
+        applied = torch.tensor(ref_applied, dtype=torch.float64)
+        torch.testing.assert_close(weights * new_mask, applied, atol=1e-10, rtol=1e-10)
         assert new_mask.tolist() == ref_keep
         assert set(metrics) == {f"mismatch/{k}" for k in ref_metrics}
         for key, value in ref_metrics.items():
@@ -347,13 +353,13 @@ def test_matches_loop_reference(level: str, mode: str, threshold: float, lower: 
 # Veto, thresholds, disabled / metrics-only modes
 
 
-def test_veto_drops_whole_sequence() -> None:
+def test_veto_drops_whole_sequence_from_the_mask_only() -> None:
     old, rollout, mask = hand_batch()
     old[1, 1] = rollout[1, 1] + math.log(1e-5)  # ratio 1e-5 < veto 1e-4
     weights, new_mask, m = compute_rollout_is_weights(old, rollout, mask, veto_threshold=1e-4)
     assert weights is not None
     assert new_mask.tolist() == [MASK[0], [False, False, False]]
-    assert_close(weights, [[2.0, 0.25, 1.0], [0.0, 0.0, 0.0]])
+    assert_close(weights, [[2.0, 0.25, 1.0], [1.5, 1e-5, 0.0]])  # the vetoed row keeps its truncated ratios
     assert m["mismatch/rollout_is_veto_fraction"] == 0.5
     assert m["mismatch/rollout_is_catastrophic_token_fraction"] == pytest.approx(1 / 5)
     # veto disabled: the token keeps its (tiny) ratio
@@ -372,11 +378,104 @@ def test_non_finite_gap_at_valid_token_is_catastrophic(veto: float | None) -> No
     assert weights is not None
     assert torch.isfinite(weights).all()
     assert new_mask.tolist() == [[False] * 3, MASK[1]]
-    assert_close(weights, [[0.0, 0.0, 0.0], [1.5, 0.8, 0.0]])
+    # the non-finite token weighs the safety floor exp(-20); the row leaves the loss through the mask
+    assert_close(weights, [[2.0, math.exp(-20.0), 1.0], [1.5, 0.8, 0.0]])
     assert m["mismatch/rollout_is_veto_fraction"] == 0.5
     assert m["mismatch/rollout_is_catastrophic_token_fraction"] == pytest.approx(1 / 5)
     assert m["mismatch/rollout_is_mean"] == pytest.approx((1.5 + 0.8) / 2)  # row 0 left out of the statistics
     assert all(math.isfinite(v) for v in m.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# verl's convention (rollout_corr_helper.py, verl >= 0.6.1, tests/trainer/ppo/test_rollout_corr.py): rejected and
+# vetoed tokens keep their bounded weights and leave the loss through the returned mask alone, so the loss is what it
+# was when rl-core zeroed their weights.
+
+
+def verl_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """verl's ``test_mask_mode`` batch: ratio exp(-2 + 1) = exp(-1) = 0.368 on row 0, exp(0.5) = 1.649 on row 1."""
+    old = torch.full((2, 5), -2.0, dtype=torch.float64)
+    rollout = torch.tensor([[-1.0] * 5, [-2.5] * 5], dtype=torch.float64)
+    return old, rollout, torch.ones(2, 5, dtype=torch.bool)
+
+
+VERL_WEIGHTS = [[math.exp(-1.0)] * 5, [math.exp(0.5)] * 5]
+# What rl-core returned for row 0 before it followed verl (rejected / vetoed tokens weighed 0).
+ZEROED_VERL_WEIGHTS = [[0.0] * 5, [math.exp(0.5)] * 5]
+
+
+@pytest.mark.parametrize("veto", [None, 1e-4])
+def test_mask_mode_rejects_through_the_mask_and_keeps_the_ratio(veto: float | None) -> None:
+    """exp(-1) < threshold_lower 0.5: row 0 leaves the mask, and its weights stay 0.368 (were 0 before)."""
+    old, rollout, mask = verl_batch()
+    weights, new_mask, m = compute_rollout_is_weights(
+        old, rollout, mask, mode="mask", threshold=2.0, threshold_lower=0.5, veto_threshold=veto
+    )
+    assert weights is not None
+    assert_close(weights, VERL_WEIGHTS)
+    assert weights[0, 0].item() == pytest.approx(0.368, abs=5e-4)
+    assert new_mask.tolist() == [[False] * 5, [True] * 5]
+    assert_close(weights * new_mask, ZEROED_VERL_WEIGHTS)
+    assert m["mismatch/rollout_is_masked_fraction"] == 0.5
+    assert m["mismatch/rollout_is_veto_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_veto_rejects_through_the_mask_and_keeps_the_ratio(mode: str) -> None:
+    """exp(-1) < veto_threshold 0.5 (lower bound 0.25 keeps it in bounds): row 0 is vetoed, its weights stay 0.368."""
+    old, rollout, mask = verl_batch()
+    weights, new_mask, m = compute_rollout_is_weights(
+        old, rollout, mask, mode=mode, threshold=2.0, threshold_lower=0.25, veto_threshold=0.5
+    )
+    assert weights is not None
+    assert_close(weights, VERL_WEIGHTS)
+    assert weights[0, 0].item() == pytest.approx(0.368, abs=5e-4)
+    assert new_mask.tolist() == [[False] * 5, [True] * 5]
+    assert_close(weights * new_mask, ZEROED_VERL_WEIGHTS)
+    assert m["mismatch/rollout_is_veto_fraction"] == 0.5
+    assert m["mismatch/rollout_is_catastrophic_token_fraction"] == 0.5
+    assert m[f"mismatch/rollout_is_{AFFECTED[mode]}_fraction"] == 0.0
+
+
+def _loss_and_grad(
+    name: str, agg: str, old: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(13)
+    log_prob = (old.nan_to_num(nan=-1.0) + 0.1 * torch.randn(old.shape, generator=g, dtype=old.dtype)).requires_grad_()
+    advantages = torch.randn(old.shape, generator=g, dtype=old.dtype)
+    loss, _ = get_policy_loss(name)(
+        old, log_prob, advantages, mask, loss_agg_mode=agg, config=PolicyLossConfig(seed=0), rollout_is_weights=weights
+    )
+    loss.backward()
+    assert log_prob.grad is not None
+    return loss.detach(), log_prob.grad
+
+
+@pytest.mark.parametrize("agg", LOSS_AGGREGATIONS.names())
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
+def test_loss_with_returned_weights_and_mask_equals_loss_with_zeroed_weights(name: str, agg: str) -> None:
+    """Every policy loss and aggregation gives bit-identical losses and gradients with the returned (weights, mask)
+    and with the weights of rejected / vetoed tokens zeroed (rl-core's former output, = weights * mask)."""
+    old, rollout, mask = verl_batch()
+    weights, new_mask, _ = compute_rollout_is_weights(
+        old, rollout, mask, mode="mask", threshold=2.0, threshold_lower=0.5, veto_threshold=None
+    )
+    assert weights is not None
+    zeroed = torch.tensor(ZEROED_VERL_WEIGHTS, dtype=old.dtype)
+    for a, b in zip(
+        _loss_and_grad(name, agg, old, new_mask, weights), _loss_and_grad(name, agg, old, new_mask, zeroed)
+    ):
+        assert torch.equal(a, b)
+    old, rollout, mask = random_batch(2)  # has a vetoed row and padding garbage
+    for level in LEVELS:
+        for mode in MODES:
+            weights, new_mask, _ = compute_rollout_is_weights(old, rollout, mask, level=level, mode=mode, threshold=1.5)
+            assert weights is not None
+            assert not new_mask.equal(mask)  # something is rejected or vetoed
+            applied = weights * new_mask
+            got = _loss_and_grad(name, agg, old, new_mask, weights)
+            for a, b in zip(got, _loss_and_grad(name, agg, old, new_mask, applied)):
+                assert torch.equal(a, b), (level, mode)
 
 
 def test_threshold_none_disables_everything() -> None:

@@ -1,5 +1,6 @@
 """Property tests for rollout importance sampling: hostile log-probs (NaN, +-Inf, +-1e4 gaps) and masks (all zero,
-ragged) never crash it, never produce non-finite weights or metrics, and the returned mask only removes tokens."""
+ragged) never crash it, never produce non-finite weights or metrics, the returned mask only removes tokens, and the veto
+acts on the mask alone (verl's convention: weights of vetoed / rejected tokens keep their bounded values)."""
 
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ def test_hostile_inputs_give_finite_weights_and_only_remove_tokens(
     assert torch.isfinite(weights).all()
     assert (weights >= 0).all()
     assert not (new_mask & ~mask).any()  # only ever removes tokens
-    assert not weights[~new_mask].any()  # zero wherever the returned mask is zero
+    assert not weights[~mask].any()  # zero at padding (rejected / vetoed tokens keep their bounded weights)
     if mode == "truncate":
         assert (weights <= threshold * (1 + 1e-6)).all()
     assert all(isinstance(v, float) and math.isfinite(v) for v in metrics.values()), metrics
@@ -73,6 +74,11 @@ def test_hostile_inputs_give_finite_weights_and_only_remove_tokens(
     # a valid token whose gap is not finite always takes its whole sequence out
     bad_rows = (mask & ~torch.isfinite(old - rollout)).any(-1)
     assert not new_mask[bad_rows].any()
+    # the veto only removes tokens from the mask: the weights are those computed without it
+    unvetoed, _, _ = compute_rollout_is_weights(
+        old, rollout, mask, level=level, mode=mode, threshold=threshold, threshold_lower=lower, veto_threshold=None
+    )
+    assert unvetoed is not None and torch.equal(weights, unvetoed)
 
 
 @SETTINGS

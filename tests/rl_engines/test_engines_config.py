@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 from engine_fixtures import tiny_model_dir, worker_config
 
 from rl_engines.config import WorkerConfig, WorkerConfigError
 from rl_engines.strategies import create_strategy
+from tests.shared_dir import ROLL_EXAMPLES, require_shared
 
 __all__ = ["tiny_model_dir"]
-
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "roll-examples"
 
 
 def test_a_roll_worker_section_loads_with_its_keys():
@@ -37,9 +34,7 @@ def test_a_roll_worker_section_loads_with_its_keys():
 
 def test_the_worker_sections_of_a_real_roll_file_load():
     yaml = pytest.importorskip("yaml")
-    path = SHARED / "qwen2.5-7B-rlvr_megatron" / "rlvr_config.yaml"
-    if not path.exists():
-        pytest.skip(f"{path} is not beside the checkout")
+    path = require_shared(ROLL_EXAMPLES / "qwen2.5-7B-rlvr_megatron" / "rlvr_config.yaml")
     document = yaml.safe_load(path.read_text())
     for role in ("actor_train", "actor_infer", "reference"):
         section = dict(document[role])

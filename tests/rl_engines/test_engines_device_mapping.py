@@ -1,13 +1,11 @@
 """parse_device_mapping: every accepted ROLL form, every rejection, and the real ROLL example configs."""
 
 import re
-from pathlib import Path
 
 import pytest
 
 from rl_engines import DeviceMappingError, parse_device_mapping
-
-ROLL_EXAMPLES = Path("/work/shared/roll-examples")
+from tests.shared_dir import ROLL_EXAMPLES, require_shared
 
 
 @pytest.mark.parametrize(
@@ -147,8 +145,8 @@ def _example_mappings() -> list[tuple[str, str]]:
     return found
 
 
-@pytest.mark.skipif(not ROLL_EXAMPLES.is_dir(), reason="ROLL example configs not present on this machine")
 def test_every_roll_example_mapping_parses():
+    require_shared(ROLL_EXAMPLES)  # ../shared beside the checkout; missing: skip here, fail under CI
     mappings = _example_mappings()
     assert len(mappings) >= 30  # the examples hold 35 device_mapping lines; a regex gone wrong finds none
     for source, text in mappings:

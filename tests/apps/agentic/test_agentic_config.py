@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from apps.agentic.config import AgenticConfig, EnvManagerConfig
@@ -11,17 +9,19 @@ from apps.agentic.env_manager import EnvManager, group_seed
 from apps.agentic.preflight import agentic_preflight
 from apps.common.yaml_config import load_config
 from rl_engines.config import WorkerConfigError
+from tests.shared_dir import ROLL_EXAMPLES, require_shared, roll_example_files
 
-SHARED = Path(__file__).resolve().parents[4] / "shared" / "roll-examples"
-AGENTIC_FILES = sorted(SHARED.glob("qwen2.5-0.5B-agentic/*.yaml"))
+AGENTIC_DIR = ROLL_EXAMPLES / "qwen2.5-0.5B-agentic"
+AGENTIC_FILES = roll_example_files("qwen2.5-0.5B-agentic/*.yaml")
 
 
 @pytest.fixture(params=AGENTIC_FILES, ids=lambda p: p.name)
 def roll_file(request):
-    return request.param
+    return require_shared(request.param)
 
 
 def test_the_roll_agentic_files_exist():
+    require_shared(AGENTIC_DIR)
     assert [p.name for p in AGENTIC_FILES] == ["agent_val_frozen_lake_async.yaml",
                                                "agentic_sokoban_rollout_mock_dump.yaml"]  # fmt: skip
 
@@ -53,7 +53,7 @@ def test_guide_spellings_of_env_manager_keys():
 
 
 def _config(**changes):
-    raw = load_config(AGENTIC_FILES[1])
+    raw = load_config(require_shared(AGENTIC_DIR / "agentic_sokoban_rollout_mock_dump.yaml"))
     raw.update(changes)
     return raw
 

@@ -10,7 +10,9 @@ al., 2025, https://yingru.notion.site/When-Speed-Kills-Stability-271211a558b7808
 
 Two independent axes, one registry each: the IS level (``token`` / ``sequence`` / ``geometric``: how per-token
 log ratios become a weight) and the bounding mode (``truncate`` / ``clip`` / ``mask``: how large or small weights
-are tamed). A veto drops whole sequences containing a catastrophic token. All math is in log space; |log ratio| is
+are tamed). A veto drops whole sequences containing a catastrophic token. As in verl's rollout correction
+(``verl/trainer/ppo/rollout_corr_helper.py``, verl >= 0.6.1), rejections (``mask`` mode) and vetoes live only in
+the returned response mask: the weights there keep their bounded values. All math is in log space; |log ratio| is
 clamped to 20 before exp. Padding never influences anything, even when it holds NaN / Inf. The docs are in
 ``docs/rollout-importance-sampling.md``.
 """
@@ -88,8 +90,8 @@ class UnitRatios(NamedTuple):
 class Bounded(NamedTuple):
     """What a bounding mode made of the unit ratios (tensors shaped like them)."""
 
-    weight: torch.Tensor  # bounded IS weight per unit, before veto and padding; fresh (scaled in place later)
-    keep: torch.Tensor | None  # float 0/1, units kept in the response mask; None keeps all
+    weight: torch.Tensor  # bounded IS weight per unit, before padding; fresh (scaled in place later)
+    keep: torch.Tensor | None  # float 0/1, units kept in the response mask (weights untouched); None keeps all
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,7 @@ def _clip(units: UnitRatios, upper: float) -> Bounded:
 
 
 def _mask(units: UnitRatios, upper: float) -> Bounded:
-    """MIS / rejection sampling: w = r, and units outside [lower, upper] leave the response mask."""
+    """MIS / rejection sampling: w = r; units outside [lower, upper] leave the response mask, not the weights."""
     return Bounded(units.expm1 + 1.0, _inside(units))
 
 
@@ -244,17 +246,21 @@ def compute_rollout_is_weights(
         response_mask: ``[B, T]`` bool / 0-1, True = the token counts. Padding may hold any log-prob value.
         level: ``token`` (r_t), ``sequence`` (prod_t r_t) or ``geometric`` ((prod_t r_t)^(1/T)), broadcast over
             a sequence's tokens for the last two (config key ``rollout_is_level``).
-        mode: ``truncate`` (w = min(r, upper)), ``clip`` (w = r inside [lower, upper], else 0) or ``mask`` (w = r;
-            units outside [lower, upper] are removed from the returned mask) (``rollout_is_mode``).
+        mode: ``truncate`` (w = min(r, upper)), ``clip`` (w = r inside [lower, upper], else 0) or ``mask`` (w = r,
+            also for rejected units; units outside [lower, upper] are removed from the returned mask only)
+            (``rollout_is_mode``).
         threshold: upper bound (``rollout_is_threshold``); None disables IS: returns ``(None, response_mask, {})``.
         threshold_lower: lower bound for clip / mask; None means ``1 / threshold``.
-        veto_threshold: a sequence with any valid token ratio below this is dropped from the mask (weights 0);
-            None disables the veto. A non-finite log ratio at a valid position always drops its sequence.
+        veto_threshold: a sequence with any valid token ratio below this is dropped from the returned mask (its
+            weights are left as the mode made them); None disables the veto. A non-finite log ratio at a valid
+            position always drops its sequence.
 
     Returns:
-        ``(weights, response_mask, metrics)``: detached weights ``[B, T]`` (0 at padding and wherever the returned
-        mask is 0), the mask with vetoed / rejected tokens zeroed (input dtype; never adds tokens), and Python
-        floats keyed ``mismatch/...`` as documented in ``docs/rollout-importance-sampling.md``.
+        ``(weights, response_mask, metrics)``: detached weights ``[B, T]``, the mask with vetoed / rejected tokens
+        zeroed (input dtype; never adds tokens), and Python floats keyed ``mismatch/...`` as documented in
+        ``docs/rollout-importance-sampling.md``. Weights are 0 at padding; at vetoed / rejected tokens they keep
+        the mode's bounded value (verl's convention: rejection is carried by the mask alone), so the loss must use
+        the returned mask; ``weights * response_mask`` is what each token actually gets.
     """
     if threshold is None:
         return None, response_mask, {}
@@ -273,14 +279,14 @@ def compute_rollout_is_weights(
         bounded = bounding.bound(UnitRatios(units.expm1, above, below), float(threshold))
         vetoed, n_catastrophic = _veto(gaps, veto_threshold)
         keep = 1.0 - vetoed if bounded.keep is None else bounded.keep * (1.0 - vetoed)
-        unit_weight = bounded.weight.mul_(keep).mul_(units.pop)
+        unit_weight = bounded.weight.mul_(units.pop)  # rejections stay out of the weights: they live in the mask
         weights = unit_weight if per_token else unit_weight * gaps.valid
         new_mask = _apply_keep(response_mask, keep)
         n_seqs = (gaps.valid_count > 0).sum().to(log_unit.dtype)
         named = {
             **ratio_tensors(units, gaps),
             **bound_fractions(above, below, units, gaps, bounding.affected, bounding.bounds_lower),
-            "rollout_is_eff_sample_size": effective_sample_size(unit_weight, units.pop.sum()),
+            "rollout_is_eff_sample_size": effective_sample_size(unit_weight * keep, units.pop.sum()),
             "rollout_is_veto_fraction": vetoed.sum() / n_seqs.clamp(min=1),
             "rollout_is_catastrophic_token_fraction": n_catastrophic / gaps.valid_count.sum().clamp(min=1),
             **mismatch_tensors(old_log_prob, gaps, _token_expm1_row_sum(units, gaps, per_token)),

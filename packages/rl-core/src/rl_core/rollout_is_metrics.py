@@ -287,8 +287,9 @@ def bound_fractions(
 def effective_sample_size(weights_unit: torch.Tensor, n_units: torch.Tensor) -> torch.Tensor:
     """Normalised ESS = (sum w)^2 / (n * sum w^2) = (mean w)^2 / mean(w^2), in [0, 1] (Kong, 1992).
 
-    ``weights_unit`` holds the applied weights of the ``n_units`` units, 0 for rejected / vetoed units and outside
-    the population, so every dropped sample lowers the ESS. 0 when all weights are 0.
+    ``weights_unit`` holds the applied weights of the ``n_units`` units (the returned weights times the returned
+    mask): 0 for rejected / vetoed units and outside the population, so every dropped sample lowers the ESS. 0 when
+    all weights are 0.
     """
     flat = weights_unit.reshape(-1)
     s1 = flat.sum()
