@@ -7,6 +7,10 @@ ROLL runs on Hydra / OmegaConf; we read the same files without them:
   substituted as text. References resolve against the merged root, recursively; cycles and missing keys fail
   naming the key that refers.
 - the ``hydra:`` section (Hydra's own run settings) is dropped.
+
+A config is data that travels, so its size after expansion is bounded: YAML aliases (``*name``) and ``${...}``
+references of references multiply (9 levels of 9 make 9**9 values, a "billion laughs"); files past the limits below
+fail fast, naming the file. Each included file is composed once per load, however often it is listed.
 """
 
 from __future__ import annotations
@@ -21,6 +25,12 @@ import yaml
 
 INTERPOLATION = re.compile(r"\$\{([^${}]+)\}")
 IGNORED_SECTIONS = ("hydra",)
+MAX_YAML_VALUES = 1_000_000
+"""Most values (mappings, lists, scalars) one file may hold once its aliases are expanded; real configs hold < 1,000."""
+MAX_RESOLVED_VALUES = 100_000
+"""Most values ``${...}`` references may copy into one config (counted per copy); real configs copy < 1,000."""
+MAX_RESOLVED_CHARS = 4_000_000
+"""Most characters of text ``${...}`` references may copy into one config; real configs copy < 10,000."""
 
 
 class ConfigFileError(ValueError):
@@ -29,19 +39,70 @@ class ConfigFileError(ValueError):
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> dict[str, Any]:
     """The composed, override-applied and interpolated mapping of the YAML file at ``path``."""
-    root = _compose(Path(path), stack=())
+    root = _compose(Path(path), stack=(), composed={})
     for item in overrides:
         apply_override(root, item)
     for section in IGNORED_SECTIONS:
         root.pop(section, None)
-    return resolve_interpolations(root)
+    return resolve_interpolations(root, source=str(path))
+
+
+class _AliasLimitError(Exception):
+    """A document's aliases expand past MAX_YAML_VALUES, or an alias refers to a node that contains it."""
+
+
+class _BoundedLoader(yaml.SafeLoader):  # type: ignore[misc]  # yaml has no type stubs here
+    """yaml.SafeLoader that refuses a document whose aliases expand to more than MAX_YAML_VALUES values.
+
+    PyYAML shares an aliased node instead of copying it, so parsing a billion-laughs file is cheap, but everything
+    after it (merging, interpolation, the typed config) walks the expanded tree. The check runs on the composed
+    node graph, before any Python object is built, in time linear in the file.
+    """
+
+    def compose_document(self) -> Any:
+        node = super().compose_document()
+        _expanded_size(node, sizes={}, active=set())
+        return node
+
+
+def _expanded_size(node: Any, sizes: dict[int, int], active: set[int]) -> int:
+    """Values under the YAML ``node`` (itself included) with every alias expanded; memoized per node."""
+    key = id(node)
+    if key in sizes:
+        return sizes[key]
+    where = f"line {node.start_mark.line + 1}, column {node.start_mark.column + 1}"
+    if key in active:
+        raise _AliasLimitError(
+            f"an alias inside the value at {where} refers back to that value (like `a: &a [*a]`), so it expands "
+            "forever. Write the nested value out instead of aliasing its parent."
+        )
+    active.add(key)
+    children: list[Any] = []
+    if isinstance(node, yaml.MappingNode):
+        children = [child for pair in node.value for child in pair]
+    elif isinstance(node, yaml.SequenceNode):
+        children = node.value
+    total = 1
+    for child in children:
+        total += _expanded_size(child, sizes, active)
+        if total > MAX_YAML_VALUES:
+            raise _AliasLimitError(
+                f"its YAML aliases (*name) expand the value at {where} to more than {MAX_YAML_VALUES:,} values "
+                "(aliases of aliases multiply: an alias bomb). Real configs hold under a thousand; write the repeated "
+                "values out or use fewer levels of aliases of aliases."
+            )
+    active.discard(key)
+    sizes[key] = total
+    return total
 
 
 def _read(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigFileError(f"config file {path} does not exist; check --config_path / --config_name.")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_BoundedLoader)
+    except _AliasLimitError as err:
+        raise ConfigFileError(f"{path}: {err}") from None
     except yaml.YAMLError as err:
         raise ConfigFileError(f"{path} is not valid YAML: {err}") from None
     if data is None:
@@ -51,8 +112,13 @@ def _read(path: Path) -> dict[str, Any]:
     return data
 
 
-def _compose(path: Path, stack: tuple[Path, ...]) -> dict[str, Any]:
+def _compose(path: Path, stack: tuple[Path, ...], composed: dict[Path, dict[str, Any]]) -> dict[str, Any]:
+    """The file at ``path`` with its defaults merged in. ``composed`` caches the files composed so far in this load,
+    so a file listed 9 times at each of 7 levels is composed once, not 9**7 times (deep_merge copies what it merges,
+    so a cached part is never changed)."""
     path = path.resolve()
+    if path in composed:
+        return composed[path]
     if path in stack:
         chain = " -> ".join(str(p) for p in (*stack, path))
         raise ConfigFileError(f"defaults include themselves: {chain}")
@@ -67,13 +133,14 @@ def _compose(path: Path, stack: tuple[Path, ...]) -> dict[str, Any]:
         if entry == "_self_":
             part = own
         elif isinstance(entry, str):
-            part = _compose(_default_path(path, entry), (*stack, path))
+            part = _compose(_default_path(path, entry), (*stack, path), composed)
         else:
             raise ConfigFileError(
                 f"{path}: defaults entry {entry!r} is not supported; use a relative file such as "
                 "`../config/envs@_here_` or `_self_`."
             )
         merged = deep_merge(merged, part)
+    composed[path] = merged
     return merged
 
 
@@ -122,17 +189,39 @@ def apply_override(root: dict[str, Any], item: str) -> None:
     node[parts[-1]] = yaml.safe_load(raw) if raw else None
 
 
-def resolve_interpolations(root: dict[str, Any]) -> dict[str, Any]:
-    """A copy of ``root`` with every ``${...}`` replaced (see the module docstring)."""
-    resolver = _Resolver(root)
+def resolve_interpolations(root: dict[str, Any], source: str = "the config") -> dict[str, Any]:
+    """A copy of ``root`` with every ``${...}`` replaced (see the module docstring); ``source`` names the file
+    in errors. Raises ConfigFileError once references copy in more than MAX_RESOLVED_VALUES values or
+    MAX_RESOLVED_CHARS characters."""
+    resolver = _Resolver(root, source)
     return resolver.value(root, "", ())  # type: ignore[no-any-return]
 
 
 class _Resolver:
-    def __init__(self, root: dict[str, Any]) -> None:
+    def __init__(self, root: dict[str, Any], source: str) -> None:
         self.root = root
+        self.source = source
+        self.values = 0  # values copied in by references so far
+        self.chars = 0  # characters copied in by references (strings inside them, text substituted) so far
+
+    def spend(self, values: int, chars: int, chain: tuple[str, ...]) -> None:
+        """Count what references copy in; fail once references of references multiplied it past the limits."""
+        self.values += values
+        self.chars += chars
+        if self.values <= MAX_RESOLVED_VALUES and self.chars <= MAX_RESOLVED_CHARS:
+            return
+        too_many = self.values > MAX_RESOLVED_VALUES
+        what = f"{MAX_RESOLVED_VALUES:,} values" if too_many else f"{MAX_RESOLVED_CHARS:,} characters of text"
+        refs = " -> ".join(f"${{{ref}}}" for ref in chain)
+        raise ConfigFileError(
+            f"{self.source}: ${{...}} references copy more than {what} into the config (reached expanding {refs}); "
+            "references of references multiply, like a YAML alias bomb. Real configs copy a few hundred values; "
+            "refer to the value you need directly instead of nesting references to large sections."
+        )
 
     def value(self, node: Any, where: str, active: tuple[str, ...]) -> Any:
+        if active:  # inside a reference: this value is a copy the file did not spell out
+            self.spend(1, len(node) if isinstance(node, str) else 0, active)
         if isinstance(node, dict):
             return {k: self.value(v, f"{where}.{k}" if where else str(k), active) for k, v in node.items()}
         if isinstance(node, list):
@@ -147,7 +236,10 @@ class _Resolver:
             return self.lookup(whole.group(1).strip(), where, active)
 
         def substitute(match: re.Match[str]) -> str:
-            return str(self.lookup(match.group(1).strip(), where, active))
+            ref = match.group(1).strip()
+            text = str(self.lookup(ref, where, active))
+            self.spend(0, len(text), (*active, ref))
+            return text
 
         return INTERPOLATION.sub(substitute, text)
 

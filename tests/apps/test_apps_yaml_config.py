@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from apps.common.yaml_config import ConfigFileError, load_config
-
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "roll-examples"
+from tests.shared_dir import ROLL_EXAMPLES, require_shared
 
 
 def write(folder: Path, name: str, text: str) -> Path:
@@ -86,10 +86,84 @@ def test_overrides_set_existing_keys_and_add_with_plus(tmp_path):
 
 
 def test_every_roll_example_composes_and_interpolates():
-    files = sorted(SHARED.glob("*/*.yaml"))
-    if not files:
-        pytest.skip(f"{SHARED} is not beside the checkout")
+    files = sorted(require_shared(ROLL_EXAMPLES).glob("*/*.yaml"))
+    assert files, f"no */*.yaml in {ROLL_EXAMPLES}"
     for path in files:
         config = load_config(path)
         assert "hydra" not in config
         assert "${" not in repr(config), path
+
+
+def nested_levels(first, line, levels=9):
+    """`a: <first>` then `b: <line(a, b)>`, `c: <line(b, c)>` ...: each level repeats the previous one 9 times."""
+    names = "abcdefghijklmnopqrstuvwxyz"[:levels]
+    return f"a: {first}\n" + "".join(line(prev, name) + "\n" for prev, name in itertools.pairwise(names))
+
+
+def nine(item):
+    return "[" + ", ".join([item] * 9) + "]"
+
+
+def alias_levels(levels=9):
+    """`a: &a [x, ... x]`, `b: &b [*a, ... *a]` ...: 9**levels values once the aliases are expanded."""
+    return nested_levels("&a " + nine("x"), lambda prev, name: f"{name}: &{name} {nine('*' + prev)}", levels)
+
+
+def test_yaml_alias_bomb_is_refused_naming_the_file_and_the_limit(tmp_path):
+    path = write(tmp_path, "bomb.yaml", alias_levels(9))
+    with pytest.raises(ValueError, match=r"expand the value at line 7, column 4 to more than 1,000,000 values") as info:
+        load_config(path)
+    assert isinstance(info.value, ConfigFileError)
+    assert str(info.value).startswith(f"{path}: its YAML aliases")
+    assert "write the repeated values out or use fewer levels of aliases of aliases" in str(info.value)
+
+
+def test_yaml_alias_referring_to_its_own_parent_is_refused(tmp_path):
+    path = write(tmp_path, "loop.yaml", "ok: 1\nloop: &a [1, *a]\n")  # before: RecursionError while resolving
+    with pytest.raises(ConfigFileError, match=r"loop\.yaml: an alias inside the value at line 2, column 7 refers back"):
+        load_config(path)
+
+
+def test_yaml_aliases_and_merge_keys_within_the_limit_still_load(tmp_path):
+    path = write(tmp_path, "ok.yaml", """\
+        base: &base {lr: 1.0e-6, betas: [0.9, 0.99]}
+        actor: {<<: *base, lr: 2.0e-6}
+        critic: *base
+    """)  # fmt: skip
+    config = load_config(path)
+    assert config["actor"] == {"lr": 2.0e-6, "betas": [0.9, 0.99]}
+    assert config["critic"] == {"lr": 1.0e-6, "betas": [0.9, 0.99]}
+    assert len(load_config(write(tmp_path, "five.yaml", alias_levels(5)))["e"]) == 9  # 9**5 values: under the limit
+
+
+def ref(name):
+    return "${" + name + "}"
+
+
+@pytest.mark.parametrize(
+    ("first", "line", "limit"),
+    [  # 9 levels of 9 references: 9**9 values, or 10 * 9**8 characters of text
+        (nine("x"), lambda prev, name: f"{name}: {nine(repr(ref(prev)))}", "100,000 values"),
+        ("xxxxxxxxxx", lambda prev, name: f"{name}: {ref(prev) * 9!r}", "4,000,000 characters of text"),
+    ],
+    ids=["lists", "text"],
+)
+def test_interpolation_bomb_is_refused_naming_the_file_and_the_limit(tmp_path, first, line, limit):
+    path = write(tmp_path, "bomb.yaml", nested_levels(first, line))
+    with pytest.raises(ValueError, match=rf"references copy more than {limit} into the config") as info:
+        load_config(path)
+    assert str(info.value).startswith(f"{path}: ${{...}} references copy more than")
+    assert "(reached expanding ${" in str(info.value) and "refer to the value you need directly" in str(info.value)
+
+
+def test_a_file_included_many_times_is_composed_once(tmp_path, monkeypatch):
+    import apps.common.yaml_config as yaml_config
+
+    for level in range(3):  # inc0 lists inc1 three times, inc1 lists inc2 three times, ...
+        write(tmp_path, f"inc{level}.yaml", f"defaults: [{', '.join([f'inc{level + 1}@_here_'] * 3)}]\nk{level}: 1\n")
+    write(tmp_path, "inc3.yaml", "k3: 1\n")
+    reads = []
+    real_read = yaml_config._read
+    monkeypatch.setattr(yaml_config, "_read", lambda path: reads.append(path.name) or real_read(path))
+    assert load_config(tmp_path / "inc0.yaml") == {"k0": 1, "k1": 1, "k2": 1, "k3": 1}
+    assert sorted(reads) == ["inc0.yaml", "inc1.yaml", "inc2.yaml", "inc3.yaml"]  # before: 1 + 3 + 9 + 27 reads

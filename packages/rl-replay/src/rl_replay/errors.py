@@ -43,6 +43,10 @@ class DumpFormatError(ReplayError, ValueError):
     """A step file or manifest is not in the format rl_replay writes."""
 
 
+class DumpPathError(DumpFormatError):
+    """A manifest entry names a path outside the dump directory (absolute, with '..', or a symlink leading out)."""
+
+
 class UnsupportedValueError(ReplayError, TypeError):
     """A batch holds a value rl_replay cannot store without pickle; the message names where."""
 

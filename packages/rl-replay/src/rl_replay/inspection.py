@@ -14,8 +14,8 @@ import numpy as np
 from rl_replay.atomic import is_temp_name
 from rl_replay.codec import TAG, Decoder, GenericBatch, GenericTensorDict
 from rl_replay.errors import ReplayError
-from rl_replay.manifest import read_manifest, split_steps
-from rl_replay.replay import _STEP_FILE, load_file, step_filename
+from rl_replay.manifest import confined_path, read_manifest, split_steps
+from rl_replay.replay import _STEP_FILE, load_file, step_file_path
 from rl_replay.stfile import RawTensor, parse_safetensors, read_verified
 from rl_replay.torchcompat import array_without_torch
 
@@ -33,7 +33,7 @@ def load_generic(dump_dir: str, step: int, split: str) -> Any:
     steps = split_steps(require_manifest(dump_dir), split)
     if step not in steps:
         raise ReplayError(f"{dump_dir} has no step {step} in split {split!r} (it has {len(steps)} steps)")
-    path = os.path.join(dump_dir, split, step_filename(step))
+    path = step_file_path(dump_dir, split, step, steps[step])
     return load_file(path, steps[step], step, split, generic=True)
 
 
@@ -56,6 +56,7 @@ def list_dump(dump_dir: str) -> list[str]:
         lines.append(f"  deterministic: {info.get('deterministic')}")
         lines.append(f"  {'step':>6}  {'samples':>7}  {'size':>10}  crc32     file")
         for step, r in sorted(steps.items()):
+            step_file_path(dump_dir, split, step, r)  # refuse a listing that names files outside the dump
             size = f"{r['size'] / 2**20:.2f}MB"
             lines.append(f"  {step:>6}  {r.get('samples', '?'):>7}  {size:>10}  {r['crc32']}  {r.get('file')}")
     return lines
@@ -67,7 +68,7 @@ def describe_step(dump_dir: str, step: int, split: str) -> list[str]:
     if step not in steps:
         raise ReplayError(f"{dump_dir} has no step {step} in split {split!r} (it has {len(steps)} steps)")
     record = steps[step]
-    path = os.path.join(dump_dir, split, step_filename(step))
+    path = step_file_path(dump_dir, split, step, record)
     buf = read_verified(path, record["size"], int(record["crc32"], 16))
     tensors, metadata = parse_safetensors(buf, path)
     tree = json.loads(metadata["rl_replay"])["tree"]
@@ -142,8 +143,8 @@ def verify_dump(dump_dir: str) -> Report:
     lines, failed, nbytes, count = [], False, 0, 0
     for split in sorted(manifest["splits"]):
         for step, record in sorted(split_steps(manifest, split).items()):
-            path = os.path.join(dump_dir, split, step_filename(step))
             try:
+                path = step_file_path(dump_dir, split, step, record)
                 tensors, _ = parse_safetensors(read_verified(path, record["size"], int(record["crc32"], 16)), path)
                 load_file(path, record, step, split, generic=True)
                 with safe_open(path, framework="numpy") as ref:
@@ -163,7 +164,11 @@ def verify_dump(dump_dir: str) -> Report:
 
 
 def _strays(dump_dir: str, split: str, steps: Mapping[int, Any]) -> Iterator[str]:
-    split_dir = os.path.join(dump_dir, split)
+    try:
+        split_dir = confined_path(dump_dir, split, f"splits.{split}")
+    except ReplayError as exc:
+        yield f"FAIL split {split}: {exc}"
+        return
     for name in sorted(os.listdir(split_dir)) if os.path.isdir(split_dir) else []:
         match = _STEP_FILE.match(name)
         if match and (match.group(2) != "safetensors" or int(match.group(1)) not in steps):

@@ -23,11 +23,11 @@ import json
 import os
 import platform
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 from rl_replay.__about__ import __version__
 from rl_replay.atomic import write_bytes_atomic
-from rl_replay.errors import DumpFormatError
+from rl_replay.errors import DumpFormatError, DumpPathError
 
 try:
     import fcntl
@@ -60,6 +60,45 @@ def manifest_path(dump_dir: str) -> str:
     return os.path.join(dump_dir, MANIFEST_NAME)
 
 
+def confined_path(dump_dir: str, relative: object, entry: str) -> str:
+    """`dump_dir/relative`, after checking that it cannot lead out of `dump_dir`.
+
+    A dump travels between people and machines, so a path its manifest names must stay inside it:
+    `relative` must be a relative path without '..', and once symlinks are resolved it must still lie
+    inside the (resolved) dump directory; a symlink to another file of the dump is fine. `entry` names
+    the manifest entry the path comes from (e.g. "splits.train.steps.0.file"). Raises DumpPathError.
+    """
+    problem = _escape(dump_dir, relative)
+    if problem is not None:
+        reason, fix = problem
+        raise DumpPathError(
+            f"[Rollout Mock] {manifest_path(dump_dir)}: {entry} = {relative!r} {reason}; rl_replay reads only "
+            f"files inside the dump directory {dump_dir}. {fix} Do not replay a dump you cannot vouch for."
+        )
+    return os.path.join(dump_dir, cast(str, relative))
+
+
+def _escape(dump_dir: str, relative: object) -> tuple[str, str] | None:
+    """(why `relative` leaves `dump_dir`, how to fix it), or None when it stays inside."""
+    as_written = (
+        "Record it relative to the dump directory, as rl_replay writes it (e.g. 'train/step_000000.safetensors')."
+    )
+    if not isinstance(relative, str) or not relative or "\0" in relative:
+        return "is not a relative path", as_written
+    if os.path.isabs(relative) or os.path.splitdrive(relative)[0]:
+        return "is an absolute path", as_written
+    if ".." in relative.replace("\\", "/").split("/"):
+        return "contains '..'", as_written
+    root = os.path.realpath(dump_dir)
+    real = os.path.realpath(os.path.join(root, relative))
+    if os.path.commonpath([root, real]) != root:
+        return (
+            f"resolves to {real} (a symlink leads out)",
+            "Copy the file into the dump directory instead of linking it.",
+        )
+    return None
+
+
 def new_manifest() -> dict[str, Any]:
     """An empty manifest."""
     stamp = now_iso()
@@ -75,7 +114,7 @@ def new_manifest() -> dict[str, Any]:
 
 def read_manifest(dump_dir: str) -> dict[str, Any] | None:
     """The parsed manifest of `dump_dir`, or None if it has none. Raises DumpFormatError if unreadable."""
-    path = manifest_path(dump_dir)
+    path = confined_path(dump_dir, MANIFEST_NAME, "the manifest itself")
     try:
         with open(path, "rb") as f:
             data: Any = json.loads(f.read())

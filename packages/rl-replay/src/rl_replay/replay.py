@@ -32,7 +32,14 @@ from rl_replay.errors import (
     StepsExceededError,
     missing_step_message,
 )
-from rl_replay.manifest import library_versions, now_iso, read_manifest, split_steps, update_manifest
+from rl_replay.manifest import (
+    confined_path,
+    library_versions,
+    now_iso,
+    read_manifest,
+    split_steps,
+    update_manifest,
+)
 from rl_replay.stfile import parse_safetensors, read_verified, write_safetensors
 from rl_replay.wrapping import SplitSpec, StepSpec, make_wrapper
 
@@ -47,6 +54,20 @@ _STEP_FILE = re.compile(r"^step_(\d{6,})\.(safetensors|pkl)$")
 def step_filename(step: int) -> str:
     """`step_NNNNNN.safetensors` (6-digit zero padded, as in the guide)."""
     return f"step_{step:06d}{FILE_SUFFIX}"
+
+
+def step_file_path(dump_dir: str, split: str, step: int, record: Mapping[str, Any]) -> str:
+    """`dump_dir/split/step_NNNNNN.safetensors`, after checking that no path of this step leads out of `dump_dir`.
+
+    The layout fixes the file; the manifest's `file` entry records it for people and other tools, so it must
+    not name a file outside the dump either. Every reader (load, verify, diff, ls, show) goes through here:
+    an absolute `file`, one with '..', or a step file that resolves through a symlink to outside the dump
+    raises DumpPathError.
+    """
+    entry = f"splits.{split}.steps.{step}.file"
+    if "file" in record:
+        confined_path(dump_dir, record["file"], entry)
+    return confined_path(dump_dir, f"{split}/{step_filename(step)}", entry)
 
 
 def _check_step_split(step: object, split: object) -> None:
@@ -184,7 +205,7 @@ class RolloutReplay:
         """
         _check_step_split(step, split)
         record = self._record(step, split)
-        path = self.step_path(step, split)
+        path = step_file_path(self.dump_dir, split, step, record)
         try:
             batch = load_file(path, record, step, split, generic=generic)
         except FileNotFoundError as exc:
