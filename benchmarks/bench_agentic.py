@@ -39,8 +39,8 @@ from apps.agentic.env_manager import EnvManager
 from apps.agentic.envs import make_env
 from apps.agentic.pipeline import AgenticPipeline
 from apps.agentic.rollout import TrajectoryRunner
+from apps.common.preflight import fill_model_paths
 from apps.common.yaml_config import load_config
-from apps.rlvr.preflight import fill_model_paths
 from rl_engines.role_worker import RoleWorker
 from rl_engines.worker_group import WorkerBase
 
@@ -123,7 +123,7 @@ def bench_rollout(folder: Path) -> None:
                                        f"rollout_batch_size={envs}"])  # fmt: skip
         infer, manager = local_infer(config), EnvManager(config, config.train_env_manager, "train")
         runner = TrajectoryRunner(manager, infer.worker.strategy.tokenizer, config.base.actor_infer.generating_args,
-                                  config.base.prompt_length + config.base.response_length)  # fmt: skip
+                                  config.sequence_length)  # fmt: skip
         rounds = max(1, 32 // envs)
         start = time.perf_counter()
         episodes = runner.run(infer, step=0, rounds=rounds)

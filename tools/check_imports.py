@@ -2,8 +2,9 @@
 
 apps -> rl_engines -> rl_core; rl_replay and rl_ckpt import no sibling; nothing imports apps.
 rl_core may import only torch, numpy and the standard library. Heavy engines are allowed in rl_engines only
-inside its adapter modules: ``strategies/<engine>*.py`` or ``strategies/<engine>/`` (``ADAPTER_IMPORTS``). Exit 1
-listing every violation.
+inside its adapter modules: ``strategies/<engine>*.py`` or ``strategies/<engine>/`` (``ADAPTER_IMPORTS``).
+Inside apps, the pipelines are siblings on apps.common: apps.common imports neither app, and apps.rlvr and
+apps.agentic do not import each other (``APP_FORBIDDEN``). Exit 1 listing every violation.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ ADAPTER_IMPORTS: dict[str, str] = {
 }
 
 
+# apps package -> the apps packages it must not import (what both apps share lives in apps.common)
+APP_FORBIDDEN: dict[str, tuple[str, ...]] = {
+    "apps.common": ("apps.rlvr", "apps.agentic"),
+    "apps.rlvr": ("apps.agentic",),
+    "apps.agentic": ("apps.rlvr",),
+}
+
+
 def adapter_allows(package: str, path: Path, module: str) -> bool:
     """Whether ``path`` (inside ``package``) is the adapter module that may import the engine ``module``."""
     prefix = ADAPTER_IMPORTS.get(module)
@@ -63,6 +72,46 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
     return found
 
 
+def imported_names(tree: ast.AST, package: str) -> list[tuple[int, str]]:
+    """(line, dotted name) of every import in ``tree``, code of the package ``package``: relative imports resolved,
+    and ``from a import b`` giving ``a.b`` as well as ``a`` (``b`` may be a module)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
+            module = ".".join(name for name in (base, node.module or "") if name)
+            found.append((node.lineno, module))
+            found.extend((node.lineno, f"{module}.{alias.name}") for alias in node.names)
+    return found
+
+
+def app_violations(package: str, source: str, where: str) -> list[str]:
+    """The imports of ``source`` (code of ``package``, e.g. apps.agentic) that ``APP_FORBIDDEN`` rules out."""
+    forbidden = next((banned for app, banned in APP_FORBIDDEN.items() if f"{package}.".startswith(f"{app}.")), ())
+    hits: dict[int, str] = {}  # line -> the forbidden package it imports (once per statement)
+    for line, name in imported_names(ast.parse(source, filename=where), package):
+        hit = next((app for app in forbidden if name == app or name.startswith(f"{app}.")), None)
+        if hit is not None:
+            hits.setdefault(line, hit)
+    return [
+        f"{where}:{line}: {package} must not import {hit}; code the apps share belongs in apps.common"
+        for line, hit in sorted(hits.items())
+    ]
+
+
+def apps_violations() -> list[str]:
+    """``APP_FORBIDDEN`` over every module of apps/."""
+    problems = []
+    for path in sorted((ROOT / "apps").rglob("*.py")):
+        relative = path.relative_to(ROOT)
+        package = ".".join(relative.parent.parts)
+        problems += app_violations(package, path.read_text(encoding="utf-8"), str(relative))
+    return problems
+
+
 def violations_of(package: str) -> list[str]:
     src, third_party = RULES[package]
     root = ROOT / src
@@ -79,14 +128,14 @@ def violations_of(package: str) -> list[str]:
 
 
 def main() -> int:
-    problems = [p for package in RULES for p in violations_of(package)]
+    problems = [p for package in RULES for p in violations_of(package)] + apps_violations()
     for problem in problems:
         print(problem)
     if problems:
         print(f"{len(problems)} import boundary violation(s); see STYLE.md 'Package boundaries'")
         return 1
     checked = [name for name, (src, _) in RULES.items() if (ROOT / src).is_dir()]
-    print(f"import boundaries OK for {', '.join(checked)}")
+    print(f"import boundaries OK for {', '.join([*checked, *APP_FORBIDDEN])}")
     return 0
 
 

@@ -1,8 +1,8 @@
 """The agentic pipeline's configuration: ROLL's "Agentic Pipeline" keys on top of the keys it shares with RLVR.
 
 ``AgenticConfig.from_dict(mapping)`` splits a loaded config (``apps.common.yaml_config.load_config``) into
-- ``base``: an ``RLVRConfig`` of the keys both pipelines read (experiment, cluster, schedule, PPO / GRPO, KL,
-  rollout IS, worker sections, rollout_mock), validated by the same code;
+- ``base``: an ``apps.common.config.SharedConfig`` of the keys both pipelines read (experiment, cluster, schedule,
+  PPO / GRPO, KL, rollout IS, worker sections, rollout_mock), validated by the same code as RLVR's;
 - the agentic keys: ``reward_normalization``, ``train_env_manager`` / ``val_env_manager``, ``custom_envs``,
   ``render_save_dir``, ``max_tokens_per_step``.
 RLVR keys the agentic pipeline does not read (``rewards``, ``validation``, prompt data, dynamic sampling, ...) fail
@@ -16,7 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from apps.rlvr.config import RLVRConfig
+from apps.common.config import SharedConfig
 from rl_core.agentic_rewards import AGENTIC_GROUPINGS, AGENTIC_NORM_METHODS
 from rl_engines.config import WorkerConfigError, build_dataclass
 
@@ -29,6 +29,8 @@ DEFAULT_AGENT_TEMPLATE = (
     "left.\n3. Max response length: {max_response_length} words (tokens).\nDecide the next action:\n"
 )
 TEMPLATE_FIELDS = ("turn_idx", "observation", "actions_left", "max_response_length")
+DEFAULT_SEQUENCE_LENGTH = 8192
+"""Tokens an episode may fill when ``sequence_length`` is null."""
 
 # Variables of ROLL's traj_envs.yaml that exist to be interpolated into custom_env sections.
 TEMPLATE_VARIABLES = frozenset({
@@ -213,7 +215,7 @@ class EnvSpec:
 class AgenticConfig:
     """Every key of a ROLL agentic config: ``base`` holds the ones shared with RLVR."""
 
-    base: RLVRConfig
+    base: SharedConfig
     """Experiment, cluster, schedule, algorithm and worker keys (same meaning as in RLVR)."""
     reward_normalization: RewardNormalization = field(default_factory=RewardNormalization)
     """Episode score normalisation (rl-core agentic_rewards)."""
@@ -237,9 +239,7 @@ class AgenticConfig:
                 raise WorkerConfigError(f"{key} is not an agentic pipeline key: {instead}. Remove it.")
         own = {f.name for f in dataclasses.fields(cls)} - {"base"}
         agentic = {k: values.pop(k) for k in list(values) if k in own}
-        # prompt / response lengths are RLVR keys: an episode may fill sequence_length (checked by preflight).
-        values.update(prompt_length=1, response_length=max(int(values.get("sequence_length") or 8192) - 1, 1))
-        config = cls(base=RLVRConfig.from_dict(values))
+        config = cls(base=SharedConfig.from_dict(values))
         if "reward_normalization" in agentic:
             config.reward_normalization = build_dataclass(RewardNormalization, agentic["reward_normalization"],
                                                           "reward_normalization")  # fmt: skip
@@ -256,6 +256,12 @@ class AgenticConfig:
         config.max_tokens_per_step = agentic.get("max_tokens_per_step")
         validate_agentic(config)
         return config
+
+    @property
+    def sequence_length(self) -> int:
+        """Tokens an episode may fill (first prompt and every turn): ``sequence_length``, 8192 when null (pre-flight
+        checks that a turn fits)."""
+        return self.base.sequence_length or DEFAULT_SEQUENCE_LENGTH
 
     def env_spec(self, tag: str) -> EnvSpec:
         """The spec of ``tag`` with the top-level overrides (max_tokens_per_step) applied."""

@@ -35,14 +35,19 @@ LAKE_4X4 = ("SFFF", "FHFH", "FFFH", "HFFG")
 class Recipe:
     """Everything that shapes the cached model; a change rebuilds it."""
 
-    version: int = 3
+    version: int = 4
     hidden: int = 128
     layers: int = 2
     heads: int = 4
     kv_heads: int = 2
     episodes: int = 256
     expert: float = 0.75
-    sft_steps: int = 160
+    sft_steps: int = 600
+    """At most this many supervised steps ..."""
+    check_every: int = 20
+    """... checking the greedy path every this many ..."""
+    target: float = 0.75
+    """... and stopping once the expert's move has at least this probability at every turn of its path."""
     batch: int = 16
     lr: float = 1e-3
     seed: int = 0
@@ -76,14 +81,22 @@ def expert_moves() -> dict[tuple[int, int], str]:
     return best
 
 
-def _episode(spec: EnvSpec, chat: TurnFormatter, tokenizer: Any, rng: random.Random) -> tuple[list[int], list[bool]]:
-    """Tokens of one noisy-expert episode and the mask of the answer tokens."""
+def noisy_expert(rng: random.Random) -> Callable[[tuple[int, int]], str]:
+    """The warm-up's teacher: the shortest-path move with probability ``RECIPE.expert``, else a uniform move."""
+    moves = expert_moves()
+    return lambda cell: moves[cell] if cell in moves and rng.random() < RECIPE.expert else rng.choice(list(ACTIONS))
+
+
+def episode_tokens(spec: EnvSpec, chat: TurnFormatter, tokenizer: Any, choose: Callable[[tuple[int, int]], str],
+                   seed: int = 0) -> tuple[list[int], list[bool]]:  # fmt: skip
+    """Tokens of one episode whose move in each cell is ``choose(cell)``, formatted as the pipeline formats it
+    (``apps.agentic.rollout``: first prompt, answer + end of turn, continuation), and the mask of the answers."""
     env = make_env(spec.env_type, spec.env_config)
-    observation, cell, moves = env.reset(rng.randrange(1 << 30)), (0, 0), expert_moves()
+    observation, cell = env.reset(seed), (0, 0)
     tokens = chat.first_prompt(f"{env.instructions}\n{user_turn(spec, observation, 1)}")
     mask = [False] * len(tokens)
     for turn in range(1, spec.max_steps + 1):
-        action = moves[cell] if rng.random() < RECIPE.expert else rng.choice(list(ACTIONS))
+        action = choose(cell)
         answer = list(tokenizer(f"<answer>{action}</answer>", add_special_tokens=False)["input_ids"])
         answer.append(tokenizer.eos_token_id)
         tokens, mask = tokens + answer, mask + [True] * len(answer)
@@ -91,7 +104,7 @@ def _episode(spec: EnvSpec, chat: TurnFormatter, tokenizer: Any, rng: random.Ran
         cell = _move(cell, action)
         if result.terminated or result.truncated or turn == spec.max_steps:
             break
-        following = chat.continuation("<|im_end|>", user_turn(spec, result.observation, turn + 1))
+        following = chat.continuation(tokenizer.eos_token, user_turn(spec, result.observation, turn + 1))
         tokens, mask = tokens + following, mask + [False] * len(following)
     env.close()
     return tokens, mask
@@ -114,52 +127,103 @@ def _corpus(spec: EnvSpec) -> list[str]:
 
 
 def demo_model(cache_dir: Path, spec: EnvSpec, log: Callable[[str], None] = print) -> Path:
-    """The warmed-up model folder for episodes of ``spec`` (built and cached on first use)."""
+    """The warmed-up model folder for episodes of ``spec`` (built and cached on first use).
+
+    The cache is reused only when its stamp matches the recipe, the tokenizer's corpus and the warm-up rows rebuilt
+    with the cached tokenizer: a change to the templates, the environment's text or the episode format rebuilds it.
+    """
     folder = cache_dir / "warm"
     stamp_file = folder / "recipe.json"
-    stamp = {**asdict(RECIPE), "spec": hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()}
-    if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
+    if stamp_file.exists() and json.loads(stamp_file.read_text()) == _stamp(folder, spec):
         return folder
     folder.mkdir(parents=True, exist_ok=True)
     build_tiny_tokenizer(folder, _corpus(spec), vocab_size=1000)
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer = _tokenizer(folder)
     build_tiny_causal_lm(folder, vocab_size=len(tokenizer), hidden_size=RECIPE.hidden,
                          intermediate_size=4 * RECIPE.hidden, num_hidden_layers=RECIPE.layers,
                          num_attention_heads=RECIPE.heads, num_key_value_heads=RECIPE.kv_heads, seed=RECIPE.seed,
                          max_position_embeddings=1024)  # fmt: skip
-    rng = random.Random(RECIPE.seed)
-    chat = TurnFormatter(tokenizer, spec.agent_system_template)
-    rows = [_episode(spec, chat, tokenizer, rng) for _ in range(RECIPE.episodes)]
-    _warm_up(folder, rows, tokenizer.pad_token_id, log)
-    stamp_file.write_text(json.dumps(stamp))
+    _warm_up(folder, warm_up_rows(spec, tokenizer), tokenizer, spec, log)
+    stamp_file.write_text(json.dumps(_stamp(folder, spec)))
     return folder
 
 
-def _warm_up(folder: Path, rows: list[tuple[list[int], list[bool]]], pad_id: int, log: Callable[[str], None]) -> None:
+def warm_up_rows(spec: EnvSpec, tokenizer: Any) -> list[tuple[list[int], list[bool]]]:
+    """The warm-up's training rows: ``RECIPE.episodes`` noisy-expert episodes (tokens, answer mask)."""
+    rng = random.Random(RECIPE.seed)
+    chat, teacher = TurnFormatter(tokenizer, spec.agent_system_template), noisy_expert(rng)
+    return [episode_tokens(spec, chat, tokenizer, teacher, rng.randrange(1 << 30)) for _ in range(RECIPE.episodes)]
+
+
+def _tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _stamp(folder: Path, spec: EnvSpec) -> dict[str, Any]:
+    """What the cached model was built from: recipe, spec, tokenizer corpus and training rows."""
+    stamp: dict[str, Any] = {**asdict(RECIPE), "spec": _digest(asdict(spec)), "corpus": _digest(_corpus(spec))}
+    if (folder / "tokenizer.json").exists():
+        stamp["rows"] = _digest(warm_up_rows(spec, _tokenizer(folder)))
+    return stamp
+
+
+def expert_path_probabilities(model: Any, tokenizer: Any, spec: EnvSpec) -> list[float]:
+    """The model's probability of the expert's move at each turn of the expert's episode (teacher-forced, one
+    forward pass): all above 0.5 means the greedy policy walks the shortest path to the goal."""
+    moves = expert_moves()
+    chat = TurnFormatter(tokenizer, spec.agent_system_template)
+    tokens, mask = episode_tokens(spec, chat, tokenizer, lambda cell: moves[cell])
+    offset = len(tokenizer("<answer>", add_special_tokens=False)["input_ids"])
+    starts = [i for i in range(len(mask)) if mask[i] and not mask[i - 1]]
+    with torch.no_grad():
+        log_probs = torch.log_softmax(model(torch.tensor([tokens])).logits[0], dim=-1)
+    return [float(log_probs[i + offset - 1, tokens[i + offset]].exp()) for i in starts]
+
+
+def _warm_up(folder: Path, rows: list[tuple[list[int], list[bool]]], tokenizer: Any, spec: EnvSpec,
+             log: Callable[[str], None]) -> None:  # fmt: skip
+    """Supervised steps on random batches of ``rows`` until the greedy policy walks the expert's path with some
+    margin (checked every ``RECIPE.check_every`` steps), at most ``RECIPE.sft_steps``."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    model: Any = AutoModelForCausalLM.from_pretrained(str(folder))
     rng = random.Random(RECIPE.seed)
     torch.manual_seed(RECIPE.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=RECIPE.lr)
-    model.train()
-    for step in range(RECIPE.sft_steps):
-        batch = rng.sample(rows, RECIPE.batch)
-        width = max(len(tokens) for tokens, _ in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        labels = torch.full((len(batch), width), -100, dtype=torch.long)
-        attention = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, (tokens, mask) in enumerate(batch):
-            ids[row, : len(tokens)] = torch.tensor(tokens)
-            attention[row, : len(tokens)] = 1
-            trained = torch.tensor(mask)
-            labels[row, : len(tokens)] = torch.where(trained, torch.tensor(tokens), torch.tensor(-100))
-        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+    for step in range(1, RECIPE.sft_steps + 1):
+        model.train()
+        loss = _sft_loss(model, rng.sample(rows, RECIPE.batch), tokenizer.pad_token_id)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        if step % 40 == 0:
-            log(f"[demo] warm-up step {step}: loss {loss.item():.3f}")
-    model.save_pretrained(str(folder))
+        if step % RECIPE.check_every == 0:
+            model.eval()
+            path = expert_path_probabilities(model, tokenizer, spec)
+            log(f"[demo] warm-up step {step}: loss {loss.item():.3f}, p(expert move) along the path "
+                f"{' '.join(f'{p:.2f}' for p in path)}")  # fmt: skip
+            if min(path) >= RECIPE.target:
+                model.save_pretrained(str(folder))
+                return
+    raise RuntimeError(
+        f"the agentic demo's warm-up did not reach p(expert move) >= {RECIPE.target} along the expert's path in "
+        f"{RECIPE.sft_steps} steps; raise Recipe.sft_steps in {__file__}."
+    )
+
+
+def _sft_loss(model: Any, batch: list[tuple[list[int], list[bool]]], pad_id: int) -> Any:
+    """Next-token loss on the answer tokens of ``batch`` (right-padded)."""
+    width = max(len(tokens) for tokens, _ in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    attention = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (tokens, mask) in enumerate(batch):
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+        attention[row, : len(tokens)] = 1
+        labels[row, : len(tokens)] = torch.where(torch.tensor(mask), torch.tensor(tokens), torch.tensor(-100))
+    return model(input_ids=ids, attention_mask=attention, labels=labels).loss

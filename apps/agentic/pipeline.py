@@ -2,7 +2,7 @@
 advantages -> PPO epochs -> weight sync, on the roles of rl-engines (ROLL's AgenticPipeline).
 
 Rollouts come from ``TrajectoryRunner`` over the ``train_env_manager`` environments, queued ``async_generation_ratio``
-steps ahead (``apps.rlvr.generation_queue``; the episodes of a step run on a background thread while the driver
+steps ahead (``apps.common.generation_queue``; the episodes of a step run on a background thread while the driver
 trains) and wrapped by rl-replay's rollout_mock at the scheduler layer. Validation every ``eval_steps`` runs the
 ``val_env_manager`` environments greedily on held-out seeds (the queue drains first) and renders them to
 ``render_save_dir``. Metrics, checkpoints and resume work as in RLVR.
@@ -26,11 +26,12 @@ from apps.agentic.preflight import agentic_preflight
 from apps.agentic.render import render_episodes
 from apps.agentic.rollout import TrajectoryRunner, episode_metrics, episodes_to_batch
 from apps.common.algorithm import AlgorithmSettings, TargetBuilder
+from apps.common.checkpoint_space import checkpoint_space_warning
+from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
 from apps.common.loop import run_loop
+from apps.common.sampler_state import SamplerState
 from apps.common.timeline import Timeline
-from apps.common.training import checkpoint_dir, load_roles, save_roles, score_with_roles, train_roles
-from apps.rlvr.data import SamplerState
-from apps.rlvr.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
+from apps.common.training import checkpoint_dir, load_roles, save_checkpoint, score_with_roles, train_roles
 from rl_core.agentic_rewards import normalize_agentic_rewards
 from rl_core.batch import RolloutBatch
 from rl_engines.placement import ClusterSpec
@@ -58,10 +59,12 @@ class AgenticPipeline:
     def __init__(self, config: AgenticConfig, log: Callable[[str], None] = print, progress_bar: bool | None = None):
         self.config, self.base, self.log, self.progress_bar = config, config.base, log, progress_bar
         self.report = agentic_preflight(config)
+        if warning := checkpoint_space_warning(config.base):
+            log(warning)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.base.actor_train.model_args.model_name_or_path))
-        self.sequence_length = self.base.prompt_length + self.base.response_length
+        self.sequence_length = config.sequence_length
         self.train_envs = EnvManager(config, config.train_env_manager, "train")
         self.rounds = config.train_env_manager.rounds(self.base.rollout_batch_size)
         generating = self.base.actor_infer.generating_args
@@ -80,6 +83,7 @@ class AgenticPipeline:
         self.targets = TargetBuilder(self.settings, self.base)
         self.output_dir = Path(self.base.output_dir)
         self.roles: Roles | None = None
+        self._started_ray = False
         self.timeline = Timeline()
         self._waits: dict[str, float] = {}
 
@@ -97,10 +101,11 @@ class AgenticPipeline:
     def start(self) -> None:
         """Start Ray (CPU device slots when there is no GPU) and every role."""
         cluster = ClusterSpec(self.base.num_nodes, self.base.num_gpus_per_node)
+        # Ray found running (a test session's, a notebook's) is shared: stop() leaves it running.
         if not torch.cuda.is_available():
-            start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
+            self._started_ray = start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
         else:
-            start_ray()
+            self._started_ray = start_ray()
         sections = {role: getattr(self.base, role) for role in ("actor_train", "actor_infer", "reference", "critic")}
         sections = {role: section for role, section in sections.items() if section is not None}
         self.roles = Roles(cluster, sections, rpc_timeout=self.base.rpc_timeout, system_envs=self.base.system_envs)
@@ -108,12 +113,13 @@ class AgenticPipeline:
         self.log(f"[agentic] train environments: {self.train_envs.describe()}")
 
     def stop(self) -> None:
-        """Wait for background episodes, stop every worker and Ray, close the environments."""
+        """Wait for background episodes, stop every worker (and Ray when start() started it), close the environments."""
         self.executor.shutdown(wait=True)
         if self.roles is not None:
             self.roles.shutdown()
             self.roles = None
-        stop_ray(remove_temp_dir=True)
+        if self._started_ray:
+            stop_ray(remove_temp_dir=True)
         for envs in (self.train_envs, self.val_envs):
             if envs is not None:
                 envs.close()
@@ -133,10 +139,9 @@ class AgenticPipeline:
         """Training roles, the policy as a HuggingFace folder, and the driver's state (KL controller, moments)."""
         assert self.roles is not None
         folder = checkpoint_dir(self.base, step)
-        save_roles(self.roles, folder)
         state = {"step": step, "kl_controller": self.targets.kl_controller.state_dict(),
                  "running_moments": self.targets.running.state_dict()}  # fmt: skip
-        (folder / "pipeline_state.json").write_text(json.dumps(state, indent=2))
+        save_checkpoint(self.roles, folder, state)
         self.log(f"[agentic] saved checkpoint {folder} (HF model: {folder / 'actor_hf'})")
         return folder
 

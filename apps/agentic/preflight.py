@@ -1,20 +1,19 @@
-"""Checks of an agentic config that need the cluster: placement of the roles, the roles the algorithm needs, async
-generation on devices of its own, and the batch arithmetic of the training roles (one sample per episode)."""
+"""Checks of an agentic config that need the cluster: the shared ones of ``apps.common.preflight`` (placement of the
+roles, the roles the algorithm needs, async generation on devices of its own, the batch arithmetic of the training
+roles with one sample per episode) and the agentic ones (one response per turn, room for a turn in sequence_length)."""
 
 from __future__ import annotations
 
 from apps.agentic.config import AgenticConfig
-from apps.rlvr.preflight import (
-    TRAIN_ROLES,
+from apps.common.preflight import (
     PreflightError,
     PreflightReport,
     check_algorithm_roles,
     check_async,
     fill_model_paths,
-    train_plan,
-    worker_sections,
+    plan_training,
+    role_sections,
 )
-from rl_core.batch_size import lr_decay_steps
 from rl_engines.placement import ClusterSpec
 from rl_engines.roles import plan_roles
 
@@ -24,7 +23,7 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
     base = config.base
     fill_model_paths(base)
     check_algorithm_roles(base)
-    sections = worker_sections(base)
+    sections = role_sections(base)
     placement = plan_roles(ClusterSpec(base.num_nodes, base.num_gpus_per_node), sections)
     check_async(base, placement)
     generating = base.actor_infer.generating_args
@@ -39,9 +38,4 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
             f"sequence_length ({base.sequence_length}) leaves no room for a prompt before a turn of "
             f"max_tokens_per_step={longest} tokens; raise sequence_length or lower max_tokens_per_step."
         )
-    plans, decay = {}, {}
-    for role in TRAIN_ROLES:
-        if role in sections:
-            plans[role] = train_plan(base, role, sections[role])
-            decay[role] = lr_decay_steps(base.max_steps, plans[role], base.ppo_epochs)
-    return PreflightReport(placement, plans, decay)
+    return plan_training(base, placement, sections)

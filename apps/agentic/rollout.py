@@ -25,7 +25,7 @@ import torch
 from apps.agentic.chat import TurnFormatter
 from apps.agentic.config import EnvSpec
 from apps.agentic.env_manager import SPLITS, EnvManager, EnvSlot
-from apps.rlvr.rollout import padded_indices
+from apps.common.padding import padded_indices
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
 from rl_engines.strategies.model_io import position_ids_from_mask

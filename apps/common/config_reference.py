@@ -1,10 +1,9 @@
-"""The config references (docs/rlvr-config-reference.md, docs/agentic-config-reference.md) generated from the config
-dataclasses themselves: every key, its type, its default and the documentation line under its field, so the
-references cannot drift from the code.
+"""The renderer of the config references, which are generated from the config dataclasses themselves: every key,
+its type, its default and the documentation line under its field, so the references cannot drift from the code.
 
-``python -m apps.common.config_reference > docs/rlvr-config-reference.md`` and ``python -m
-apps.common.config_reference agentic > docs/agentic-config-reference.md`` rewrite them; a test fails when a file is out
-of date.
+Each app has its generator: ``python -m apps.rlvr.config_reference > docs/rlvr-config-reference.md`` and ``python -m
+apps.agentic.config_reference > docs/agentic-config-reference.md`` rewrite them; a test fails when a file is out of
+date.
 """
 
 from __future__ import annotations
@@ -13,20 +12,20 @@ import ast
 import dataclasses
 import inspect
 import itertools
-import sys
 import textwrap
 from typing import Any
 
-HEADER = """# RLVR config reference
-
-Generated from the config dataclasses by `python -m apps.common.config_reference > docs/rlvr-config-reference.md`
-(a test fails when this file is out of date). Every key is ROLL's; unknown keys are rejected naming the key path.
-See [rlvr.md](rlvr.md) for the guide.
-"""
-
 
 def field_docs(cls: type) -> dict[str, str]:
-    """The string literal under each field of the dataclass ``cls`` (its attribute docstring)."""
+    """The string literal under each field of the dataclass ``cls`` (its attribute docstring), its bases' included."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(klass):
+            docs.update(_own_field_docs(klass))
+    return docs
+
+
+def _own_field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
@@ -68,47 +67,6 @@ def table(cls: type, title: str, skip: tuple[str, ...] = ()) -> str:
     return "\n".join(rows) + "\n"
 
 
-def reference() -> str:
-    """The whole reference: top-level keys, worker sections and their argument groups, rewards, validation."""
-    from apps.rlvr.config import RewardSpec, RLVRConfig, ValidationConfig
-    from rl_engines.config import GeneratingArgs, ModelArgs, StrategyArgs, TrainingArgs, WorkerConfig
-
-    sections = [
-        (RLVRConfig, "Top-level keys"),
-        (WorkerConfig, "Worker sections: actor_train, actor_infer, reference, critic, rewards.<name>"),
-        (ModelArgs, "<worker>.model_args"),
-        (TrainingArgs, "<worker>.training_args"),
-        (GeneratingArgs, "<worker>.generating_args and validation.generating_args"),
-        (StrategyArgs, "<worker>.strategy_args"),
-        (RewardSpec, "rewards.<name> (besides the worker keys)"),
-        (ValidationConfig, "validation"),
-    ]
-    return HEADER + "".join("\n" + table(cls, title) for cls, title in sections)
-
-
-AGENTIC_HEADER = """# Agentic config reference
-
-Generated from the config dataclasses by `python -m apps.common.config_reference agentic >
-docs/agentic-config-reference.md` (a test fails when this file is out of date). These are the agentic keys; the keys
-shared with RLVR (experiment, cluster, schedule, algorithm, worker sections, rollout_mock) are in
-[rlvr-config-reference.md](rlvr-config-reference.md), except the RLVR-only ones the agentic pipeline rejects
-(`rewards`, `validation`, `prompt_length`, `response_length`, dynamic sampling and sample masks). See
-[agentic.md](agentic.md) for the guide.
-"""
-
-
-def agentic_reference() -> str:
-    """The agentic keys: top level, env managers, custom_envs entries, reward_normalization."""
-    from apps.agentic.config import AgenticConfig, EnvManagerConfig, EnvSpec, RewardNormalization
-
-    sections = [
-        (EnvManagerConfig, "train_env_manager, val_env_manager"),
-        (EnvSpec, "custom_envs.<tag>"),
-        (RewardNormalization, "reward_normalization"),
-    ]
-    top = table(AgenticConfig, "Top-level agentic keys", skip=("base",))  # base: the RLVR keys, not a YAML key
-    return AGENTIC_HEADER + "\n" + top + "".join("\n" + table(cls, title) for cls, title in sections)
-
-
-if __name__ == "__main__":
-    sys.stdout.write(agentic_reference() if sys.argv[1:] == ["agentic"] else reference())
+def render(header: str, sections: list[tuple[type, str, tuple[str, ...]]]) -> str:
+    """``header``, then one table per ``(dataclass, title, fields to skip)``."""
+    return header + "".join("\n" + table(cls, title, skip) for cls, title, skip in sections)

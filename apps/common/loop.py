@@ -4,6 +4,7 @@ progress bar, then the timeline and the curves. A pipeline supplies the pieces (
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -12,7 +13,7 @@ from typing import Any, Protocol
 from apps.common.plots import DEFAULT_CURVES, plot_metrics
 from apps.common.progress import StepProgress
 from apps.common.timeline import Timeline
-from apps.common.trackers import StdoutTracker, build_trackers
+from apps.common.trackers import StdoutTracker, build_trackers, keep_metrics_before
 from apps.common.training import resume_folder
 from rl_replay.metrics import append_metrics
 
@@ -26,7 +27,7 @@ class LoopPipeline(Protocol):
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
-    def resume(self, folder: Path) -> int: ...
+    def resume(self, folder: Path) -> int: ...  # returns the checkpoint's step
     def step(self, step: int) -> dict[str, float]: ...
     def validates_at(self, step: int) -> bool: ...
     def validate(self, step: int) -> dict[str, float]: ...
@@ -43,6 +44,7 @@ def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, .
     output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     resume_from = resume_folder(config)
+    first = 0 if resume_from is None else saved_step(resume_from) + 1
     if resume_from is None:
         (output / "metrics.jsonl").unlink(missing_ok=True)  # a new run; a resumed one appends
     history = []
@@ -51,10 +53,14 @@ def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, .
         pipeline.log = progress.write
     stdout = StdoutTracker(output_dir=output, exp_name=name, shown=shown, log=pipeline.log)
     trackers = build_trackers(config.track_with, output_dir=output, exp_name=config.exp_name,
-                              kwargs=config.tracker_kwargs, stdout=stdout)  # fmt: skip
-    pipeline.start()
+                              kwargs=config.tracker_kwargs, stdout=stdout, first_step=first)  # fmt: skip
     try:
-        first = 0 if resume_from is None else pipeline.resume(resume_from) + 1
+        pipeline.start()  # in the try: stop() frees what a start that failed half-way took
+        if resume_from is not None:
+            pipeline.resume(resume_from)
+            # The run resumed may have logged steps after its checkpoint before it was killed: this run redoes them.
+            keep_metrics_before(output / "metrics.jsonl", first)
+            pipeline.timeline.resume(output / "timeline.json", first)
         progress.bar.update(first)
         for step in range(first, config.max_steps):
             metrics = pipeline.step(step)
@@ -67,6 +73,7 @@ def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, .
                     tracker.log(step, metrics)
             if (step + 1) % config.save_steps == 0 or step + 1 == config.max_steps:
                 pipeline.save(step)
+                pipeline.timeline.write(output / "timeline.json")  # what a resume from this checkpoint continues
             progress.update(metrics)
     finally:
         progress.close()
@@ -78,6 +85,11 @@ def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, .
     if plot is not None:
         pipeline.log(f"[{name}] curves: {plot}")
     return history
+
+
+def saved_step(folder: Path) -> int:
+    """The step of the checkpoint in ``folder`` (its ``pipeline_state.json``, which both pipelines write)."""
+    return int(json.loads((folder / "pipeline_state.json").read_text())["step"])
 
 
 def cli_main(argv: Sequence[str] | None, prog: str, description: str, build: Callable[[dict[str, Any]], Any]) -> int:

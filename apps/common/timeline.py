@@ -1,12 +1,14 @@
 """Step timings as a trace file that Perfetto (ui.perfetto.dev) and chrome://tracing open.
 
 ``with timer("train"):`` adds the block's seconds to ``timings["time/train"]`` (the step's metrics) and records a
-complete event (Chrome trace format, ``ph: X``, microseconds) that ``write`` saves as ``timeline.json``.
+complete event (Chrome trace format, ``ph: X``, microseconds) that ``write`` saves as ``timeline.json``. The loop
+saves it with every checkpoint, and a resumed run continues that file (``resume``), so it reads as one run.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -24,9 +26,23 @@ class Timeline:
         return PhaseTimer(self, timings, step)
 
     def write(self, path: Path) -> Path:
-        """Save the trace (``{"traceEvents": [...]}``)."""
-        path.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
+        """Save the trace (``{"traceEvents": [...]}``); atomically, so a killed run leaves the previous file."""
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps({"traceEvents": self.events, "displayTimeUnit": "ms"}))
+        os.replace(partial, path)
         return path
+
+    def resume(self, path: Path, first_step: int) -> None:
+        """Continue the trace an earlier run saved at ``path``: keep its events of steps before ``first_step`` (a
+        run killed after its last checkpoint may have saved later ones), and put this run's events after them."""
+        try:
+            saved = json.loads(path.read_text())["traceEvents"]
+        except (FileNotFoundError, ValueError, KeyError, TypeError):  # none saved, or not a trace of ours
+            return
+        kept = [event for event in saved if event.get("args", {}).get("step", first_step) < first_step]
+        end_us = max((event["ts"] + event.get("dur", 0.0) for event in kept), default=0.0)
+        self.origin = time.perf_counter() - end_us / 1e6  # this run's first event starts where the kept ones end
+        self.events = kept
 
 
 class PhaseTimer:

@@ -3,14 +3,20 @@ the training roles, and where checkpoints live. Rollouts differ (prompts vs envi
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from rl_core.batch import RolloutBatch
 from rl_core.batch_size import TrainBatchPlan, minibatch_major_order
+from rl_engines.disk_space import SAVE_FIX, OutOfSpaceError, error_code, out_of_space_cause, out_of_space_message
 from rl_engines.roles import Roles
 
 TRAIN_ROLES = ("actor_train", "critic")
+PIPELINE_STATE = "pipeline_state.json"
+"""The driver's state in a checkpoint folder, written last: a folder without it is not a complete checkpoint."""
 
 
 def score_with_roles(roles: Roles, rollout: RolloutBatch, config: Any, temperature: float) -> None:
@@ -65,17 +71,50 @@ def resume_folder(config: Any) -> Path | None:
         folder = Path(str(value))
     else:
         root = checkpoint_dir(config, 0).parent
-        done = [p for p in root.glob("checkpoint-*") if (p / "pipeline_state.json").exists()]
+        done = [p for p in root.glob("checkpoint-*") if (p / PIPELINE_STATE).exists()]
         if not done:
             raise FileNotFoundError(
                 f"resume_from_checkpoint: true, but {root} holds no complete checkpoint; run without it first."
             )
         folder = max(done, key=lambda p: int(p.name.split("-")[-1]))
-    if not (folder / "pipeline_state.json").exists():
+    if not (folder / PIPELINE_STATE).exists():
         raise FileNotFoundError(
             f"resume_from_checkpoint={value!r}: {folder} is not a complete checkpoint (no pipeline_state.json)."
         )
     return folder
+
+
+def save_checkpoint(roles: Roles, folder: Path, state: dict[str, Any]) -> None:
+    """Resumable checkpoints of the training roles, the policy as a HuggingFace folder (``actor_hf``), then the
+    driver's ``state`` (``pipeline_state.json``, which marks the folder complete).
+
+    A save that fails (a full disk: an ``OutOfSpaceError`` from the failing rank, naming the path and the sizes)
+    removes ``folder``: no half-written checkpoint stays behind, and earlier checkpoints are untouched.
+    """
+    (folder / PIPELINE_STATE).unlink(missing_ok=True)  # an older run's marker must not complete a partial folder
+    try:
+        save_roles(roles, folder)
+        write_pipeline_state(folder / PIPELINE_STATE, state)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def write_pipeline_state(path: Path, state: dict[str, Any]) -> None:
+    """``state`` as JSON at ``path``, atomically; out of space is an ``OutOfSpaceError`` naming path and sizes."""
+    text = json.dumps(state, indent=2)
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        cause = out_of_space_cause(exc)
+        if cause is None:
+            raise
+        message = out_of_space_message("the driver could not write", path, cause, needed=len(text.encode()),
+                                       cleaned="The checkpoint folder is removed.", fix=SAVE_FIX)  # fmt: skip
+        raise OutOfSpaceError(error_code(cause), message, str(path)) from None
 
 
 def save_roles(roles: Roles, folder: Path) -> None:

@@ -1,89 +1,28 @@
-"""Single-key checks of an RLVR config: value ranges, and choices looked up in the registry that implements them."""
+"""Single-key checks of the RLVR-only keys of an ``RLVRConfig`` (the shared keys' checks are in
+``apps.common.config_checks``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from apps.common.trackers import TRACKERS
-from rl_core.advantages import ADV_ESTIMATORS
-from rl_core.kl import KL_ESTIMATORS
-from rl_core.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
-from rl_core.rewards import REWARD_NORMS
-from rl_core.rollout_is import IS_LEVELS, IS_MODES
-from rl_engines.config import WorkerConfigError
-
-NORM_TYPES = (None, "batch", "group")
+from apps.common.config_checks import check_minimum, fail
 
 # key -> smallest allowed value
 MINIMUM = {
-    "rollout_batch_size": 1, "num_return_sequences_in_group": 1, "ppo_epochs": 1, "max_steps": 1,
-    "logging_steps": 1, "save_steps": 1, "eval_steps": 0, "prompt_length": 1, "response_length": 1,
-    "num_nodes": 1, "num_gpus_per_node": 1, "rpc_timeout": 1e-9, "async_generation_ratio": 0.0,
-    "max_running_requests": 1, "max_additional_running_prompts": 0, "critic_warmup": 0, "kl_horizon": 1,
+    "num_return_sequences_in_group": 1, "prompt_length": 1, "response_length": 1, "max_running_requests": 1,
+    "max_additional_running_prompts": 0,
 }  # fmt: skip
-UNIT_INTERVAL = ("gamma", "lambd", "difficulty_low_threshold", "difficulty_high_threshold")
 
 
-def _fail(message: str) -> None:
-    raise WorkerConfigError(message)
-
-
-def check_ranges(config: Any) -> None:
-    """Numeric bounds, with the key and the allowed range in the message."""
-    for key, low in MINIMUM.items():
-        if getattr(config, key) < low:
-            _fail(f"{key} must be >= {low}, got {getattr(config, key)}.")
-    for key in UNIT_INTERVAL:
-        if not 0.0 <= getattr(config, key) <= 1.0:
-            _fail(f"{key} must be in [0, 1], got {getattr(config, key)}.")
-    if config.difficulty_low_threshold > config.difficulty_high_threshold:
-        _fail(
-            f"difficulty_low_threshold ({config.difficulty_low_threshold}) must be <= difficulty_high_threshold "
-            f"({config.difficulty_high_threshold})."
-        )
-    if config.val_batch_size is not None and config.val_batch_size < 1:
-        _fail(f"val_batch_size must be >= 1 or null, got {config.val_batch_size}.")
+def check_rlvr_ranges(config: Any) -> None:
+    """Numeric bounds of the RLVR-only keys, with the key and the allowed range in the message."""
+    check_minimum(config, MINIMUM)
     if config.sequence_length is not None and config.sequence_length < config.prompt_length + config.response_length:
-        _fail(
+        fail(
             f"sequence_length ({config.sequence_length}) must be >= prompt_length + response_length "
             f"({config.prompt_length} + {config.response_length}); raise it or shorten the lengths."
         )
-    if float(config.async_generation_ratio) != int(config.async_generation_ratio):
-        _fail(
-            f"async_generation_ratio must be a whole number of batches to generate ahead (0 = synchronous, 1, 2, "
-            f"...), got {config.async_generation_ratio}."
-        )
     if config.generate_opt_level not in (0, 1):
-        _fail(
+        fail(
             f"generate_opt_level must be 0 (batch generate) or 1 (request scheduler), got {config.generate_opt_level}."
         )
-    for name, value in config.system_envs.items():
-        if not isinstance(value, str):
-            _fail(f"system_envs.{name} must be a string, got {value!r}; quote it in the YAML (e.g. '1').")
-
-
-def _check_registry(registry: Any, key: str, value: str | None, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if value not in registry:
-        _fail(
-            f"{key}={value!r} is not supported; valid values: {registry.names()}" + (" or null." if allow_none else ".")
-        )
-
-
-def check_choices(config: Any) -> None:
-    """Every named choice exists in its rl-core registry (so a typo fails here, not mid-run)."""
-    _check_registry(ADV_ESTIMATORS, "adv_estimator", config.adv_estimator)
-    _check_registry(POLICY_LOSSES, "pg_variant", config.pg_variant)
-    _check_registry(LOSS_AGGREGATIONS, "loss_agg_mode", config.loss_agg_mode)
-    _check_registry(KL_ESTIMATORS, "kl_penalty", config.kl_penalty)
-    _check_registry(KL_ESTIMATORS, "kl_loss_type", config.kl_loss_type)
-    _check_registry(REWARD_NORMS, "reward_norm", config.reward_norm, allow_none=True)
-    _check_registry(IS_LEVELS, "rollout_is_level", config.rollout_is_level)
-    _check_registry(IS_MODES, "rollout_is_mode", config.rollout_is_mode)
-    _check_registry(TRACKERS, "track_with", config.track_with)
-    for key in ("norm_mean_type", "norm_std_type"):
-        if getattr(config, key) not in NORM_TYPES:
-            _fail(f"{key}={getattr(config, key)!r}: use batch, group or null.")
-    if config.sft_loss_coef:
-        _fail("sft_loss_coef needs SFT data, which the RLVR pipeline does not load; set sft_loss_coef: 0.")

@@ -10,12 +10,13 @@ from __future__ import annotations
 import csv
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from apps.common.sampler_state import SamplerState
 
 # ROLL names its own templates; a tokenizer's chat template serves all of them here ("native" = the tokenizer's).
 KNOWN_TEMPLATES = ("native", "qwen2_5", "qwen2", "qwen3", "chatml", "llama3", "default")
@@ -117,14 +118,6 @@ def encode_prompts(texts: Sequence[str], tokenizer: Any, prompt_length: int) -> 
             input_ids[row, width - len(tokens) :] = torch.tensor(tokens)
             attention_mask[row, width - len(tokens) :] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask}
-
-
-@dataclass
-class SamplerState:
-    """Where a sampler is: resume from it to continue with exactly the next prompts."""
-
-    epoch: int = 0
-    position: int = 0
 
 
 class PromptSampler:

@@ -100,3 +100,32 @@ def _warm_up(folder: Path, log: Callable[[str], None]) -> None:
         if step % 50 == 0:
             log(f"[demo] warm-up step {step}: loss {loss.item():.3f}")
     model.save_pretrained(str(folder))
+
+
+@dataclass(frozen=True)
+class PolicyScore:
+    """How well a model folder adds, over every problem: what the demo promises and its tests check."""
+
+    greedy_accuracy: float
+    """Fraction of problems whose greedy answer is the sum."""
+    answer_probability: float
+    """Mean probability of the exact answer (sum, then end of turn): the expected reward of sampling at T=1."""
+
+
+def score_policy(folder: Path) -> PolicyScore:
+    """Greedy accuracy and mean answer probability of the model in ``folder`` (teacher-forced, in this process)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model: Any = AutoModelForCausalLM.from_pretrained(str(folder))
+    model.eval()
+    correct, probability = 0, 0.0
+    with torch.no_grad():
+        for (tokens, start), (_, answer) in zip(_examples(tokenizer), problems(), strict=True):
+            prompt = torch.tensor([tokens[:start]])
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=len(tokens) - start,
+                                 do_sample=False, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+            correct += int(str(tokenizer.decode(out[0, start:], skip_special_tokens=True)).strip() == answer)
+            log_probs = torch.log_softmax(model(torch.tensor([tokens])).logits[0, start - 1 : -1], dim=-1)
+            probability += float(log_probs.gather(1, torch.tensor(tokens[start:])[:, None]).sum().exp())
+    return PolicyScore(correct / len(problems()), probability / len(problems()))

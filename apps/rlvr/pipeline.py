@@ -20,17 +20,20 @@ import numpy as np
 import torch
 
 from apps.common.algorithm import AlgorithmSettings, TargetBuilder
+from apps.common.checkpoint_space import checkpoint_space_warning
+from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
 from apps.common.loop import run_loop
+from apps.common.padding import padded_indices
 from apps.common.sample_filters import SampleShaping, apply_sample_masks, apply_sample_weights
+from apps.common.sampler_state import SamplerState
 from apps.common.timeline import Timeline
-from apps.common.training import checkpoint_dir, load_roles, save_roles, score_with_roles, train_roles
+from apps.common.training import checkpoint_dir, load_roles, save_checkpoint, score_with_roles, train_roles
 from apps.rlvr.config import RLVRConfig
-from apps.rlvr.data import PromptSampler, SamplerState, load_records
+from apps.rlvr.data import PromptSampler, load_records
 from apps.rlvr.dynamic_sampling import DynamicSampler
-from apps.rlvr.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
 from apps.rlvr.preflight import preflight
 from apps.rlvr.rewards import RewardRouter
-from apps.rlvr.rollout import PromptSource, padded_indices
+from apps.rlvr.rollout import PromptSource
 from apps.rlvr.validation import Validator
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
@@ -55,6 +58,8 @@ class RLVRPipeline:
         self.log = log
         self.progress_bar = progress_bar  # None: shown when stderr is a terminal
         self.report = preflight(config)
+        if warning := checkpoint_space_warning(config):
+            log(warning)
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(config.actor_train.model_args.model_name_or_path))
@@ -87,6 +92,7 @@ class RLVRPipeline:
         self.shaping = SampleShaping.from_config(config)
         self.output_dir = Path(config.output_dir)
         self.roles: Roles | None = None
+        self._started_ray = False
         self.timeline = Timeline()
         self._waits: dict[str, float] = {}
 
@@ -94,10 +100,11 @@ class RLVRPipeline:
     def start(self) -> None:
         """Start Ray (CPU device slots when there is no GPU) and every role."""
         cluster = ClusterSpec(self.config.num_nodes, self.config.num_gpus_per_node)
+        # Ray found running (a test session's, a notebook's) is shared: stop() leaves it running.
         if not torch.cuda.is_available():
-            start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
+            self._started_ray = start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
         else:
-            start_ray()
+            self._started_ray = start_ray()
         sections = {role: getattr(self.config, role) for role in ("actor_train", "actor_infer", "reference", "critic")}
         sections = {role: section for role, section in sections.items() if section is not None}
         self.roles = Roles(cluster, sections, rpc_timeout=self.config.rpc_timeout, system_envs=self.config.system_envs)
@@ -105,12 +112,13 @@ class RLVRPipeline:
         self.router.start_workers(self.config.rpc_timeout, self.config.system_envs)
 
     def stop(self) -> None:
-        """Stop every worker and Ray."""
+        """Stop every worker, and Ray when start() started it."""
         self.router.shutdown()
         if self.roles is not None:
             self.roles.shutdown()
             self.roles = None
-        stop_ray(remove_temp_dir=True)
+        if self._started_ray:
+            stop_ray(remove_temp_dir=True)
 
     def run(self) -> list[dict[str, float]]:
         """All steps; returns each step's metrics (also logged and appended to metrics.jsonl)."""
@@ -154,14 +162,13 @@ class RLVRPipeline:
         driver's own state (data position, KL controller, running reward moments)."""
         assert self.roles is not None
         folder = self.checkpoint_dir(step)
-        save_roles(self.roles, folder)
         state = {
             "step": step,
             "sampler": dataclasses.asdict(self.queue.resume_state() or self.sampler.state),
             "kl_controller": self.targets.kl_controller.state_dict(),
             "running_moments": self.targets.running.state_dict(),
         }
-        (folder / "pipeline_state.json").write_text(json.dumps(state, indent=2))
+        save_checkpoint(self.roles, folder, state)
         self.log(f"[rlvr] saved checkpoint {folder} (HF model: {folder / 'actor_hf'})")
         return folder
 

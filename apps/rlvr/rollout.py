@@ -53,9 +53,3 @@ class PromptSource:
                 raise KeyError(f"data record {int(index)} has no {key!r} column (columns: {sorted(record)}).")
             values.append(record[key])
         return np.asarray(values, dtype=object)
-
-
-def padded_indices(indices: list[int], multiple: int) -> list[int]:
-    """``indices`` repeated cyclically up to a multiple of ``multiple`` (equal shards for dp_split)."""
-    missing = (-len(indices)) % multiple
-    return indices + [indices[i % len(indices)] for i in range(missing)]

@@ -11,10 +11,11 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from apps.common.padding import padded_indices
 from apps.rlvr.config import RLVRConfig
 from apps.rlvr.data import load_records
 from apps.rlvr.rewards import RewardRouter
-from apps.rlvr.rollout import PromptSource, padded_indices
+from apps.rlvr.rollout import PromptSource
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
 from rl_replay import RolloutReplay

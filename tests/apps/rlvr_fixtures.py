@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -67,9 +68,63 @@ def make_setup(root: Path, **model: int) -> Path:
 def megatron_shim_overrides(root: Path) -> list[str]:
     """``system_envs`` overrides that make Ray workers apply tests/rl_engines/megatron_shims.py (megatron-core's CUDA
     assumptions on a CPU-only torch) through a sitecustomize on their PYTHONPATH; never product code."""
-    path = Path(__file__).resolve().parents[1] / "rl_engines" / "megatron_shims.py"
-    spec = importlib.util.spec_from_file_location("megatron_shims", path)
+    module = _rl_engines_test_module("megatron_shims")
+    return [f"+system_envs.{name}='{value}'" for name, value in module.worker_envs(root).items()]
+
+
+def _rl_engines_test_module(name: str) -> Any:
+    """A helper module of tests/rl_engines (not on this folder's import path), loaded from its file."""
+    path = Path(__file__).resolve().parents[1] / "rl_engines" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module: Any = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return [f"+system_envs.{name}='{value}'" for name, value in module.worker_envs(root).items()]
+    return module
+
+
+def file_size_limit(limit: int) -> Any:
+    """tests/rl_engines/engine_fixtures.py's ``file_size_limit``: in this process, writes past ``limit`` bytes of a
+    file fail with EFBIG, as on a full disk (a context manager)."""
+    return _rl_engines_test_module("engine_fixtures").file_size_limit(limit)
+
+
+FILE_SIZE_SITECUSTOMIZE = """import collections, functools, resource, signal
+import rl_engines.role_worker as role_worker
+
+calls = collections.Counter()
+
+
+def full_disk(method):
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        calls[method.__name__] += 1
+        if calls[method.__name__] <= {after}:
+            return method(*args, **kwargs)
+        old = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, old[1]))
+        try:
+            return method(*args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    return call
+
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+for name in ("save_checkpoint", "save_hf"):
+    setattr(role_worker.RoleWorker, name, full_disk(getattr(role_worker.RoleWorker, name)))
+"""
+
+
+def file_size_limit_overrides(root: Path, limit: int, after: int = 0) -> list[str]:
+    """``system_envs`` overrides under which the Ray workers' checkpoint saves and HF exports, after the first
+    ``after`` of each, may write files of at most ``limit`` bytes: a sitecustomize on their PYTHONPATH wraps
+    ``RoleWorker.save_checkpoint`` / ``save_hf`` so that RLIMIT_FSIZE holds during those calls (SIGXFSZ ignored),
+    and a larger write fails with EFBIG as one to a full disk fails with ENOSPC. Test harness only: product code has
+    no hook; the driver and the other calls (the weight sync's shared memory) keep no limit."""
+    folder = root / "file_size_sitecustomize"
+    folder.mkdir(parents=True, exist_ok=True)
+    text = FILE_SIZE_SITECUSTOMIZE.replace("{after}", str(after)).replace("{limit}", str(limit))
+    (folder / "sitecustomize.py").write_text(text, encoding="utf-8")
+    repo = Path(__file__).resolve().parents[2]  # actors import `apps` (the reward workers)
+    paths = [str(folder), str(repo), os.environ.get("PYTHONPATH", "")]
+    return [f"+system_envs.PYTHONPATH='{os.pathsep.join(p for p in paths if p)}'"]

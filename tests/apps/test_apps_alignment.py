@@ -24,6 +24,7 @@ VARIANTS = {
 }
 
 
+@pytest.mark.usefixtures("ray_session")  # the session's shared Ray (tests/conftest.py)
 def test_replayed_rollouts_train_alike_on_one_and_two_ranks(tmp_path):
     root = make_setup(tmp_path / "setup")
     result = alignment_matrix(root / "rlvr.yaml", BASE, VARIANTS, tmp_path / "work")

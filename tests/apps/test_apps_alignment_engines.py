@@ -42,6 +42,7 @@ def variants(shim_envs: list[str]) -> dict[str, list[str]]:
     }  # fmt: skip
 
 
+@pytest.mark.usefixtures("ray_session")  # the session's shared Ray (tests/conftest.py)
 def test_every_training_engine_replays_the_same_rollouts_alike(tmp_path):
     pytest.importorskip("deepspeed")
     pytest.importorskip("megatron.core")

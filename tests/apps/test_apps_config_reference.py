@@ -6,8 +6,10 @@ import dataclasses
 from pathlib import Path
 
 from apps.agentic.config import AgenticConfig, EnvManagerConfig, EnvSpec, RewardNormalization
-from apps.common.config_reference import agentic_reference, field_docs, reference
+from apps.agentic.config_reference import agentic_reference
+from apps.common.config_reference import field_docs
 from apps.rlvr.config import RLVRConfig
+from apps.rlvr.config_reference import reference
 from rl_engines.config import GeneratingArgs, TrainingArgs, WorkerConfig
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "rlvr-config-reference.md"
@@ -16,14 +18,14 @@ AGENTIC_DOC = DOC.with_name("agentic-config-reference.md")
 
 def test_the_reference_in_docs_is_up_to_date():
     assert DOC.read_text() == reference(), (
-        "docs/rlvr-config-reference.md is stale: run `python -m apps.common.config_reference > "
+        "docs/rlvr-config-reference.md is stale: run `python -m apps.rlvr.config_reference > "
         "docs/rlvr-config-reference.md`"
     )
 
 
 def test_the_agentic_reference_in_docs_is_up_to_date():
     assert AGENTIC_DOC.read_text() == agentic_reference(), (
-        "docs/agentic-config-reference.md is stale: run `python -m apps.common.config_reference agentic > "
+        "docs/agentic-config-reference.md is stale: run `python -m apps.agentic.config_reference > "
         "docs/agentic-config-reference.md`"
     )
     assert "| `group_size` | int | `1` | Environments per group. |" in agentic_reference()

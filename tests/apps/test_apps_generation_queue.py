@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from apps.rlvr.data import SamplerState
-from apps.rlvr.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
+from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
+from apps.common.sampler_state import SamplerState
 from rl_core.batch import RolloutBatch
 
 

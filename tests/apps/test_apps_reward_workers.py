@@ -1,16 +1,14 @@
 """Reward sections on Ray actors (apps.rlvr.reward_workers) against the same rewards scored in the driver.
 
-One Ray instance serves the module (its functions are pickled by value, as a user's script's would be); it runs in
-a short directory under the system temp dir and is shut down, directory included, at the end.
+The session's shared Ray instance serves the module (tests/conftest.py: ``ray_session``); this module's functions
+are pickled by value, as a user's script's would be.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import ray
@@ -18,7 +16,6 @@ import ray
 from apps.rlvr.config import RewardConfig
 from apps.rlvr.reward_workers import RewardWorkers, chunk_bounds
 from apps.rlvr.rewards import REWARD_FUNCTIONS, RewardRouter, extract_answer
-from rl_engines.ray_cluster import start_ray, stop_ray
 from rl_engines.worker_group import WorkerCallError, WorkerError
 
 RPC_TIMEOUT = 60.0
@@ -52,23 +49,18 @@ SECTIONS = {
 
 
 @pytest.fixture(scope="module")
-def ray_session():
+def by_value(ray_session):
+    """Actors import `apps` (on their PYTHONPATH), never this test module: its functions travel by value."""
     this_module = sys.modules[__name__]
-    with pytest.MonkeyPatch.context() as env:
-        # Actors import `apps` (the reward functions, RewardSpec); they inherit PYTHONPATH from the raylet.
-        repo_root = str(Path(__file__).resolve().parents[2])
-        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [repo_root, os.getenv("PYTHONPATH")])))
-        start_ray(num_cpus=2, temp_dir=tempfile.mkdtemp(prefix="rl_ray_"))
-    ray.cloudpickle.register_pickle_by_value(this_module)  # the actors never import this test module
+    ray.cloudpickle.register_pickle_by_value(this_module)
     try:
         yield
     finally:
         ray.cloudpickle.unregister_pickle_by_value(this_module)
-        stop_ray(remove_temp_dir=True)
 
 
 @pytest.fixture(scope="module")
-def router(ray_session):
+def router(by_value):
     router = RewardRouter(SECTIONS)
     router.start_workers(RPC_TIMEOUT, SYSTEM_ENVS)
     try:

@@ -6,9 +6,10 @@ import copy
 
 import pytest
 
+from apps.common.preflight import PreflightError
 from apps.common.yaml_config import load_config
 from apps.rlvr.config import RLVRConfig
-from apps.rlvr.preflight import PreflightError, preflight
+from apps.rlvr.preflight import preflight
 from rl_core.batch import BatchSizeError
 from rl_engines.config import WorkerConfigError
 from rl_engines.device_mapping import parse_device_mapping

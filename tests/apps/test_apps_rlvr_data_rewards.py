@@ -6,11 +6,11 @@ import json
 
 import pytest
 
+from apps.common.sampler_state import SamplerState
 from apps.rlvr.config import RewardConfig
 from apps.rlvr.data import (
     DataError,
     PromptSampler,
-    SamplerState,
     chat_messages,
     encode_prompts,
     load_records,

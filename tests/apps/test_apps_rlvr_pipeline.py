@@ -9,6 +9,8 @@ from rlvr_fixtures import make_setup
 
 from apps.rlvr.__main__ import main
 
+pytestmark = pytest.mark.usefixtures("ray_session")  # the session's shared Ray (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
@@ -56,21 +58,32 @@ def test_a_bad_config_exits_2_before_anything_starts(setup, capsys):
     assert "adv_estimator: gae needs a value model" in capsys.readouterr().err
 
 
-def test_resume_after_a_stop_equals_the_uninterrupted_run(setup):
-    base = ["--config_path", str(setup), "--config_name", "rlvr", "eval_steps=0"]
-    whole, parts = setup / "whole", setup / "parts"
-    assert main([*base, "max_steps=3", f"output_dir={whole}"]) == 0
-    assert main([*base, "max_steps=2", f"output_dir={parts}"]) == 0  # saves checkpoint-1 at its last step
-    assert main([*base, "max_steps=3", f"output_dir={parts}", "resume_from_checkpoint=true"]) == 0
+def test_a_run_killed_after_its_checkpoint_resumes_like_the_uninterrupted_run_and_logs_each_step_once(setup):
+    """A run that logged step 2 and was killed while saving checkpoint-2 (no pipeline_state.json yet) resumes from
+    checkpoint-1: step 2 trains as it did, and metrics.jsonl, timeline.json and TensorBoard hold each step once."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    def step(folder, number):
-        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-        return next(row for row in rows if row["step"] == number)
+    out = setup / "killed"
+    base = ["--config_path", str(setup), "--config_name", "rlvr", "eval_steps=0", "max_steps=3", f"output_dir={out}"]
+    assert main([*base, "save_steps=2"]) == 0  # checkpoints 1 and 2; the uninterrupted run
+    uninterrupted = _rows(out)
+    (out / "checkpoints" / "checkpoint-2" / "pipeline_state.json").unlink()  # written last by save(): killed before
+    assert main([*base, "resume_from_checkpoint=true"]) == 0
 
-    uninterrupted, resumed = step(whole, 2), step(parts, 2)
+    rows = _rows(out)
+    assert [row["step"] for row in rows] == [0, 1, 2]
+    assert rows[:2] == uninterrupted[:2]
     for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl",
                 "mismatch/mismatch_kl"):  # fmt: skip
-        assert resumed[key] == pytest.approx(uninterrupted[key], abs=1e-6), key
+        assert rows[2][key] == pytest.approx(uninterrupted[2][key], abs=1e-6), key
+    trace = json.loads((out / "timeline.json").read_text())["traceEvents"]
+    phases = sorted((event["args"]["step"], event["name"]) for event in trace)
+    assert phases == sorted({*phases}) and {step for step, _ in phases} == {0, 1, 2}  # each phase of a step once
+    kept_end = max(event["ts"] + event["dur"] for event in trace if event["args"]["step"] < 2)
+    assert min(event["ts"] for event in trace if event["args"]["step"] == 2) >= kept_end  # one time line
+    events = EventAccumulator(str(out / "tensorboard" / "tiny_rlvr"))  # both runs' event files
+    events.Reload()
+    assert [event.step for event in events.Scalars("actor/pg_loss")] == [0, 1, 2]
 
 
 def test_prompts_need_not_divide_over_the_inference_workers(setup):

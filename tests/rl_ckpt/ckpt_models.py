@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import resource
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -76,3 +80,17 @@ def checked_sharded_output(out: Path) -> list[str]:
     assert sorted(seen) == sorted(index["weight_map"])
     assert index["metadata"]["total_size"] == total
     return seen
+
+
+@contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """In this process, a write past ``limit`` bytes of a file fails with EFBIG (RLIMIT_FSIZE, SIGXFSZ ignored) as
+    a write to a full disk fails with ENOSPC; lifted again on exit."""
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)

@@ -1,13 +1,14 @@
 """`rl-ckpt convert` end to end: both directions with --verify, and clear errors for broken inputs."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from ckpt_models import VOCAB, checked_sharded_output, load_state
+from ckpt_models import VOCAB, checked_sharded_output, file_size_limit, load_state
 
 from rl_ckpt import convert_hf_to_mcore
 from rl_ckpt.cli import main
@@ -175,3 +176,27 @@ def test_ckpt_tokenizer_copied_and_vocab_from_it(mcore_tp2, tmp_path):
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 7
     assert json.loads((out / "config.json").read_text())["vocab_size"] == VOCAB
+
+
+@pytest.mark.parametrize("direction", ["hf2mcore", "mcore2hf"])
+def test_ckpt_full_disk_is_one_clear_error_and_leaves_nothing(direction, tiny_hf, mcore_tp2, tmp_path, capsys):
+    """Writes past 32 KiB fail (EFBIG, as ENOSPC on a full disk): exit 2 with one message naming the output, the bytes
+    written and free and the fix; nothing the conversion created stays (what was there before does); then, with the
+    limit lifted, the same conversion succeeds."""
+    src = tiny_hf("qwen2", False) if direction == "hf2mcore" else mcore_tp2
+    fresh, existing = tmp_path / "fresh", tmp_path / "existing"
+    existing.mkdir()
+    (existing / "notes.txt").write_text("kept")
+    for out in (fresh, existing):
+        with file_size_limit(32 << 10):
+            code, err = convert_fails(capsys, src, out, "--max_shard_size", "20KB")
+        assert code == 2, err
+        expected = f"rl-ckpt: error: cannot write the converted checkpoint to {out}: out of disk space ("
+        assert err.startswith(expected), err
+        assert "File too large" in err or "file write failed" in err or "unexpected pos" in err, err
+        assert re.search(r"\d+(\.\d\d KiB| B) had been written when it failed; that partial output was removed and "
+                         r"\d+\.\d\d [KMGT]iB are free there now, and this process may write files of at most "
+                         r"32\.00 KiB \(ulimit -f\)\. Fix: free space on that file system, or pass an --output_path "
+                         r"on a larger one, or raise the file-size limit \(ulimit -f\)\.", err), err  # fmt: skip
+    assert not fresh.exists() and [p.name for p in existing.iterdir()] == ["notes.txt"]
+    assert main(["convert", "--checkpoint_path", str(src), "--output_path", str(fresh)]) == 0

@@ -6,6 +6,10 @@ fixtures in the module namespace).
 
 from __future__ import annotations
 
+import resource
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -136,3 +140,23 @@ def reference_log_probs(model_dir: Path, batch: RolloutBatch, temperature: float
                 out[row, t] = torch.log_softmax(logits, -1)[responses[row, t]]
                 context.append(int(responses[row, t]))
     return out
+
+
+@contextmanager
+def file_size_limit(limit: int) -> Iterator[None]:
+    """In this process, a write past ``limit`` bytes of a file fails with EFBIG (RLIMIT_FSIZE, SIGXFSZ ignored) as
+    a write to a full disk fails with ENOSPC; the limit is lifted again on exit."""
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def leftovers(root: Path) -> list[str]:
+    """Temporary files and folders of saves under ``root`` (``*.tmp*``, ``*.old``), relative to it."""
+    found = [p for p in root.rglob("*") if ".tmp" in p.name or p.name.endswith(".old")]
+    return sorted(str(p.relative_to(root)) for p in found)

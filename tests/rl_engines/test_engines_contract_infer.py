@@ -168,3 +168,28 @@ def test_load_weights_names_a_foreign_or_misshaped_tensor(strategy_name, tiny_mo
         strategy.load_weights(iter([("model.layers.9.mlp.up_proj.weight", torch.zeros(1))]))
     with pytest.raises(ValueError, match=r"model\.norm\.weight.*shape \(3,\)"):
         strategy.load_weights(iter([("model.norm.weight", torch.zeros(3))]))
+
+
+def test_generation_sets_sampling_flags_only_when_sampling(tiny_model_dir):
+    """transformers ignores top_k / top_p / temperature when decoding greedily and warns about each one set ("The
+    following generation flags are not valid and may be ignored: ['top_k']"): greedy passes none of them, sampling
+    always sets top_k (0 = off, so the model's default of 50 cannot switch it on). Greedy tokens do not change."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rl_engines.strategies.generation import _generation_config, sample_responses
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    greedy = [GeneratingArgs(max_new_tokens=6, temperature=0.0, top_k=k, top_p=p) for k, p in ((-1, 1.0), (5, 0.5))]
+    for args in greedy:
+        config = _generation_config(model, tokenizer, args)
+        config.validate(strict=True)  # raises for any flag this decoding mode ignores
+        assert (config.do_sample, config.temperature, config.top_k, config.top_p) == (False, None, None, None)
+    sampling = _generation_config(model, tokenizer, GeneratingArgs(temperature=0.7))
+    sampling.validate(strict=True)
+    assert (sampling.do_sample, sampling.temperature, sampling.top_k) == (True, 0.7, 0)
+    assert _generation_config(model, tokenizer, GeneratingArgs(top_k=20)).top_k == 20
+    prompts = prompt_batch(tiny_model_dir, QUESTIONS)
+    with torch.no_grad():
+        first, second = (sample_responses(model, tokenizer, prompts, args, torch.device("cpu")) for args in greedy)
+    assert torch.equal(first.batch["responses"], second.batch["responses"])

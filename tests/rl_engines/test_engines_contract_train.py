@@ -7,11 +7,14 @@ Expected values come from an independent slow reference (fresh HF model, one un-
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import replace
 
 import pytest
 import torch
 from engine_fixtures import (
+    file_size_limit,
+    leftovers,
     reference_log_probs,
     require_engine,
     rollout_batch,
@@ -22,6 +25,7 @@ from engine_fixtures import (
 
 from rl_core.batch import BatchSizeError
 from rl_core.losses import LossCoefficients
+from rl_engines.disk_space import OutOfSpaceError
 from rl_engines.objectives import ActorObjective, CriticObjective
 from rl_engines.strategies import create_strategy
 
@@ -129,6 +133,45 @@ def test_checkpoint_resume_equals_uninterrupted_training(strategy_name, tiny_mod
     assert got == expected
     for (name, a), (_, b) in zip(first.named_weights(), resumed.named_weights()):
         assert torch.equal(a, b), name
+
+
+def test_a_full_disk_fails_the_save_and_export_cleanly_and_resume_equals_uninterrupted(
+    strategy_name, tiny_model_dir, tmp_path
+):
+    """Writes past 64 KiB fail (EFBIG, as ENOSPC on a full disk): one error naming the path and the sizes, no
+    temporary folder left, the earlier checkpoint and export untouched; after the limit is lifted, resuming from
+    that checkpoint equals the uninterrupted run, and the same save succeeds."""
+    batches = [rollout_batch(batch_size=4, seed=s) for s in (10, 11)]
+    objective = ActorObjective()
+    first = make(strategy_name, tiny_model_dir)
+    first.train_step(with_old_log_probs(first, batches[0]), objective)
+    ckpt, hf = tmp_path / "ckpt", tmp_path / "hf"
+    first.save_checkpoint(str(ckpt))
+    first.save_hf(str(hf))
+    before = {p.name: p.stat().st_mtime_ns for p in ckpt.rglob("*")}
+    expected = first.train_step(with_old_log_probs(first, batches[1]), objective)
+
+    for call, path in ((first.save_checkpoint, ckpt), (first.save_hf, hf)):
+        with file_size_limit(64 << 10), pytest.raises(OutOfSpaceError) as caught:
+            call(str(path))
+        message = str(caught.value)
+        assert "actor_train: rank 0 could not " in message and f" {path}: out of disk space (" in message, message
+        assert "File too large" in message or "torch wrote a file only in part" in message, message
+        assert re.search(r"It needs about \d+\.\d\d [KM]iB; .* are free on that file system, and this process may "
+                         r"write files of at most 64\.00 KiB \(ulimit -f\)", message), message  # fmt: skip
+        assert "was removed" in message and "Fix: free space there, point output_dir" in message, message
+        assert leftovers(tmp_path) == []
+    assert {p.name: p.stat().st_mtime_ns for p in ckpt.rglob("*")} == before  # the complete checkpoint untouched
+    assert (ckpt / "COMPLETE").exists() and (hf / "config.json").exists()
+
+    resumed = make(strategy_name, tiny_model_dir)
+    resumed.load_checkpoint(str(ckpt))
+    batches[1].batch.pop("old_log_probs")
+    assert resumed.train_step(with_old_log_probs(resumed, batches[1]), objective) == expected
+    for (name, a), (_, b) in zip(first.named_weights(), resumed.named_weights()):
+        assert torch.equal(a, b), name
+    first.save_checkpoint(str(ckpt))  # space is back: the same save goes through on a clean tree
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf"] and leftovers(tmp_path) == []
 
 
 def test_incomplete_checkpoint_is_refused_with_the_path(strategy_name, tiny_model_dir, tmp_path):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import tempfile
 
 import pytest
 import torch
@@ -23,7 +22,6 @@ from engine_fixtures import rollout_batch, tiny_model_dir, worker_config
 
 from rl_engines.objectives import ActorObjective
 from rl_engines.placement import ClusterSpec
-from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.roles import Roles
 from rl_engines.strategies import create_strategy
 from rl_engines.strategies.deepspeed_config import finalize_deepspeed_config, resolve_strategy_config
@@ -125,11 +123,8 @@ def test_checkpoint_resume_equals_uninterrupted_training(tiny_model_dir, scorer,
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    cluster = ClusterSpec(num_nodes=1, num_gpus_per_node=2)
-    start_ray(num_cpus=2, resources=cpu_device_resources(cluster), temp_dir=tempfile.mkdtemp(prefix="rl_ray_"))
-    yield cluster
-    stop_ray(remove_temp_dir=True)
+def ray_cluster(ray_session):
+    return ClusterSpec(num_nodes=1, num_gpus_per_node=2)
 
 
 @needs_deepspeed

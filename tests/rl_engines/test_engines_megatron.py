@@ -15,7 +15,6 @@ from engine_fixtures import CORPUS, prompt_batch, reference_log_probs, rollout_b
 from rl_engines.config import GeneratingArgs
 from rl_engines.objectives import ActorObjective
 from rl_engines.placement import ClusterSpec
-from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.roles import Roles
 from rl_engines.strategies import create_strategy
 from rl_engines.tiny_model import build_tiny_causal_lm, build_tiny_tokenizer
@@ -43,8 +42,7 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def roles(tiny_model_dir, tmp_path_factory):
-    start_ray(num_cpus=2, resources=cpu_device_resources(CLUSTER))
+def roles(ray_session, tiny_model_dir, tmp_path_factory):
     configs = {
         "actor_train": worker_config(tiny_model_dir, "actor_train", device_mapping=[0, 1], training_args=TRAIN_ARGS,
                                      infer_batch_size=4,
@@ -53,11 +51,8 @@ def roles(tiny_model_dir, tmp_path_factory):
                                    strategy_args={"strategy_name": "megatron_infer", "strategy_config": TP2}),
     }  # fmt: skip
     envs = megatron_shims.worker_envs(tmp_path_factory.mktemp("megatron_shims"))
-    try:
-        with Roles(CLUSTER, configs, rpc_timeout=120, system_envs=envs) as started:
-            yield started
-    finally:
-        stop_ray(remove_temp_dir=True)
+    with Roles(CLUSTER, configs, rpc_timeout=120, system_envs=envs) as started:
+        yield started
 
 
 def hf_state(path):

@@ -25,7 +25,6 @@ from engine_fixtures import (
 from rl_engines.config import GeneratingArgs
 from rl_engines.objectives import ActorObjective, CriticObjective
 from rl_engines.placement import ClusterSpec
-from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.roles import Roles
 from rl_engines.strategies import create_strategy
 from rl_engines.tiny_model import build_tiny_causal_lm, build_tiny_tokenizer
@@ -59,13 +58,10 @@ def megatron(name, strategy_config, **sections):
 
 
 def start_roles(cluster, configs, tmp_path_factory):
-    start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
+    """The roles on the session's shared Ray (each class's fixture asks for ``ray_session``)."""
     envs = megatron_shims.worker_envs(tmp_path_factory.mktemp("megatron_shims"))
-    try:
-        with Roles(cluster, configs, rpc_timeout=180, system_envs=envs) as started:
-            yield started
-    finally:
-        stop_ray(remove_temp_dir=True)
+    with Roles(cluster, configs, rpc_timeout=180, system_envs=envs) as started:
+        yield started
 
 
 # ---- run on a worker (worker = the RoleWorker instance) ---------------------------------------------------------
@@ -112,7 +108,7 @@ def with_old_log_probs(group, batch):
 
 # ---- PP = 2 on two ranks ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="class")
-def pp2_roles(tiny_model_dir, tmp_path_factory):
+def pp2_roles(ray_session, tiny_model_dir, tmp_path_factory):
     common = {"device_mapping": [0, 1], "infer_batch_size": 4}
     configs = {
         "actor_train": worker_config(tiny_model_dir, "actor_train", training_args=TRAIN_ARGS, **common,
@@ -227,7 +223,7 @@ class TestPipelineTwoStages:
 
 # ---- TP = 2 x PP = 2 on four ranks ------------------------------------------------------------------------------
 @pytest.fixture(scope="class")
-def tp2_pp2_roles(tiny_model_dir, tmp_path_factory):
+def tp2_pp2_roles(ray_session, tiny_model_dir, tmp_path_factory):
     configs = {
         "actor_train": worker_config(
             tiny_model_dir,
@@ -265,7 +261,7 @@ class TestTensorAndPipeline:
 
 # ---- PP = 2 x DP = 2 on four ranks, with the distributed optimizer -----------------------------------------------
 @pytest.fixture(scope="class")
-def pp2_dp2_roles(tiny_model_dir, tmp_path_factory):
+def pp2_dp2_roles(ray_session, tiny_model_dir, tmp_path_factory):
     common = {"device_mapping": [0, 1, 2, 3], "infer_batch_size": 4}
     configs = {
         "actor_train": worker_config(tiny_model_dir, "actor_train", training_args=TRAIN_ARGS, **common,

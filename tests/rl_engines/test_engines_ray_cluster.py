@@ -42,7 +42,7 @@ class NodeWorker(WorkerBase):
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(no_shared_ray):
     temp_dir = tempfile.mkdtemp(prefix="rl_ray_")
     os.makedirs(os.path.join(temp_dir, "ray"))  # Cluster writes its address file to $RAY_TMPDIR/ray
     with pytest.MonkeyPatch.context() as env:

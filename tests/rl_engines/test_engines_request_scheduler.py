@@ -11,7 +11,6 @@ from engine_fixtures import prompt_batch, tiny_model_dir, worker_config
 
 from rl_engines.config import GeneratingArgs
 from rl_engines.placement import ClusterSpec
-from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.request_scheduler import ScheduledGeneration
 from rl_engines.roles import Roles
 from rl_engines.worker_group import WorkerCallError
@@ -24,15 +23,11 @@ ARGS = GeneratingArgs(max_new_tokens=5, num_return_sequences=2, seed=3)
 
 
 @pytest.fixture(scope="module")
-def infer(tiny_model_dir):
-    start_ray(num_cpus=2, resources=cpu_device_resources(CLUSTER))
+def infer(ray_session, tiny_model_dir):
     config = worker_config(tiny_model_dir, "actor_infer", device_mapping=[0, 1],
                            strategy_args={"strategy_name": "hf_infer"}, infer_batch_size=2)  # fmt: skip
-    try:
-        with Roles(CLUSTER, {"actor_infer": config}, rpc_timeout=120) as roles:
-            yield roles["actor_infer"]
-    finally:
-        stop_ray(remove_temp_dir=True)
+    with Roles(CLUSTER, {"actor_infer": config}, rpc_timeout=120) as roles:
+        yield roles["actor_infer"]
 
 
 def scheduled(group, batch, running, args=ARGS):

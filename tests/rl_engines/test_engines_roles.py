@@ -13,7 +13,6 @@ from engine_fixtures import prompt_batch, tiny_model_dir, worker_config
 
 from rl_engines.objectives import ActorObjective
 from rl_engines.placement import ClusterSpec, PlacementError
-from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.roles import Roles
 from rl_engines.strategies import create_strategy
 from rl_engines.weight_sync import SHM_DIR
@@ -23,13 +22,6 @@ __all__ = ["tiny_model_dir"]
 CLUSTER = ClusterSpec(num_nodes=1, num_gpus_per_node=4)
 TRAIN_ARGS = {"learning_rate": 1e-2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}
 QUESTIONS = ["1+2=", "10+12=", "3+3=", "4+5="]
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    start_ray(num_cpus=2, resources=cpu_device_resources(CLUSTER))
-    yield
-    stop_ray(remove_temp_dir=True)
 
 
 def role_configs(model_dir, infer_devices):
@@ -45,7 +37,7 @@ def role_configs(model_dir, infer_devices):
 
 
 @pytest.fixture(scope="module", params=["colocated", "separate"])
-def roles(request, ray_instance, tiny_model_dir):
+def roles(request, ray_session, tiny_model_dir):
     infer_devices = [0, 1] if request.param == "colocated" else [2, 3]
     before = _slots()  # other runs on this machine may hold slots of their own
     with Roles(CLUSTER, role_configs(tiny_model_dir, infer_devices), rpc_timeout=120,

@@ -1,15 +1,12 @@
 """WorkerGroup on one local Ray node: dispatch modes, system_envs, gloo, rpc_timeout, fail-fast, errors, shutdown.
 
-One Ray instance serves the module (start-up costs ~4 s); it runs in a short directory under the system temp dir
-and is shut down, directory included, at the end.
+The session's shared Ray instance serves the module (tests/conftest.py: ``ray_session``).
 """
 
 import os
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import ray
@@ -18,7 +15,7 @@ import torch.distributed as dist
 
 from rl_core.batch import BatchSizeError, RolloutBatch
 from rl_engines import ClusterSpec, RolePlacement, RoleResources, plan_placement
-from rl_engines.ray_cluster import ResourcePool, cpu_device_resources, start_ray, stop_ray
+from rl_engines.ray_cluster import ResourcePool
 from rl_engines.worker_group import (
     DISPATCH_MODES,
     WorkerBase,
@@ -85,17 +82,10 @@ def _placement(role: str, mapping: list[int]) -> RolePlacement:
 
 
 @pytest.fixture(scope="module")
-def pool():
-    with pytest.MonkeyPatch.context() as env:
-        # Ray workers import the actor classes of this module by name; they inherit PYTHONPATH from the raylet.
-        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent), os.getenv("PYTHONPATH")])))
-        start_ray(num_cpus=2, resources=cpu_device_resources(CLUSTER), temp_dir=tempfile.mkdtemp(prefix="rl_ray_"))
-    pool = ResourcePool(CLUSTER)
-    try:
+def pool(ray_session):
+    # Ray workers import the actor classes of this module by name: tests/rl_engines is on their PYTHONPATH.
+    with ResourcePool(CLUSTER) as pool:
         yield pool
-    finally:
-        pool.remove()
-        stop_ray(remove_temp_dir=True)
 
 
 @pytest.fixture(scope="module")
@@ -270,3 +260,28 @@ def test_group_arguments_are_validated(pool):
         WorkerGroup("critic", object, placement, pool, rpc_timeout=5.0)
     with pytest.raises(TypeError, match=r"critic\.system_envs\['OMP_NUM_THREADS'\] = 1.*quote the value"):
         WorkerGroup("critic", EchoWorker, placement, pool, rpc_timeout=5.0, system_envs={"OMP_NUM_THREADS": 1})
+
+
+class FollowsPeerError(RuntimeError):
+    """What a rank raises when only another rank failed (as rl_engines' PeerRankError after an abandoned save)."""
+
+    follows_another_rank = True
+
+
+class SaveWorker(WorkerBase):
+    def save(self, failing_rank, delay_s):
+        if self.rank != failing_rank:
+            raise FollowsPeerError(f"rank {self.rank}: rank {failing_rank} failed; see its error")
+        time.sleep(delay_s)  # the rank that only followed answers first
+        raise OSError(28, f"rank {self.rank}: No space left on device")
+
+
+def test_the_failing_rank_is_reported_once_before_a_rank_that_only_followed_it(pool):
+    group = WorkerGroup("actor_train", SaveWorker, _placement("actor_train", [2, 3]), pool, rpc_timeout=30.0)
+    with group, pytest.raises(WorkerCallError) as info:
+        group.call("save", 1, 1.0)
+    error = info.value
+    assert (error.ranks, error.follows_another_rank) == ([1], False)
+    lines = str(error).splitlines()
+    assert lines[0] == "actor_train: rank 1 raised in `save`: OSError: [Errno 28] rank 1: No space left on device"
+    assert "Traceback" not in str(error) and ", in save\n" in error.remote_traceback  # the traceback: __cause__

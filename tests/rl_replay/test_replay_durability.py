@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -133,6 +134,7 @@ def test_disk_full_names_the_file_and_leaves_nothing_half_written(tmp_path, monk
     text = str(err.value)
     assert replay.step_path(3) in text and "No space left on device" in text
     assert "No partial file was left" in text and "reduce max_steps" in text
+    assert re.search(r"takes about 0\.25MB \(total = that x max_steps\) and \d+\.\d\dMB are free there", text), text
     assert not os.path.exists(replay.step_path(3)) and temp_files(tmp_path) == []
     assert (tmp_path / "manifest.json").read_bytes() == manifest_before
     assert RolloutReplay(tmp_path, "mock").load(2)["x"][0, 0] == 2

@@ -1,4 +1,5 @@
-"""tools/check_imports.py: engines are importable from rl_engines only inside their adapter modules."""
+"""tools/check_imports.py: engines are importable from rl_engines only inside their adapter modules; the apps are
+siblings on apps.common."""
 
 from __future__ import annotations
 
@@ -25,6 +26,24 @@ def test_engines_only_from_their_adapter_modules():
     assert not tool.adapter_allows("rl_engines", strategies / "vllm_infer.py", "megatron")
     assert not tool.adapter_allows("rl_engines", strategies.parent / "roles.py", "vllm")
     assert not tool.adapter_allows("rl_core", ROOT / "packages/rl-core/src/rl_core/strategies/vllm.py", "vllm")
+
+
+def test_the_apps_are_siblings_on_apps_common():
+    tool = load_tool()
+    assert tool.app_violations("apps.agentic", "from apps.rlvr.rollout import padded_indices\n", "x.py") == [
+        "x.py:1: apps.agentic must not import apps.rlvr; code the apps share belongs in apps.common"
+    ]
+    assert tool.app_violations("apps.rlvr", "x = 1\nimport apps.agentic.config\n", "y.py") == [
+        "y.py:2: apps.rlvr must not import apps.agentic; code the apps share belongs in apps.common"
+    ]
+    lazy = "def reference():\n    from apps import rlvr\n    from ..agentic.config import AgenticConfig\n"
+    assert [p.split(": ", 1)[1] for p in tool.app_violations("apps.common", lazy, "z.py")] == [
+        "apps.common must not import apps.rlvr; code the apps share belongs in apps.common",
+        "apps.common must not import apps.agentic; code the apps share belongs in apps.common",
+    ]
+    assert tool.app_violations("apps.agentic.envs", "from ...rlvr import data\n", "e.py")  # subpackages too
+    shared = "from apps.common.padding import padded_indices\nfrom . import chat\nfrom apps.rlvr_tools import x\n"
+    assert tool.app_violations("apps.agentic", shared, "ok.py") == []
 
 
 def test_the_repository_has_no_violations():

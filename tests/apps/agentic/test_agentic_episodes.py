@@ -12,8 +12,8 @@ from agentic_fixtures import make_setup
 from apps.agentic.config import AgenticConfig
 from apps.agentic.env_manager import EnvManager
 from apps.agentic.rollout import TrajectoryRunner, episodes_to_batch, user_turn
+from apps.common.preflight import fill_model_paths
 from apps.common.yaml_config import load_config
-from apps.rlvr.preflight import fill_model_paths
 from rl_core.batch import RolloutBatch
 from rl_engines.role_worker import RoleWorker
 from rl_engines.worker_group import WorkerBase

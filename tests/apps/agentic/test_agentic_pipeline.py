@@ -11,6 +11,8 @@ from agentic_fixtures import make_setup
 
 from apps.agentic.__main__ import main
 
+pytestmark = pytest.mark.usefixtures("ray_session")  # the session's shared Ray (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
@@ -103,14 +105,19 @@ def test_the_sokoban_config_runs(setup):
     assert len(list((out / "render" / "step_0").glob("*_SimpleSokoban.png"))) == 2
 
 
-def test_resume_after_a_stop_equals_the_uninterrupted_run(setup):
-    """Environments are seeded by step, so a resumed run meets the same rooms and lakes and trains the same."""
-    base = ["eval_steps=0", "render_save_dir=null"]
-    whole, parts = setup / "whole", setup / "parts"
-    assert main(_args(setup, *base, "max_steps=3", f"output_dir={whole}")) == 0
-    assert main(_args(setup, *base, "max_steps=2", f"output_dir={parts}")) == 0  # saves checkpoint-1
-    assert main(_args(setup, *base, "max_steps=3", f"output_dir={parts}", "resume_from_checkpoint=true")) == 0
-    uninterrupted = next(r for r in _rows(whole) if r["step"] == 2)
-    resumed = next(r for r in _rows(parts) if r["step"] == 2)
+def test_a_run_killed_after_its_checkpoint_resumes_like_the_uninterrupted_run(setup):
+    """Environments are seeded by step, so a run resumed from checkpoint-1 (checkpoint-2 lost to a kill) meets the
+    same rooms and lakes at step 2 and trains the same; metrics.jsonl and timeline.json hold each step once."""
+    out = setup / "killed"
+    base = ["eval_steps=0", "render_save_dir=null", "max_steps=3", f"output_dir={out}"]
+    assert main(_args(setup, *base, "save_steps=2")) == 0  # checkpoints 1 and 2; the uninterrupted run
+    uninterrupted = _rows(out)[2]
+    (out / "checkpoints" / "checkpoint-2" / "pipeline_state.json").unlink()  # written last by save(): killed before
+    assert main(_args(setup, *base, "resume_from_checkpoint=true")) == 0
+    rows = _rows(out)
+    assert [row["step"] for row in rows] == [0, 1, 2]
     for key in ("critic/score/mean", "env/num_turns/mean", "actor/pg_loss", "actor/grad_norm", "mismatch/mismatch_kl"):
-        assert resumed[key] == pytest.approx(uninterrupted[key], abs=1e-6), key
+        assert rows[2][key] == pytest.approx(uninterrupted[key], abs=1e-6), key
+    trace = json.loads((out / "timeline.json").read_text())["traceEvents"]
+    phases = sorted((event["args"]["step"], event["name"]) for event in trace)
+    assert phases == sorted({*phases}) and {step for step, _ in phases} == {0, 1, 2}

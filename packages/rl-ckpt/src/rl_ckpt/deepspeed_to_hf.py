@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from rl_ckpt.deepspeed_io import INSTALL_HINT, DeepSpeedCheckpoint, check_pickle, load_states, open_deepspeed_checkpoint
+from rl_ckpt.disk_space import output_folder
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.hf_io import ShardedSafetensorsWriter, copy_tokenizer, parse_size, write_generation_config
 
@@ -244,21 +245,22 @@ def convert_deepspeed_to_hf(
     target = hf_target(find_hf_config(ckpt, hf_config_path, tokenizer_path))
     state = checked_state(ckpt, target)  # every check passes before the output folder is created
     out = Path(out_path)
-    writer = ShardedSafetensorsWriter(out, parse_size(max_shard_size))
-    dtype = torch.float32
-    for name, tensor in iter_deepspeed_hf_tensors(ckpt, target, state):
-        dtype = tensor.dtype if tensor.is_floating_point() else dtype
-        writer.add(name, tensor)
-        del tensor
-    weight_map = writer.close()
-    text = json.dumps(_written_config(target.config, dtype), indent=2) + "\n"
-    (out / "config.json").write_text(text, encoding="utf-8")
-    generation_file = target.config_file.parent / "generation_config.json"
-    generation = json.loads(generation_file.read_text(encoding="utf-8")) if generation_file.is_file() else None
-    tok = Path(tokenizer_path) if tokenizer_path is not None else None
-    write_generation_config(out, generation, tok)
-    if tok is not None:
-        copy_tokenizer(tok, out)
+    with output_folder(out):  # a failed conversion leaves no partial output
+        writer = ShardedSafetensorsWriter(out, parse_size(max_shard_size))
+        dtype = torch.float32
+        for name, tensor in iter_deepspeed_hf_tensors(ckpt, target, state):
+            dtype = tensor.dtype if tensor.is_floating_point() else dtype
+            writer.add(name, tensor)
+            del tensor
+        weight_map = writer.close()
+        text = json.dumps(_written_config(target.config, dtype), indent=2) + "\n"
+        (out / "config.json").write_text(text, encoding="utf-8")
+        generation_file = target.config_file.parent / "generation_config.json"
+        generation = json.loads(generation_file.read_text(encoding="utf-8")) if generation_file.is_file() else None
+        tok = Path(tokenizer_path) if tokenizer_path is not None else None
+        write_generation_config(out, generation, tok)
+        if tok is not None:
+            copy_tokenizer(tok, out)
     return DeepSpeedConversion(ckpt, target, weight_map)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from rl_ckpt.disk_space import output_folder
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.families import FAMILIES
 from rl_ckpt.hf_io import HFCheckpoint
@@ -154,12 +155,12 @@ def convert_hf_to_mcore(
     layout = RankLayout(out / iteration_dir_name(iteration), tp, pp)
     bounds = stage_bounds(spec.num_layers, pp)
     buffers = StagingBuffers()
-    with FileReader() as reader:
+    with output_folder(out), FileReader() as reader:  # a failed conversion leaves no partial output
         for stage in range(pp):
             for tp_rank in range(tp):
                 state = rank_to_mcore(src, spec, tp, tp_rank, stage, bounds, padded)
                 save_rank(layout.path(tp_rank, stage), state, args, iteration, buffers=buffers, reader=reader)
                 del state
-    src.release()
-    write_tracker(out, iteration)
+        src.release()
+        write_tracker(out, iteration)
     return layout

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from rl_ckpt.disk_space import output_folder
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.hf_io import ShardedSafetensorsWriter, copy_tokenizer, parse_size, write_generation_config, write_hf_config
 from rl_ckpt.mcore_dist import DistCheckpoint, open_dist_checkpoint
@@ -115,16 +116,17 @@ def convert_mcore_to_hf(
     buffers and the plans of one output shard. Returns the index weight map.
     """
     out = Path(out_path)
-    writer = ShardedSafetensorsWriter(out, parse_size(max_shard_size))
-    dtype = torch.float32
-    for name, tensor in iter_hf_sources(ckpt):
-        dtype = dtype_of(tensor)
-        writer.add(name, tensor)
-        del tensor  # the loop variable would otherwise keep the last tensor of a stage alive into the next
-    weight_map = writer.close()
-    write_hf_config(out, ckpt.spec, dtype)
-    tok = Path(tokenizer_path) if tokenizer_path is not None else None
-    write_generation_config(out, arg(ckpt.args, "hf_generation_config"), tok)
-    if tok is not None:
-        copy_tokenizer(tok, out)
+    with output_folder(out):  # a failed conversion leaves no partial output
+        writer = ShardedSafetensorsWriter(out, parse_size(max_shard_size))
+        dtype = torch.float32
+        for name, tensor in iter_hf_sources(ckpt):
+            dtype = dtype_of(tensor)
+            writer.add(name, tensor)
+            del tensor  # the loop variable would otherwise keep the last tensor of a stage alive into the next
+        weight_map = writer.close()
+        write_hf_config(out, ckpt.spec, dtype)
+        tok = Path(tokenizer_path) if tokenizer_path is not None else None
+        write_generation_config(out, arg(ckpt.args, "hf_generation_config"), tok)
+        if tok is not None:
+            copy_tokenizer(tok, out)
     return weight_map

@@ -135,6 +135,8 @@ class StagedFile:
                 try:
                     self._write_all(self._items[job.index][1][: job.n])
                 except BaseException as err:
+                    if isinstance(err, OSError) and err.filename is None:
+                        err.filename = str(self.path)  # os.write names no file: the report of a full disk should
                     self._error = err
             self._free.put(job.index)
 

@@ -16,6 +16,8 @@ import os
 import re
 import shutil
 import socket
+import subprocess
+import sys
 import tempfile
 import time
 from typing import Any
@@ -36,7 +38,12 @@ DEFAULT_PLACEMENT_TIMEOUT_S = 60.0
 """Seconds a ``ResourcePool`` waits for its placement groups before it reports what Ray has."""
 
 _BUNDLE_RESOURCE = re.compile(r"_group_(\d+_)?[0-9a-f]{16,}$")  # e.g. rl_device_group_0_<placement group id>
+LOCAL_SYSTEM_CONFIG: dict[str, Any] = {"enable_metrics_collection": False, "prestart_worker_first_driver": False}
+"""Ray settings of a local instance: no metrics collection or export (the dashboard agent's reporter and the
+workers' metrics), and no default workers started ahead for the first driver (our actors start their own)."""
+
 _started_temp_dir: str | None = None
+_reaper: _Reaper | None = None
 
 
 def default_temp_dir() -> str:
@@ -59,15 +66,21 @@ def start_ray(
     resources: dict[str, float] | None = None,
     temp_dir: str | None = None,
     address: str | None = None,
-) -> None:
+) -> bool:
     """Start a local Ray instance, or connect to ``address``; a no-op when Ray is already initialised.
+
+    Returns True when this call started (or connected) Ray and False when Ray was running already: a caller that
+    got False shares someone else's Ray (a test session's, a notebook's) and must not ``stop_ray`` it.
 
     Nothing is written to the home directory: the dashboard is off, token auth is disabled
     (``RAY_AUTH_MODE=disabled`` unless set already), usage stats are off, and session files go to ``temp_dir``
     (default ``default_temp_dir()``). ``num_cpus``, ``resources`` and ``temp_dir`` describe the node Ray starts, so
     they cannot be combined with ``address`` (the cluster's nodes were started with their own).
+
+    A local instance starts lean (``LOCAL_SYSTEM_CONFIG``: no metrics exporter, no idle workers started ahead) and
+    with a reaper process that kills its processes once this driver is gone, even by SIGKILL (see ``_Reaper``).
     """
-    global _started_temp_dir
+    global _started_temp_dir, _reaper
     node_options = {"num_cpus": num_cpus, "resources": resources, "temp_dir": temp_dir}
     given = [name for name, value in node_options.items() if value is not None]
     if address is not None and given:
@@ -76,22 +89,33 @@ def start_ray(
             "set them when starting the cluster's nodes (`ray start --num-cpus ... --resources ...`)."
         )
     if ray.is_initialized():
-        return
+        return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     options: dict[str, Any] = {"include_dashboard": False, "ignore_reinit_error": True, "log_to_driver": True}
     if address is not None:
         ray.init(address=address, **options)
-        return
+        return True
     _started_temp_dir = temp_dir or default_temp_dir()
     os.makedirs(_started_temp_dir, exist_ok=True)
-    ray.init(num_cpus=num_cpus, resources=resources, _temp_dir=_started_temp_dir, **options)
+    before = _descendants(os.getpid())
+    ray.init(num_cpus=num_cpus, resources=resources, _temp_dir=_started_temp_dir,
+             _system_config=dict(LOCAL_SYSTEM_CONFIG), **options)  # fmt: skip
+    started = {pid: start for pid, start in _descendants(os.getpid()).items() if pid not in before}
+    _reaper = _Reaper.start(_started_temp_dir, started)
+    return True
 
 
 def stop_ray(*, remove_temp_dir: bool = False) -> None:
-    """Shut Ray down (idempotent); with ``remove_temp_dir``, also delete the session files ``start_ray`` wrote."""
-    global _started_temp_dir
+    """Shut Ray down (idempotent); with ``remove_temp_dir``, also delete the session files ``start_ray`` wrote.
+
+    Call it only where ``start_ray`` returned True: it stops Ray for everyone in this process.
+    """
+    global _started_temp_dir, _reaper
     ray.shutdown()
+    if _reaper is not None:
+        _reaper.finish()  # Ray's agents can outlive ray.shutdown() for a moment
+        _reaper = None
     if remove_temp_dir and _started_temp_dir is not None:
         _remove_settled(_started_temp_dir)
     _started_temp_dir = None
@@ -105,6 +129,88 @@ def _remove_settled(path: str, attempts: int = 20, pause_s: float = 0.1) -> None
         time.sleep(pause_s)
         if not os.path.exists(path):
             return
+
+
+# The reaper's program (standard library only): read "pid start-time" lines until EOF, which comes when the driver
+# closes the pipe (stop_ray) or dies, then SIGKILL each listed process that still runs (same start time: not a
+# reused pid). argv[1] (the Ray temp dir) only names the reaper in process listings.
+_REAPER_SOURCE = """
+import os, signal, sys
+def start_time(pid):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return data[data.rindex(b")") + 2:].split()[19].decode()
+processes = [line.split() for line in sys.stdin if line.strip()]
+for pid, started in processes:
+    if start_time(int(pid)) == started:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+"""
+
+
+class _Reaper:
+    """A process that kills a local Ray instance's processes once the driver that started them is gone.
+
+    Ray ties its node processes (GCS, raylet, ...) to the driver (``PR_SET_PDEATHSIG``), but the raylet's dashboard
+    agent and runtime-env agent are the raylet's children: after a SIGKILL of the driver they notice the raylet's
+    death at once, then wait 60 s to report it to the dead GCS (``publish_error_to_driver``'s fixed timeout) before
+    they exit. Ray 2.60 cannot start without them (its raylet aborts on an empty agent command), so the reaper ends
+    them instead. Linux only (it reads ``/proc``); elsewhere nothing is started.
+    """
+
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        self.process = process
+
+    @classmethod
+    def start(cls, temp_dir: str, processes: dict[int, str]) -> _Reaper | None:
+        """A reaper watching ``processes`` (pid -> start time), or None where ``/proc`` is missing."""
+        if not processes:
+            return None
+        command = [sys.executable, "-c", _REAPER_SOURCE, f"rl-ray-reaper {temp_dir}"]
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)  # no Ctrl-C from the tty
+        assert process.stdin is not None
+        process.stdin.write("".join(f"{pid} {start}\n" for pid, start in processes.items()).encode())
+        process.stdin.flush()
+        return cls(process)
+
+    def finish(self, timeout_s: float = 10.0) -> None:
+        """Close the pipe (the reaper kills what is still running) and wait for it."""
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every process below ``pid`` (children, their children, ...) -> its start time; empty without ``/proc``."""
+    children: dict[int, list[int]] = {}
+    start_times: dict[int, str] = {}
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        fields = data[data.rindex(b")") + 2 :].split()  # after "(comm)": state, ppid, ..., starttime (22nd field)
+        children.setdefault(int(fields[1]), []).append(int(name))
+        start_times[int(name)] = fields[19].decode()
+    found: dict[int, str] = {}
+    stack = list(children.get(pid, ()))
+    while stack:
+        child = stack.pop()
+        found[child] = start_times[child]
+        stack.extend(children.get(child, ()))
+    return found
 
 
 class ResourcePool:

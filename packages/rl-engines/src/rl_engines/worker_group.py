@@ -44,11 +44,16 @@ class WorkerDiedError(WorkerError):
 
 
 class WorkerCallError(WorkerError):
-    """The worker method raised; ``remote_traceback`` holds the worker-side traceback text."""
+    """The worker method raised; ``remote_traceback`` holds the worker-side traceback text.
+
+    ``follows_another_rank``: the rank raised only because another rank of the same collective failed (a save
+    abandoned on every rank); the group reports the failing rank's error before such ones.
+    """
 
     def __init__(self, message: str, role: str, method: str, ranks: list[int], remote_traceback: str) -> None:
         super().__init__(message, role, method, ranks)
         self.remote_traceback = remote_traceback
+        self.follows_another_rank = False
 
 
 class WorkerBase:
@@ -198,6 +203,17 @@ DISPATCH_MODES.register("all_ranks_list")(DispatchMode(_scatter_all_ranks_list, 
 
 
 _ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the task name in its error text
+PEER_GRACE_S = 10.0
+"""Seconds a call whose only errors so far follow another rank's failure waits for that rank's own error."""
+
+
+def _cause_line(exc: RayError, text: str) -> str:
+    """``Type: message`` of the exception the worker raised (Ray's ``cause``), else the last line of its text."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"{type(cause).__name__}: {cause}".strip()
+    lines = [line for line in text.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else type(exc).__name__
 
 
 def _fetch_error(ref: ray.ObjectRef[Any], rank: int, role: str, method: str) -> WorkerError | None:
@@ -208,9 +224,14 @@ def _fetch_error(ref: ray.ObjectRef[Any], rank: int, role: str, method: str) -> 
         error: WorkerError
         # Ray reports an exception raised in __init__ as a dead actor whose init failed: still the worker's own error.
         if isinstance(exc, RayTaskError) or (isinstance(exc, RayActorError) and exc.actor_init_failed):
+            # The cause first and once: the worker's traceback prints above this error (its __cause__), not in it.
             text = _ANSI_COLOR.sub("", str(exc))
-            message = f"{role}: rank {rank} raised in `{method}`:\n{text}\nFix: see the worker traceback above."
+            message = (
+                f"{role}: rank {rank} raised in `{method}`: {_cause_line(exc, text)}\n"
+                "(the worker's traceback is printed above, and kept in .remote_traceback)"
+            )
             error = WorkerCallError(message, role, method, [rank], text)
+            error.follows_another_rank = bool(getattr(getattr(exc, "cause", None), "follows_another_rank", False))
         else:
             what = "died" if isinstance(exc, RayActorError) else f"was lost by Ray ({type(exc).__name__})"
             message = (
@@ -264,21 +285,34 @@ class GroupFuture:
         """The gathered result; raises ``WorkerTimeoutError``, ``WorkerDiedError`` or ``WorkerCallError``.
 
         Waits on all ranks at once and raises for the first failing rank (a dead rank before ranks whose calls
-        raised, since a death usually breaks its peers' collectives) without waiting for the others.
+        raised, since a death usually breaks its peers' collectives) without waiting for the others; only when
+        every error so far merely follows another rank's failure does it wait (up to ``PEER_GRACE_S``) for that
+        rank's own error, so that the cause is what the driver shows.
         """
         rank_of = {ref: rank for ref, rank in zip(self.refs, self.ranks)}
         pending = list(self.refs)
+        errors: list[WorkerError] = []
         while pending:
-            first, _ = ray.wait(pending, num_returns=1, timeout=max(self.deadline - time.monotonic(), 0.0))
+            deadline = self.deadline if not errors else min(self.deadline, time.monotonic() + PEER_GRACE_S)
+            first, _ = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not first and errors:
+                break
             if not first:
                 late = sorted(rank_of[ref] for ref in pending)
                 answered = sorted(set(self.ranks) - set(late))
                 raise _timeout_error(self, late, answered)
             ready, pending = ray.wait(pending, num_returns=len(pending), timeout=0)
-            errors = [error for ref in ready if (error := _fetch_error(ref, rank_of[ref], self.role, self.method))]
-            if errors:
-                raise min(errors, key=lambda error: (not isinstance(error, WorkerDiedError), error.ranks))
+            errors += [error for ref in ready if (error := _fetch_error(ref, rank_of[ref], self.role, self.method))]
+            if errors and not all(getattr(error, "follows_another_rank", False) for error in errors):
+                break
+        if errors:
+            raise min(errors, key=_error_order)
         return self.gather(list(ray.get(self.refs)))
+
+
+def _error_order(error: WorkerError) -> tuple[bool, bool, list[int]]:
+    """Which of a call's errors the driver raises: a dead rank, then a rank's own error, then the lowest rank."""
+    return not isinstance(error, WorkerDiedError), getattr(error, "follows_another_rank", False), error.ranks
 
 
 def _check_group_args(

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any, overload
@@ -319,7 +320,16 @@ def _dump_error(exc: OSError, step: int, path: str, nbytes: int) -> OSError:
     message = f"[Rollout Mock] could not dump step {step} to {path}: {exc.strerror or exc}. No partial file was left."
     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         message += (
-            f" One step of this batch takes about {nbytes / 2**20:.2f}MB (total = that x max_steps): free disk "
-            "space, reduce max_steps, or point rollout_mock.dump_dir at larger (e.g. network) storage."
+            f" One step of this batch takes about {nbytes / 2**20:.2f}MB (total = that x max_steps) and "
+            f"{_free_bytes(path) / 2**20:.2f}MB are free there: free disk space, reduce max_steps, or point "
+            "rollout_mock.dump_dir at larger (e.g. network) storage."
         )
     return OSError(exc.errno, message, path)
+
+
+def _free_bytes(path: str) -> int:
+    """Free bytes on the file system of `path`'s folder (0 when it cannot be read)."""
+    try:
+        return shutil.disk_usage(os.path.dirname(path) or ".").free
+    except OSError:
+        return 0

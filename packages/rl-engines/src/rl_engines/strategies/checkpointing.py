@@ -7,6 +7,12 @@ a half-written checkpoint under the final name. Multi-node jobs need ``path`` on
 
 The atomic folder, trainer state and RNG helpers here are shared by every train strategy (deepspeed_state and
 megatron_checkpoint write their engine's own files through :func:`write_checkpoint_atomically`).
+
+A failed write (a full disk, a quota, a file-size limit, or any other error) fails the save on every rank alike:
+after each phase the ranks exchange their outcome (:func:`settle`); if any rank failed, every rank removes the
+temporary folder, the failing ranks raise their error (an ``OutOfSpaceError`` naming the path, the bytes needed and
+free, and the fix, when space ran out) and the others a ``PeerRankError``. Nothing half-written stays behind and no
+rank is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -30,8 +37,18 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.tensor import DTensor
+
+from rl_engines.disk_space import SAVE_FIX, OutOfSpaceError, error_code, out_of_space_cause, out_of_space_message
 
 COMPLETE_MARKER = "COMPLETE"
+
+
+class PeerRankError(RuntimeError):
+    """Raised on a rank whose own part of a save succeeded while another rank's failed: the save was abandoned on
+    every rank. The driver reports the failing rank's error in its place (``follows_another_rank``)."""
+
+    follows_another_rank = True
 
 
 def rng_state() -> dict[str, Any]:
@@ -63,31 +80,124 @@ def fsync_tree(root: Path) -> None:
                 os.fsync(handle.fileno())
 
 
-def write_checkpoint_atomically(path: str, step: int, write_fn: Callable[[Path, int], None]) -> None:
+def tensor_bytes(*objects: Any) -> int:
+    """Bytes of the tensors in ``objects`` (nested dicts / lists / tuples; a DTensor counts its local shard, a ZeRO-3
+    parameter its partition ``ds_tensor``), each tensor once: what this rank holds of a state it writes."""
+    seen: set[int] = set()
+    total, todo = 0, list(objects)
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+        elif isinstance(item, torch.Tensor) and id(item) not in seen:
+            seen.add(id(item))
+            local = item.to_local() if isinstance(item, DTensor) else getattr(item, "ds_tensor", item)
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _attempt(action: Callable[[], None] | None) -> Exception | None:
+    """Run ``action`` (nothing when None); return its exception instead of raising it."""
+    try:
+        if action is not None:
+            action()
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _outcomes(error: BaseException | None, rank_bytes: int) -> tuple[list[int], bool, int]:
+    """Every rank's outcome (a collective): the ranks whose own write failed, whether any rank raised (a
+    :class:`PeerRankError` too), and the bytes of all ranks together."""
+    code = 0 if error is None else 2 if isinstance(error, PeerRankError) else 1
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    mine = torch.tensor([code, rank_bytes], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    rows = torch.stack(every).cpu().tolist()
+    failed = [rank for rank, (code, _) in enumerate(rows) if code == 1]
+    return failed, any(code for code, _ in rows), sum(count for _, count in rows)
+
+
+def settle(
+    error: Exception | None, *, role: str, what: str, path: Path, temporary: Path, rank_bytes: int, cleaned: str
+) -> None:
+    """Every rank calls this after its part of one phase of a save (a collective). When any rank failed, every
+    rank removes ``temporary`` and raises: a rank that failed its own error (an :class:`OutOfSpaceError` when space
+    ran out, naming ``path``, the bytes of all ranks and the bytes free), the others a :class:`PeerRankError`.
+
+    ``what`` completes "<role>: rank R could not ..." (e.g. ``"save checkpoint"``); ``cleaned`` says what was
+    removed and what is untouched.
+    """
+    failed, abandoned, total = _outcomes(error, rank_bytes)
+    if not abandoned:
+        return
+    shutil.rmtree(temporary, ignore_errors=True)
+    if error is None or isinstance(error, PeerRankError):
+        raise PeerRankError(
+            f"{role}: rank(s) {failed} failed to {what} {path}; this rank's part was removed with {temporary}. "
+            f"Fix: see the error of rank {failed[0] if failed else 0}."
+        )
+    cause = out_of_space_cause(error)
+    if cause is None:
+        raise error
+    message = out_of_space_message(
+        f"{role}: rank {dist.get_rank()} could not {what}", path, cause, needed=total, cleaned=cleaned, fix=SAVE_FIX
+    )
+    raise OutOfSpaceError(error_code(cause), message, str(getattr(cause, "filename", None) or path)) from None
+
+
+def _prepare(final: Path, tmp: Path) -> None:
+    """Rank 0: an empty ``tmp``, and no temporary folder of an earlier interrupted save of ``final`` left over."""
+    for stale in final.parent.glob(f"{final.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def _publish(final: Path, tmp: Path, marker: str | None) -> None:
+    """Rank 0: fsync ``tmp``, mark it complete (``marker``), and rename it to ``final`` (an existing one is moved to
+    ``<final>.old`` first and put back if the rename fails, removed once it succeeded)."""
+    fsync_tree(tmp)
+    if marker is not None:
+        (tmp / marker).touch()
+    old = final.with_name(f"{final.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    try:
+        tmp.rename(final)
+    except BaseException:
+        if old.exists():
+            old.rename(final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def write_checkpoint_atomically(
+    path: str, step: int, write_fn: Callable[[Path, int], None], *, role: str, rank_bytes: int
+) -> None:
     """Every rank calls ``write_fn(tmp, rank)`` on ``<path>.tmp-<step>``; then rank 0 publishes it (a collective).
 
     After every rank finished, rank 0 fsyncs the folder, marks it ``COMPLETE``, moves an existing ``path`` to
     ``<path>.old``, renames the temporary folder to ``path`` and removes ``.old``: a crash leaves either the old
-    checkpoint or the new one under ``path``, never a half-written one.
+    checkpoint or the new one under ``path``, never a half-written one. A failure on any rank removes the temporary
+    folder and raises on every rank (see :func:`settle`); ``rank_bytes`` (what this rank writes) sizes the message.
     """
     final = Path(path)
     tmp = final.with_name(f"{final.name}.tmp-{step}")
     rank = dist.get_rank()
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    write_fn(tmp, rank)
-    dist.barrier()
-    if rank == 0:
-        fsync_tree(tmp)
-        (tmp / COMPLETE_MARKER).touch()
-        old = final.with_name(f"{final.name}.old")
-        if final.exists():
-            final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    cleaned = f"The temporary folder {tmp} was removed; earlier checkpoints are untouched."
+
+    def phase(action: Callable[[], None] | None) -> None:
+        settle(_attempt(action), role=role, what="save checkpoint", path=final, temporary=tmp,
+               rank_bytes=rank_bytes, cleaned=cleaned)  # fmt: skip
+
+    phase((lambda: _prepare(final, tmp)) if rank == 0 else None)
+    phase(lambda: write_fn(tmp, rank))
+    phase((lambda: _publish(final, tmp, COMPLETE_MARKER)) if rank == 0 else None)
 
 
 def save_trainer_state(strategy: Any, folder: Path, rank: int, meta: dict[str, Any]) -> None:
@@ -120,17 +230,33 @@ def load_trainer_state(strategy: Any, root: Path, *, restore_rng: bool = True) -
         set_rng_state(torch.load(rng_file, weights_only=False))
 
 
-def write_hf_folder_atomically(path: str, write_fn: Callable[[Path], None], tokenizer: Any) -> None:
-    """Rank 0 only: ``write_fn(tmp)`` into ``<path>.tmp``, add the tokenizer, fsync, then replace ``path`` with it."""
+def write_hf_folder_atomically(
+    path: str,
+    write_fn: Callable[[Path], None],
+    tokenizer: Any,
+    *,
+    role: str,
+    rank_bytes: int,
+    follow: Callable[[], None] | None = None,
+) -> None:
+    """Every rank calls (a collective): rank 0 runs ``write_fn(tmp)`` into ``<path>.tmp``, adds the tokenizer,
+    fsyncs, then replaces ``path`` with it; the other ranks run ``follow`` (their part of the collectives rank 0's
+    write drives). A failure on any rank removes ``<path>.tmp`` and raises on every rank (see :func:`settle`).
+    ``rank_bytes``: the bytes of the weights this rank contributes to the export (sizes the message)."""
     final = Path(path)
     tmp = final.with_name(f"{final.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write_fn(tmp)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp))
-    fsync_tree(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+
+    def write() -> None:
+        shutil.rmtree(tmp, ignore_errors=True)
+        write_fn(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+        _publish(final, tmp, None)
+
+    error = _attempt(write if dist.get_rank() == 0 else follow)
+    cleaned = f"The temporary folder {tmp} was removed; an earlier export at {final} is untouched."
+    settle(error, role=role, what="export the HuggingFace model to", path=final, temporary=tmp,
+           rank_bytes=rank_bytes, cleaned=cleaned)  # fmt: skip
 
 
 def save(strategy: Any, path: str) -> None:
@@ -138,11 +264,17 @@ def save(strategy: Any, path: str) -> None:
 
     def write(tmp: Path, rank: int) -> None:
         model_sd, optim_sd = get_state_dict(strategy.model, strategy.optimizer)
-        dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        try:
+            dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
+        except CheckpointException as exc:  # a BaseException, raised on every rank when any rank's write failed
+            if rank not in exc.failures:
+                raise PeerRankError(f"{strategy.role}: rank(s) {sorted(exc.failures)} failed to write {tmp}") from None
+            raise exc.failures[rank][0] from None  # this rank's own error (an OSError, torch's short write, ...)
         meta = {"role": strategy.role, "world_size": dist.get_world_size(), "global_step": strategy.global_step}
         save_trainer_state(strategy, tmp, rank, meta)
 
-    write_checkpoint_atomically(path, strategy.global_step, write)
+    rank_bytes = tensor_bytes(list(strategy.model.parameters()), list(strategy.optimizer.state.values()))
+    write_checkpoint_atomically(path, strategy.global_step, write, role=strategy.role, rank_bytes=rank_bytes)
 
 
 def load(strategy: Any, path: str) -> None:
@@ -162,6 +294,5 @@ def save_hf(strategy: Any, path: str) -> None:
     def write(tmp: Path) -> None:
         strategy.model.save_pretrained(str(tmp), state_dict=state_dict)
 
-    if dist.get_rank() == 0:
-        write_hf_folder_atomically(path, write, strategy.tokenizer)
-    dist.barrier()
+    write_hf_folder_atomically(path, write, strategy.tokenizer, role=strategy.role,
+                               rank_bytes=tensor_bytes(state_dict))  # fmt: skip

@@ -3,13 +3,15 @@
 Checkpoint layout of ``<path>/`` (same contract as ``fsdp2_train``'s): ``deepspeed/state/`` (DeepSpeed's engine
 checkpoint: module, ZeRO optimizer partitions, ``zero_to_fp32.py``), ``trainer_state.pt`` (LR scheduler, global
 step), ``rng_rank<R>.pt``, ``meta.json``, ``COMPLETE``. Everything goes to ``<path>.tmp-<step>`` first and rank 0
-renames it into place after every rank finished. DeepSpeed is imported only inside functions.
+renames it into place after every rank finished; a failed write on any rank removes it on every rank (see
+``checkpointing``). DeepSpeed is imported only inside functions.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from rl_engines.strategies.checkpointing import (
     load_trainer_state,
     require_complete,
     save_trainer_state,
+    tensor_bytes,
     write_checkpoint_atomically,
     write_hf_folder_atomically,
 )
@@ -62,13 +65,56 @@ def save(strategy: Any, path: str) -> None:
     """Write ``strategy``'s checkpoint to ``path`` atomically (every rank calls; a collective)."""
 
     def write(tmp: Path, rank: int) -> None:
-        strategy.engine.save_checkpoint(str(tmp / ENGINE_DIR), tag=ENGINE_TAG, save_latest=False)
+        with deferred_write_errors(strategy.engine) as errors:
+            strategy.engine.save_checkpoint(str(tmp / ENGINE_DIR), tag=ENGINE_TAG, save_latest=False)
+        if errors:
+            raise errors[0]
         meta = {"role": strategy.role, "world_size": dist.get_world_size(), "zero_stage": strategy.zero_stage,
                 "global_step": strategy.global_step,  # the model folder: rl-ckpt finds config.json through it
                 "model_name_or_path": str(strategy.config.model_args.model_name_or_path)}  # fmt: skip
         save_trainer_state(strategy, tmp, rank, meta)
 
-    write_checkpoint_atomically(path, strategy.global_step, write)
+    write_checkpoint_atomically(path, strategy.global_step, write, role=strategy.role,
+                                rank_bytes=rank_bytes(strategy.engine))  # fmt: skip
+
+
+@contextmanager
+def deferred_write_errors(engine: Any) -> Iterator[list[Exception]]:
+    """While DeepSpeed saves: a failed file write (its checkpoint engine's ``save``, the copy of its recovery
+    scripts) is recorded in the yielded list instead of raised, and the writes after it skipped, so that this rank
+    still takes part in the barriers ``engine.save_checkpoint`` runs after them; the caller raises the first one."""
+    errors: list[Exception] = []
+    writer = engine.checkpoint_engine
+
+    def recorded(write: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> None:
+            if not errors:
+                try:
+                    write(*args, **kwargs)
+                except Exception as exc:
+                    errors.append(exc)
+
+        return call
+
+    writer.save = recorded(writer.save)  # instance attributes over the class methods, deleted below
+    engine._copy_recovery_script = recorded(engine._copy_recovery_script)
+    try:
+        yield errors
+    finally:
+        del writer.save, engine._copy_recovery_script
+
+
+def rank_bytes(engine: Any) -> int:
+    """Bytes this rank writes into a checkpoint, about: the module's parameters on rank 0 (which writes the model
+    states; a ZeRO-3 partition each) plus the state and parameters (fp32 master partitions) of the optimizer and of
+    the optimizers it wraps."""
+    found: list[Any] = [list(engine.module.parameters())] if dist.get_rank() == 0 else []
+    optimizer = engine.optimizer
+    while optimizer is not None:
+        found += [list(getattr(optimizer, "state", {}).values())]
+        found += [group["params"] for group in getattr(optimizer, "param_groups", [])]
+        optimizer = getattr(optimizer, "optimizer", None)
+    return tensor_bytes(*found)
 
 
 def load(strategy: Any, path: str) -> None:
@@ -102,6 +148,5 @@ def save_hf(strategy: Any, path: str) -> None:
     def write(tmp: Path) -> None:
         strategy.engine.module.save_pretrained(str(tmp), state_dict=state_dict)
 
-    if rank == 0:
-        write_hf_folder_atomically(path, write, strategy.tokenizer)
-    dist.barrier()
+    write_hf_folder_atomically(path, write, strategy.tokenizer, role=strategy.role,
+                               rank_bytes=tensor_bytes(state_dict))  # fmt: skip

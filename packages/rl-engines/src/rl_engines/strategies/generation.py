@@ -16,7 +16,13 @@ STOP_CONTEXT_TOKENS = 16
 
 
 def _generation_config(model: Any, tokenizer: Any, args: GeneratingArgs) -> Any:
-    """A fresh GenerationConfig: nothing inherited from the model's defaults (HF defaults top_k to 50)."""
+    """A fresh GenerationConfig: nothing inherited from the model's defaults (HF defaults top_k to 50).
+
+    Sampling sets ``top_k`` explicitly (0 = off, so the model's default cannot switch it on). Greedy decoding
+    (temperature 0) passes no sampling flag at all: transformers ignores them there (its top-k / top-p / temperature
+    processors run only when sampling) and warns "generation flags are not valid and may be ignored: ['top_k']" for
+    an explicit ``top_k=0``, so leaving it out changes no token.
+    """
     from transformers import GenerationConfig
 
     eos = eos_token_ids(model, tokenizer)
@@ -26,7 +32,7 @@ def _generation_config(model: Any, tokenizer: Any, args: GeneratingArgs) -> Any:
         do_sample=sample,
         temperature=args.temperature if sample else None,
         top_p=args.top_p if sample else None,
-        top_k=args.top_k if sample and args.top_k > 0 else 0,
+        top_k=(args.top_k if args.top_k > 0 else 0) if sample else None,
         repetition_penalty=args.repetition_penalty,
         max_new_tokens=args.max_new_tokens,
         num_return_sequences=args.num_return_sequences,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from rl_engines.strategies.checkpointing import (
     load_trainer_state,
     require_complete,
     save_trainer_state,
+    tensor_bytes,
     write_checkpoint_atomically,
     write_hf_folder_atomically,
 )
@@ -56,7 +58,11 @@ def save(strategy: Any, path: str) -> None:
                 "global_step": strategy.global_step}  # fmt: skip
         save_trainer_state(strategy, tmp, rank, meta)
 
-    write_checkpoint_atomically(path, strategy.global_step, write)
+    written = tensor_bytes(
+        strategy.masters if strategy.dp_rank == 0 else {},
+        local_optimizer(strategy.optimizer).state if strategy.dp_rank == 0 or partitioned else {},
+    )
+    write_checkpoint_atomically(path, strategy.global_step, write, role=strategy.role, rank_bytes=written)
 
 
 def load(strategy: Any, path: str) -> None:
@@ -144,22 +150,33 @@ def save_hf(strategy: Any, path: str) -> None:
     weights = strategy.named_weights()  # a generator: every rank must run it, for the TP gathers and PP broadcasts
 
     def write(tmp: Path) -> None:
-        writer = ShardedSafetensorsWriter(tmp, parse_size(MAX_SHARD_SIZE))
-        dtype = torch.float32
-        tied = strategy.model.layout.spec.tied_embeddings
-        for name, tensor in weights:
-            if not (tied and name == "lm_head.weight"):  # HF re-ties it on load
-                dtype = tensor.dtype
-                writer.add(name, tensor.detach().cpu().clone())
-        writer.close()
-        _hf_config(strategy, dtype).save_pretrained(str(tmp))
+        try:
+            _write_hf_weights(strategy, weights, tmp)
+        finally:
+            _drain(weights)  # after a failed write too: the other ranks wait in the gathers of the remaining weights
         generation = Path(str(strategy.config.model_args.model_name_or_path)) / "generation_config.json"
         if generation.is_file():
             shutil.copy2(generation, tmp / "generation_config.json")
 
-    if dist.get_rank() == 0:
-        write_hf_folder_atomically(path, write, strategy.tokenizer)
-    else:
-        for _ in weights:  # take part in the gathers rank 0 runs while writing
-            pass
-    dist.barrier()
+    exported = tensor_bytes(strategy.masters) if strategy.dp_rank == 0 else 0  # fp32, one copy of each shard
+    write_hf_folder_atomically(path, write, strategy.tokenizer, role=strategy.role, rank_bytes=exported,
+                               follow=lambda: _drain(weights))  # fmt: skip
+
+
+def _drain(weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Run the rest of ``weights``: a rank's part of the TP gathers and PP broadcasts rank 0's export drives."""
+    for _ in weights:
+        pass
+
+
+def _write_hf_weights(strategy: Any, weights: Iterator[tuple[str, torch.Tensor]], tmp: Path) -> None:
+    """Rank 0: the safetensors shards and config.json of an export into ``tmp``."""
+    writer = ShardedSafetensorsWriter(tmp, parse_size(MAX_SHARD_SIZE))
+    dtype = torch.float32
+    tied = strategy.model.layout.spec.tied_embeddings
+    for name, tensor in weights:
+        if not (tied and name == "lm_head.weight"):  # HF re-ties it on load
+            dtype = tensor.dtype
+            writer.add(name, tensor.detach().cpu().clone())
+    writer.close()
+    _hf_config(strategy, dtype).save_pretrained(str(tmp))

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from apps.rlvr.data import SamplerState
+from apps.common.sampler_state import SamplerState
 from rl_core.batch import RolloutBatch
 
 

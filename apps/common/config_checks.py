@@ -1,0 +1,87 @@
+"""Single-key checks of the shared top-level keys (``apps.common.config.SharedConfig``): value ranges, and choices
+looked up in the registry that implements them. ``apps.rlvr.config_checks`` adds the RLVR-only keys' checks."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NoReturn
+
+from apps.common.trackers import TRACKERS
+from rl_core.advantages import ADV_ESTIMATORS
+from rl_core.kl import KL_ESTIMATORS
+from rl_core.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
+from rl_core.rewards import REWARD_NORMS
+from rl_core.rollout_is import IS_LEVELS, IS_MODES
+from rl_engines.config import WorkerConfigError
+
+NORM_TYPES = (None, "batch", "group")
+
+# key -> smallest allowed value
+MINIMUM = {
+    "rollout_batch_size": 1, "ppo_epochs": 1, "max_steps": 1, "logging_steps": 1, "save_steps": 1, "eval_steps": 0,
+    "num_nodes": 1, "num_gpus_per_node": 1, "rpc_timeout": 1e-9, "async_generation_ratio": 0.0, "critic_warmup": 0,
+    "kl_horizon": 1,
+}  # fmt: skip
+UNIT_INTERVAL = ("gamma", "lambd", "difficulty_low_threshold", "difficulty_high_threshold")
+
+
+def fail(message: str) -> NoReturn:
+    """Raise the config error ``message`` (which names the key)."""
+    raise WorkerConfigError(message)
+
+
+def check_minimum(config: Any, minimum: Mapping[str, float]) -> None:
+    """Every ``key`` of ``minimum`` is at least its value, with the key and the bound in the message."""
+    for key, low in minimum.items():
+        if getattr(config, key) < low:
+            fail(f"{key} must be >= {low}, got {getattr(config, key)}.")
+
+
+def check_ranges(config: Any) -> None:
+    """Numeric bounds, with the key and the allowed range in the message."""
+    check_minimum(config, MINIMUM)
+    for key in UNIT_INTERVAL:
+        if not 0.0 <= getattr(config, key) <= 1.0:
+            fail(f"{key} must be in [0, 1], got {getattr(config, key)}.")
+    if config.difficulty_low_threshold > config.difficulty_high_threshold:
+        fail(
+            f"difficulty_low_threshold ({config.difficulty_low_threshold}) must be <= difficulty_high_threshold "
+            f"({config.difficulty_high_threshold})."
+        )
+    if config.val_batch_size is not None and config.val_batch_size < 1:
+        fail(f"val_batch_size must be >= 1 or null, got {config.val_batch_size}.")
+    if float(config.async_generation_ratio) != int(config.async_generation_ratio):
+        fail(
+            f"async_generation_ratio must be a whole number of batches to generate ahead (0 = synchronous, 1, 2, "
+            f"...), got {config.async_generation_ratio}."
+        )
+    for name, value in config.system_envs.items():
+        if not isinstance(value, str):
+            fail(f"system_envs.{name} must be a string, got {value!r}; quote it in the YAML (e.g. '1').")
+
+
+def _check_registry(registry: Any, key: str, value: str | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value not in registry:
+        fail(
+            f"{key}={value!r} is not supported; valid values: {registry.names()}" + (" or null." if allow_none else ".")
+        )
+
+
+def check_choices(config: Any) -> None:
+    """Every named choice exists in its rl-core registry (so a typo fails here, not mid-run)."""
+    _check_registry(ADV_ESTIMATORS, "adv_estimator", config.adv_estimator)
+    _check_registry(POLICY_LOSSES, "pg_variant", config.pg_variant)
+    _check_registry(LOSS_AGGREGATIONS, "loss_agg_mode", config.loss_agg_mode)
+    _check_registry(KL_ESTIMATORS, "kl_penalty", config.kl_penalty)
+    _check_registry(KL_ESTIMATORS, "kl_loss_type", config.kl_loss_type)
+    _check_registry(REWARD_NORMS, "reward_norm", config.reward_norm, allow_none=True)
+    _check_registry(IS_LEVELS, "rollout_is_level", config.rollout_is_level)
+    _check_registry(IS_MODES, "rollout_is_mode", config.rollout_is_mode)
+    _check_registry(TRACKERS, "track_with", config.track_with)
+    for key in ("norm_mean_type", "norm_std_type"):
+        if getattr(config, key) not in NORM_TYPES:
+            fail(f"{key}={getattr(config, key)!r}: use batch, group or null.")
+    if config.sft_loss_coef:
+        fail("sft_loss_coef needs SFT data, which the RLVR pipeline does not load; set sft_loss_coef: 0.")

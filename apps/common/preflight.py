@@ -1,0 +1,107 @@
+"""The pre-flight checks both pipelines run before any worker starts (the ROLL FAQ's errors, as sentences).
+
+``apps.rlvr.preflight.preflight`` and ``apps.agentic.preflight.agentic_preflight`` compose these with their own
+checks: model paths filled from ``pretrain``, the roles the algorithm needs, async generation on devices of its own,
+and the batch arithmetic of each training role (``plan_training``, which returns the report the pipeline starts
+from: the placement plan and each training role's batch plan).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from apps.common.config import ROLE_KEYS, SharedConfig
+from rl_core.batch_size import ParallelLayout, TrainBatchPlan, lr_decay_steps, plan_train_batch
+from rl_engines.config import WorkerConfig
+from rl_engines.placement import PlacementPlan
+
+TRAIN_ROLES = ("actor_train", "critic")
+
+
+class PreflightError(ValueError):
+    """The config cannot run; the message names the keys and the fix."""
+
+
+@dataclass(frozen=True)
+class PreflightReport:
+    """What a valid config turns into."""
+
+    placement: PlacementPlan
+    """Where every role runs."""
+    train_plans: dict[str, TrainBatchPlan]
+    """Batch plan of each training role."""
+    lr_decay_steps: dict[str, int]
+    """Optimizer steps over the run, per training role (what a decaying schedule decays over)."""
+
+
+def role_sections(config: SharedConfig) -> dict[str, WorkerConfig]:
+    """The configured roles (actor_train, actor_infer, reference, critic), by placement name."""
+    return {role: getattr(config, role) for role in ROLE_KEYS if getattr(config, role) is not None}
+
+
+def fill_model_paths(config: SharedConfig) -> None:
+    """ROLL's convention: policy roles without model_name_or_path load ``pretrain``."""
+    for role in ROLE_KEYS:
+        section = getattr(config, role)
+        if section is not None and not section.model_args.model_name_or_path and config.pretrain:
+            section.model_args.model_name_or_path = config.pretrain
+
+
+def check_algorithm_roles(config: SharedConfig) -> None:
+    """The roles the algorithm keys need: a critic for gae, a reference for any KL to it."""
+    if config.adv_estimator == "gae" and config.critic is None:
+        raise PreflightError("adv_estimator: gae needs a value model; add a `critic` section or use grpo / reinforce.")
+    needs_reference = config.use_kl_loss or config.add_token_level_kl
+    if needs_reference and config.reference is None:
+        keys = [k for k in ("use_kl_loss", "add_token_level_kl") if getattr(config, k)]
+        raise PreflightError(f"{' and '.join(keys)} need a `reference` section (the frozen policy the KL is to).")
+
+
+def check_async(config: SharedConfig, placement: PlacementPlan) -> None:
+    """Generation ahead of training needs actor_infer on devices of its own."""
+    if config.async_generation_ratio > 0 and placement.is_colocated("actor_train", "actor_infer"):
+        raise PreflightError(
+            f"async_generation_ratio={config.async_generation_ratio:g} needs actor_infer on devices of its own, but "
+            "actor_train.device_mapping and actor_infer.device_mapping overlap; separate them (e.g. train on "
+            "0-3, infer on 4-7) or set async_generation_ratio: 0."
+        )
+
+
+def train_plan(
+    config: SharedConfig, role: str, section: WorkerConfig, num_return_sequences_in_group: int = 1
+) -> TrainBatchPlan:
+    """The batch plan of a training role (raises the FAQ's batch-size errors naming the keys).
+
+    A step trains ``rollout_batch_size x num_return_sequences_in_group`` samples (agentic: one per episode).
+    """
+    strategy_config = section.strategy_args.strategy_config
+    layout = ParallelLayout(
+        world_size=len(section.device_mapping),
+        tensor_model_parallel_size=int(strategy_config.get("tensor_model_parallel_size", 1)),
+        pipeline_model_parallel_size=int(strategy_config.get("pipeline_model_parallel_size", 1)),
+        context_parallel_size=int(strategy_config.get("context_parallel_size", 1)),
+    )
+    args = section.training_args
+    return plan_train_batch(
+        role,
+        rollout_batch_size=config.rollout_batch_size,
+        num_return_sequences_in_group=num_return_sequences_in_group,
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        layout=layout,
+    )
+
+
+def plan_training(
+    config: SharedConfig,
+    placement: PlacementPlan,
+    sections: dict[str, WorkerConfig],
+    num_return_sequences_in_group: int = 1,
+) -> PreflightReport:
+    """The report: ``placement`` and the batch plan and lr decay steps of every configured training role."""
+    plans, decay = {}, {}
+    for role in TRAIN_ROLES:
+        if role in sections:
+            plans[role] = train_plan(config, role, sections[role], num_return_sequences_in_group)
+            decay[role] = lr_decay_steps(config.max_steps, plans[role], config.ppo_epochs)
+    return PreflightReport(placement, plans, decay)
