@@ -107,13 +107,13 @@ def test_system_envs_reach_every_worker_of_every_role(roles):
         assert roles[role].call("get_env", "RL_TEST_FLAG") == [expected, expected]
 
 
-def test_a_bad_device_mapping_fails_before_any_worker_starts(ray_instance, tiny_model_dir):
+def test_a_bad_device_mapping_fails_before_any_worker_starts(ray_session, tiny_model_dir):
     configs = role_configs(tiny_model_dir, [3, 4])
     with pytest.raises(PlacementError, match=r"actor_infer\.device_mapping uses device ids \[4\]"):
         Roles(CLUSTER, configs, rpc_timeout=60)
 
 
-def test_an_unknown_or_misplaced_strategy_fails_naming_the_key(ray_instance, tiny_model_dir):
+def test_an_unknown_or_misplaced_strategy_fails_naming_the_key(ray_session, tiny_model_dir):
     configs = role_configs(tiny_model_dir, [2, 3])
     configs["reference"].strategy_args.strategy_name = "megatron_inference"
     with pytest.raises(ValueError, match=r"reference\.strategy_args\.strategy_name='megatron_inference' is not"):
