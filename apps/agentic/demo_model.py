@@ -35,7 +35,7 @@ LAKE_4X4 = ("SFFF", "FHFH", "FFFH", "HFFG")
 class Recipe:
     """Everything that shapes the cached model; a change rebuilds it."""
 
-    version: int = 4
+    version: int = 5
     hidden: int = 128
     layers: int = 2
     heads: int = 4
@@ -143,6 +143,9 @@ def demo_model(cache_dir: Path, spec: EnvSpec, log: Callable[[str], None] = prin
                          intermediate_size=4 * RECIPE.hidden, num_hidden_layers=RECIPE.layers,
                          num_attention_heads=RECIPE.heads, num_key_value_heads=RECIPE.kv_heads, seed=RECIPE.seed,
                          max_position_embeddings=1024)  # fmt: skip
+    # Read the tokenizer again now that config.json is there: transformers resolves AutoTokenizer through the
+    # model's config when it exists, and the pipeline loads it that way.
+    tokenizer = _tokenizer(folder)
     _warm_up(folder, warm_up_rows(spec, tokenizer), tokenizer, spec, log)
     stamp_file.write_text(json.dumps(_stamp(folder, spec)))
     return folder
@@ -209,11 +212,25 @@ def _warm_up(folder: Path, rows: list[tuple[list[int], list[bool]]], tokenizer: 
                 f"{' '.join(f'{p:.2f}' for p in path)}")  # fmt: skip
             if min(path) >= RECIPE.target:
                 model.save_pretrained(str(folder))
+                _check_saved(folder, spec, path)
                 return
     raise RuntimeError(
         f"the agentic demo's warm-up did not reach p(expert move) >= {RECIPE.target} along the expert's path in "
         f"{RECIPE.sft_steps} steps; raise Recipe.sft_steps in {__file__}."
     )
+
+
+def _check_saved(folder: Path, spec: EnvSpec, path: list[float]) -> None:
+    """The folder read back as the pipeline reads it (model and tokenizer) must pass the check as trained."""
+    from transformers import AutoModelForCausalLM
+
+    saved: Any = AutoModelForCausalLM.from_pretrained(str(folder))
+    saved.eval()
+    again = expert_path_probabilities(saved, _tokenizer(folder), spec)
+    if max(abs(a - b) for a, b in zip(again, path, strict=True)) > 1e-4:
+        raise RuntimeError(
+            f"the warm-up model saved to {folder} reads back different: p(expert move) {again} vs {path}"
+        )
 
 
 def _sft_loss(model: Any, batch: list[tuple[list[int], list[bool]]], pad_id: int) -> Any:
