@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+from rl_core.batch import RolloutBatch
+from rl_engines.role_worker import RoleWorker
 from rl_engines.tiny_model import build_tiny_causal_lm, build_tiny_tokenizer
 
 CONFIG = """\
@@ -69,3 +72,16 @@ def make_setup(root: Path) -> Path:
     build_tiny_causal_lm(root / "model", vocab_size=503, max_position_embeddings=1024)
     (root / "agentic.yaml").write_text(CONFIG.format(out=root / "out", model=root / "model"))
     return root
+
+
+class InProcessGroup:
+    """actor_infer's strategy in this process behind the one call the runner makes (world size 1)."""
+
+    world_size = 1
+
+    def __init__(self, worker: RoleWorker) -> None:
+        self.worker = worker
+
+    def call(self, method: str, batch: RolloutBatch, args: Any, dispatch: str) -> RolloutBatch:
+        assert method == "generate" and dispatch == "dp_split"
+        return self.worker.generate(batch, args)  # type: ignore[no-any-return]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
 
 import pytest
+from agentic_fixtures import InProcessGroup
 
 from apps.agentic.config import AgenticConfig
 from apps.agentic.demo import CONFIG, ROOT, main
@@ -22,26 +22,12 @@ from apps.agentic.demo_model import (
 )
 from apps.agentic.pipeline import AgenticPipeline
 from apps.common.yaml_config import load_config
-from rl_core.batch import RolloutBatch
 from rl_engines.role_worker import RoleWorker
 from rl_engines.worker_group import WorkerBase
 
 STEPS = 8
 """Steps of the short seeded run; the probability of the shortest walk must grow by the factor 1 + MIN_GAIN."""
 MIN_GAIN = 0.05
-
-
-class InProcessGroup:
-    """actor_infer's strategy in this process behind the one call the runner makes (world size 1)."""
-
-    world_size = 1
-
-    def __init__(self, worker: RoleWorker) -> None:
-        self.worker = worker
-
-    def call(self, method: str, batch: RolloutBatch, args: Any, dispatch: str) -> RolloutBatch:
-        assert method == "generate" and dispatch == "dp_split"
-        return self.worker.generate(batch, args)  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")

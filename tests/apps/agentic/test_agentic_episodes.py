@@ -4,32 +4,17 @@ template's rendering of the conversation, and exactly the sampled tokens are tra
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import pytest
-from agentic_fixtures import make_setup
+from agentic_fixtures import InProcessGroup, make_setup
 
 from apps.agentic.config import AgenticConfig
 from apps.agentic.env_manager import EnvManager
 from apps.agentic.rollout import TrajectoryRunner, episodes_to_batch, user_turn
 from apps.common.preflight import fill_model_paths
 from apps.common.yaml_config import load_config
-from rl_core.batch import RolloutBatch
 from rl_engines.role_worker import RoleWorker
 from rl_engines.worker_group import WorkerBase
-
-
-class InProcessGroup:
-    """actor_infer's strategy in this process behind the one call the runner makes (world size 1)."""
-
-    world_size = 1
-
-    def __init__(self, worker: RoleWorker) -> None:
-        self.worker = worker
-
-    def call(self, method: str, batch: RolloutBatch, args: Any, dispatch: str) -> RolloutBatch:
-        assert method == "generate" and dispatch == "dp_split"
-        return self.worker.generate(batch, args)  # type: ignore[no-any-return]
 
 
 @pytest.fixture(scope="module")
