@@ -35,7 +35,7 @@ LAKE_4X4 = ("SFFF", "FHFH", "FFFH", "HFFG")
 class Recipe:
     """Everything that shapes the cached model; a change rebuilds it."""
 
-    version: int = 5
+    version: int = 6
     hidden: int = 128
     layers: int = 2
     heads: int = 4
@@ -44,12 +44,12 @@ class Recipe:
     expert: float = 0.75
     sft_steps: int = 600
     """At most this many supervised steps ..."""
-    check_every: int = 20
+    check_every: int = 10
     """... checking the greedy path every this many ..."""
     target: float = 0.75
     """... and stopping once the expert's move has at least this probability at every turn of its path."""
     batch: int = 16
-    lr: float = 1e-3
+    lr: float = 3e-3
     seed: int = 0
 
 

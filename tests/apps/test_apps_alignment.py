@@ -1,42 +1,101 @@
-"""The alignment matrix: dump once, replay the same rollouts through training variants, compare per step.
+"""The alignment matrix of issue 6: dump RLVR rollouts once, replay the same rollouts through every training
+variant, compare the per-step training metrics with the reference's.
 
-Here the variants are fsdp2_train on 2 data-parallel ranks (the reference) and on 1 rank with twice the gradient
-accumulation: the same global batches, so the same updates up to fp32 reduction order. Engine adapters
-(deepspeed_train, megatron_train) join the matrix in tests/rl_engines when their engines are installed.
+fsdp2_train on 2 data-parallel ranks is the reference. fsdp2_train on 1 rank with twice the gradient accumulation
+trains on the same global batches; deepspeed_train ZeRO-1 and ZeRO-3 (2 ranks), megatron_train TP=1 (2
+data-parallel ranks), TP=2 (1 data-parallel rank) and PP=2 (2 pipeline stages, 1 data-parallel rank) train on the
+same samples in the same mini-batches, in fp32 on CPU. Their per-step pg_loss, total_loss, approx_kl (ppo_kl) and
+grad_norm must match the reference to within what fp32 reduction order explains. Megatron's Ray workers get the
+test harness's CUDA shims through a sitecustomize on their PYTHONPATH (tests/rl_engines/megatron_shims.py), never
+through product code. One matrix (one dump, one replay per variant) serves every test of this module.
 """
 
 from __future__ import annotations
 
-import pytest
-from rlvr_fixtures import make_setup
+import importlib.util
 
-from apps.rlvr.alignment import ALIGNED, alignment_matrix, parse_variant
+import pytest
+from rlvr_fixtures import make_setup, megatron_shim_overrides
+
+from apps.rlvr.alignment import ALIGNED, AlignmentResult, alignment_matrix, parse_variant
 
 # Rewards with a learning signal on the random tiny model: REINFORCE on a length penalty, plus entropy and KL terms;
 # two PPO epochs of two optimizer steps each, so approx_kl (ppo_kl) is not trivially 0 and the mini-batches must be
-# the same sets of samples on one and on two ranks (the pipeline orders samples mini-batch-major for that).
-BASE = ["max_steps=3", "adv_estimator=reinforce", "entropy_loss_coef=0.05", "ppo_epochs=2",
+# the same sets of samples on one and on two ranks (the pipeline orders samples mini-batch-major for that). Two
+# steps: the second trains from weights and optimizer moments the first one left. Inference and reference run on
+# one rank: replay generates nothing, and every variant scores with the same reference.
+BASE = ["max_steps=2", "adv_estimator=reinforce", "entropy_loss_coef=0.05", "ppo_epochs=2",
         "+rewards.math_rule.response_length_penalty_coef=0.01",
-        "actor_train.training_args.per_device_train_batch_size=1"]  # fmt: skip
-VARIANTS = {
-    "fsdp2_dp2": ["actor_train.training_args.gradient_accumulation_steps=2"],
-    "fsdp2_dp1": ["actor_train.device_mapping=[0]", "actor_train.training_args.gradient_accumulation_steps=4"],
-}
+        "actor_infer.device_mapping=[0]", "reference.device_mapping=[0]",
+        "actor_train.training_args.per_device_train_batch_size=1",
+        "actor_train.training_args.gradient_accumulation_steps=2"]  # fmt: skip
+ONE_DATA_RANK = ["actor_train.training_args.gradient_accumulation_steps=4"]  # the same global batch on 1 DP rank
+STRATEGY = "actor_train.strategy_args"
+ENGINE_VARIANTS = ("zero1", "zero3", "megatron_tp1", "megatron_tp2", "megatron_pp2")
+# fp32 on CPU: fsdp2 on 1 and 2 ranks differ only in the order of the gradient reduction (measured <= 1e-7); the
+# engines also in their kernels and Megatron's vocab-parallel softmax (measured <= 1e-6).
+FSDP2_TOLERANCE, ENGINE_TOLERANCE = 1e-6, 2e-5
 
 
-@pytest.mark.usefixtures("ray_session")  # the session's shared Ray (tests/conftest.py)
-def test_replayed_rollouts_train_alike_on_one_and_two_ranks(tmp_path):
-    root = make_setup(tmp_path / "setup")
-    result = alignment_matrix(root / "rlvr.yaml", BASE, VARIANTS, tmp_path / "work")
-    reference = result.metrics["fsdp2_dp2"]
-    assert sorted(reference) == [0, 1, 2]
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        return False
+
+
+def variants(shim_envs: list[str]) -> dict[str, list[str]]:
+    """The reference first; the engine adapters' variants only where their engine is installed."""
+    deepspeed, megatron = f"{STRATEGY}.strategy_name=deepspeed_train", f"{STRATEGY}.strategy_name=megatron_train"
+    found: dict[str, list[str]] = {"fsdp2_dp2": [], "fsdp2_dp1": ["actor_train.device_mapping=[0]", *ONE_DATA_RANK]}
+    if _installed("deepspeed"):
+        found["zero1"] = [deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=1"]
+        found["zero3"] = [deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=3"]
+    if _installed("megatron.core"):
+        found["megatron_tp1"] = [megatron, *shim_envs]
+        found["megatron_tp2"] = [megatron, f"+{STRATEGY}.strategy_config.tensor_model_parallel_size=2",
+                                 *ONE_DATA_RANK, *shim_envs]  # fmt: skip
+        found["megatron_pp2"] = [megatron, f"+{STRATEGY}.strategy_config.pipeline_model_parallel_size=2",
+                                 *ONE_DATA_RANK, *shim_envs]  # fmt: skip
+    return found
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory, ray_session) -> AlignmentResult:
+    root = tmp_path_factory.mktemp("alignment")
+    shim_envs = megatron_shim_overrides(root / "shims")
+    setup = make_setup(root / "setup", num_attention_heads=4, num_key_value_heads=2)  # TP=2 splits 2 KV heads
+    result = alignment_matrix(setup / "rlvr.yaml", BASE, variants(shim_envs), root / "work")
+    print("\n" + result.table())  # the matrix, for the issue notes (pytest -s)
+    return result
+
+
+def _assert_aligned(result: AlignmentResult, variant: str, tolerance: float) -> None:
+    reference = result.metrics[result.reference]
+    for key in ALIGNED:
+        scale = max(1.0, max(abs(reference[step][key]) for step in reference))
+        assert result.max_abs_diff(variant, key) <= tolerance * scale, (variant, key)
+
+
+@pytest.mark.slow
+def test_replayed_rollouts_train_alike_on_one_and_two_ranks(matrix):
+    reference = matrix.metrics["fsdp2_dp2"]
+    assert sorted(reference) == [0, 1]
     assert all(reference[step]["actor/pg_loss"] != 0.0 for step in reference)
     assert any(reference[step]["actor/ppo_kl"] != 0.0 for step in reference)
-    for key in ALIGNED:  # fp32 on CPU, only the order of the gradient reduction differs: measured <= 1e-7
-        assert result.max_abs_diff("fsdp2_dp1", key) <= 1e-6 * max(1.0, abs(reference[0][key])), key
-    table = result.table()
-    assert table.splitlines()[0] == "| step | metric | fsdp2_dp2 | fsdp2_dp1 | |fsdp2_dp1 - ref| |"
-    assert len(table.splitlines()) == 2 + 3 * len(ALIGNED)
+    _assert_aligned(matrix, "fsdp2_dp1", FSDP2_TOLERANCE)
+    table = matrix.table().splitlines()
+    assert table[0].startswith("| step | metric | fsdp2_dp2 | fsdp2_dp1 | ")
+    assert len(table) == 2 + 2 * len(ALIGNED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ENGINE_VARIANTS)
+def test_every_training_engine_replays_the_same_rollouts_alike(matrix, variant):
+    engine = "deepspeed" if variant.startswith("zero") else "megatron.core"
+    if variant not in matrix.metrics:
+        pytest.skip(f"{engine} is not installed")
+    _assert_aligned(matrix, variant, ENGINE_TOLERANCE)
 
 
 @pytest.mark.parametrize(

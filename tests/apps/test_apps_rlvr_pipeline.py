@@ -17,8 +17,19 @@ def setup(tmp_path_factory):
     return make_setup(tmp_path_factory.mktemp("rlvr"))
 
 
-def test_two_grpo_steps_run_and_log_metrics(setup):
-    assert main(["--config_path", str(setup), "--config_name", "rlvr"]) == 0
+DUMP = ["+rollout_mock.enable=true", "+rollout_mock.mode=dump"]
+
+
+@pytest.fixture(scope="module")
+def dumped(setup):
+    """The config's run as it is (two GRPO steps, validation at each, output in ``out``), its rollouts dumped by
+    rl-replay's rollout_mock into ``dumps`` (train and validation): what the two tests below read."""
+    dumps = setup / "dumps"
+    assert main(["--config_path", str(setup), "--config_name", "rlvr", *DUMP, f"+rollout_mock.dump_dir={dumps}"]) == 0
+    return setup / "out", dumps
+
+
+def test_two_grpo_steps_run_and_log_metrics(setup, dumped):
     lines = (setup / "out" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line) for line in lines]
     assert [s["step"] for s in steps] == [0, 1]
@@ -58,72 +69,46 @@ def test_a_bad_config_exits_2_before_anything_starts(setup, capsys):
     assert "adv_estimator: gae needs a value model" in capsys.readouterr().err
 
 
-def test_a_run_killed_after_its_checkpoint_resumes_like_the_uninterrupted_run_and_logs_each_step_once(setup):
-    """A run that logged step 2 and was killed while saving checkpoint-2 (no pipeline_state.json yet) resumes from
-    checkpoint-1: step 2 trains as it did, and metrics.jsonl, timeline.json and TensorBoard hold each step once."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    out = setup / "killed"
-    base = ["--config_path", str(setup), "--config_name", "rlvr", "eval_steps=0", "max_steps=3", f"output_dir={out}"]
-    assert main([*base, "save_steps=2"]) == 0  # checkpoints 1 and 2; the uninterrupted run
-    uninterrupted = _rows(out)
-    (out / "checkpoints" / "checkpoint-2" / "pipeline_state.json").unlink()  # written last by save(): killed before
-    assert main([*base, "resume_from_checkpoint=true"]) == 0
-
-    rows = _rows(out)
-    assert [row["step"] for row in rows] == [0, 1, 2]
-    assert rows[:2] == uninterrupted[:2]
-    for key in ("critic/score/mean", "actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/ppo_kl",
-                "mismatch/mismatch_kl"):  # fmt: skip
-        assert rows[2][key] == pytest.approx(uninterrupted[2][key], abs=1e-6), key
-    trace = json.loads((out / "timeline.json").read_text())["traceEvents"]
-    phases = sorted((event["args"]["step"], event["name"]) for event in trace)
-    assert phases == sorted({*phases}) and {step for step, _ in phases} == {0, 1, 2}  # each phase of a step once
-    kept_end = max(event["ts"] + event["dur"] for event in trace if event["args"]["step"] < 2)
-    assert min(event["ts"] for event in trace if event["args"]["step"] == 2) >= kept_end  # one time line
-    events = EventAccumulator(str(out / "tensorboard" / "tiny_rlvr"))  # both runs' event files
-    events.Reload()
-    assert [event.step for event in events.Scalars("actor/pg_loss")] == [0, 1, 2]
-
-
 def test_prompts_need_not_divide_over_the_inference_workers(setup):
-    """3 prompts on 2 inference workers (ROLL runs 64 on 12): generation is padded, the padding dropped; or,
-    with generate_opt_level 1, scheduled prompt by prompt."""
-    overrides = ["max_steps=1", "eval_steps=0", "rollout_batch_size=3", f"output_dir={setup / 'odd'}",
+    """3 prompts plus 2 additional ones (dynamic sampling) on 2 inference workers (ROLL runs 64 on 12): generation
+    is padded, the padding dropped, the surplus group dropped; or, with generate_opt_level 1, scheduled prompt by
+    prompt."""
+    overrides = ["max_steps=1", "eval_steps=0", "rollout_batch_size=3",
                  "actor_train.training_args.per_device_train_batch_size=3",
                  "actor_train.training_args.gradient_accumulation_steps=1"]  # fmt: skip
-    assert main(["--config_path", str(setup), "--config_name", "rlvr", *overrides]) == 0
-    (row,) = [json.loads(line) for line in (setup / "odd" / "metrics.jsonl").read_text().splitlines()]
+    additional = ["is_use_additional_prompts=true", "max_additional_running_prompts=2",
+                  "+rewards.math_rule.query_filter_config.type=mean_filter",
+                  "+rewards.math_rule.query_filter_config.filter_args.threshold_down=-1"]  # fmt: skip
+    config = ["--config_path", str(setup), "--config_name", "rlvr", *overrides]
+    assert main([*config, *additional, f"output_dir={setup / 'odd'}"]) == 0
+    (row,) = _rows(setup / "odd")
+    assert row["dynamic_sampling/generated_groups"] == 5.0 and row["dynamic_sampling/rounds"] == 1.0
     assert "actor/pg_loss" in row
     # generate_opt_level 1: one prompt per request, at most 2 in flight, to whichever worker has room
     scheduler = ["generate_opt_level=1", "max_running_requests=2", "actor_infer.infer_batch_size=1"]
-    common = [item for item in overrides if not item.startswith("output_dir")]
-    assert main(["--config_path", str(setup), "--config_name", "rlvr", *common, *scheduler,
-                 f"output_dir={setup / 'scheduled'}"]) == 0  # fmt: skip
+    assert main([*config, *scheduler, f"output_dir={setup / 'scheduled'}"]) == 0
     (row,) = _rows(setup / "scheduled")
     assert "actor/pg_loss" in row and row["response_length/mean"] > 0
 
 
-def test_dump_then_mock_twice_gives_identical_training_metrics(setup):
+def test_dump_then_mock_twice_gives_identical_training_metrics(setup, dumped):
     """The rollout-dump-mock guide's workflow: dump once, replay; compare-metrics exits 0 (exact)."""
     import subprocess
     import sys
 
-    dumps = setup / "dumps"
+    out, dumps = dumped
     base = ["--config_path", str(setup), "--config_name", "rlvr", "eval_steps=1", "max_steps=2"]
     mock = ["+rollout_mock.enable=true", "+rollout_mock.mode=mock", f"+rollout_mock.dump_dir={dumps}"]
-    dump = ["+rollout_mock.enable=true", "+rollout_mock.mode=dump", f"+rollout_mock.dump_dir={dumps}"]
-    assert main([*base, *dump, f"output_dir={setup / 'dumped'}"]) == 0
     steps = ["step_000000.safetensors", "step_000001.safetensors"]
     assert sorted(p.name for p in (dumps / "train").iterdir()) == steps
     assert sorted(p.name for p in (dumps / "val").iterdir()) == steps  # the validation scheduler's split
     for run in ("mock_a", "mock_b"):
         assert main([*base, *mock, f"output_dir={setup / run}"]) == 0
-    rows = {run: _rows(setup / run) for run in ("dumped", "mock_a")}
+    rows = {run: _rows(folder) for run, folder in (("dumped", out), ("mock_a", setup / "mock_a"))}
     assert [r["val/score/mean"] for r in rows["mock_a"]] == [r["val/score/mean"] for r in rows["dumped"]]
-    for other in ("mock_b", "dumped"):
+    for other in (setup / "mock_b", out):
         result = subprocess.run(
-            [sys.executable, "-m", "rl_replay", "compare-metrics", str(setup / "mock_a"), str(setup / other)],
+            [sys.executable, "-m", "rl_replay", "compare-metrics", str(setup / "mock_a"), str(other)],
             capture_output=True, text=True,
         )  # fmt: skip
         assert result.returncode == 0, result.stdout + result.stderr
@@ -172,14 +157,3 @@ def test_sample_masks_reach_the_loop_and_an_all_masked_step_skips_training(setup
         assert "actor/pg_loss" not in row and row["response_length/clip_ratio"] == 1.0
     # actor_infer.model_update_frequency=2: weights are synced every second step
     assert "time/model_update" not in rows[0] and "time/model_update" in rows[1]
-
-
-def test_additional_prompts_are_generated_and_the_surplus_dropped(setup):
-    overrides = ["max_steps=1", "eval_steps=0", "is_use_additional_prompts=true", "max_additional_running_prompts=2",
-                 "+rewards.math_rule.query_filter_config.type=mean_filter",
-                 "+rewards.math_rule.query_filter_config.filter_args.threshold_down=-1",
-                 f"output_dir={setup / 'dynamic'}"]  # fmt: skip
-    assert main(["--config_path", str(setup), "--config_name", "rlvr", *overrides]) == 0
-    (row,) = _rows(setup / "dynamic")
-    assert row["dynamic_sampling/generated_groups"] == 6.0 and row["dynamic_sampling/rounds"] == 1.0
-    assert "actor/pg_loss" in row

@@ -27,8 +27,17 @@ def _args(setup, *overrides):
     return ["--config_path", str(setup), "--config_name", "agentic", *overrides]
 
 
-def test_steps_run_validate_render_and_save(setup):
-    assert main(_args(setup)) == 0
+@pytest.fixture(scope="module")
+def dumped(setup):
+    """The config's run as it is (output in ``out``), its episodes dumped by rl-replay's rollout_mock into
+    ``dumps``: what the two tests below read."""
+    dumps = setup / "dumps"
+    assert main(_args(setup, "+rollout_mock.enable=true", "+rollout_mock.mode=dump",
+                      f"+rollout_mock.dump_dir={dumps}")) == 0  # fmt: skip
+    return setup / "out", dumps
+
+
+def test_steps_run_validate_render_and_save(setup, dumped):
     rows = _rows(setup / "out")
     assert [r["step"] for r in rows] == [0, 1]
     for metrics in rows:
@@ -50,20 +59,18 @@ def test_steps_run_validate_render_and_save(setup):
     assert json.loads((checkpoint / "pipeline_state.json").read_text())["step"] == 1
 
 
-def test_dump_then_mock_gives_identical_training_metrics(setup):
+def test_dump_then_mock_gives_identical_training_metrics(setup, dumped):
     """The rollout-dump-mock workflow on agentic episodes: replayed steps train bit for bit like the dumped run."""
-    dumps = setup / "dumps"
-    dump = ["+rollout_mock.enable=true", "+rollout_mock.mode=dump", f"+rollout_mock.dump_dir={dumps}"]
+    out, dumps = dumped
     mock = ["+rollout_mock.enable=true", "+rollout_mock.mode=mock", f"+rollout_mock.dump_dir={dumps}"]
-    assert main(_args(setup, *dump, f"output_dir={setup / 'dumped'}")) == 0
     assert sorted(p.name for p in (dumps / "train").iterdir()) == ["step_000000.safetensors", "step_000001.safetensors"]
     assert main(_args(setup, *mock, f"output_dir={setup / 'mocked'}")) == 0
-    result = subprocess.run([sys.executable, "-m", "rl_replay", "compare-metrics", str(setup / "dumped"),
-                             str(setup / "mocked")], capture_output=True, text=True)  # fmt: skip
+    result = subprocess.run([sys.executable, "-m", "rl_replay", "compare-metrics", str(out), str(setup / "mocked")],
+                            capture_output=True, text=True)  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
-    dumped, mocked = _rows(setup / "dumped"), _rows(setup / "mocked")
-    assert [r["actor/pg_loss"] for r in dumped] == [r["actor/pg_loss"] for r in mocked]
-    assert [r["val/success_rate"] for r in dumped] == [r["val/success_rate"] for r in mocked]
+    dumped_rows, mocked = _rows(out), _rows(setup / "mocked")
+    assert [r["actor/pg_loss"] for r in dumped_rows] == [r["actor/pg_loss"] for r in mocked]
+    assert [r["val/success_rate"] for r in dumped_rows] == [r["val/success_rate"] for r in mocked]
 
 
 def test_async_episodes_run_one_step_ahead(setup):

@@ -1,16 +1,28 @@
-"""Strategies by ``strategy_args.strategy_name``; importing this package registers the built-in ones.
+"""Strategies by ``strategy_args.strategy_name``.
 
-Built in: ``fsdp2_train`` (torch-native FSDP2 training, CPU and GPU) and ``hf_infer`` (transformers generation
-and scoring). Engine adapters (vLLM, SGLang, DeepSpeed, Megatron) import their engine only inside their module.
+Built in: ``fsdp2_train`` (torch-native FSDP2 training, CPU and GPU), ``hf_infer`` (transformers generation and
+scoring) and the engine adapters (``deepspeed_train``, ``megatron_train``, ``megatron_infer``, ``vllm``,
+``sglang``), each of which imports its engine only inside its module. A built-in strategy's module is imported when
+the strategy is first created, or when ``STRATEGIES`` (every strategy registered) is read from this package.
 """
 
-from rl_engines.strategies import deepspeed_train as _deepspeed_train  # noqa: F401  (registers deepspeed_train)
-from rl_engines.strategies import fsdp2 as _fsdp2  # noqa: F401  (registers fsdp2_train)
-from rl_engines.strategies import hf_infer as _hf_infer  # noqa: F401  (registers hf_infer)
-from rl_engines.strategies import megatron_infer as _megatron_infer  # noqa: F401  (registers megatron_infer)
-from rl_engines.strategies import megatron_train as _megatron_train  # noqa: F401  (registers megatron_train)
-from rl_engines.strategies import sglang_infer as _sglang_infer  # noqa: F401  (registers sglang)
-from rl_engines.strategies import vllm_infer as _vllm_infer  # noqa: F401  (registers vllm)
-from rl_engines.strategies.base import STRATEGIES, InferStrategy, Strategy, TrainStrategy, create_strategy
+from __future__ import annotations
 
-__all__ = ["STRATEGIES", "InferStrategy", "Strategy", "TrainStrategy", "create_strategy"]
+from typing import Any
+
+from rl_engines.strategies.base import (
+    BUILT_IN_STRATEGIES,
+    InferStrategy,
+    Strategy,
+    TrainStrategy,
+    create_strategy,
+    registered_strategies,
+)
+
+__all__ = ["BUILT_IN_STRATEGIES", "STRATEGIES", "InferStrategy", "Strategy", "TrainStrategy", "create_strategy"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "STRATEGIES":  # every built-in strategy registered
+        return registered_strategies()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,7 @@ kinds expose the same small surface, checked by the contract suites ``tests/rl_e
 from __future__ import annotations
 
 import datetime
+import importlib
 import os
 from collections.abc import Iterator
 from typing import Any, Protocol
@@ -82,17 +83,40 @@ class InferStrategy(Strategy, Protocol):
 
 StrategyClass = Any  # a class taking (config: WorkerConfig, role: str) and implementing a Strategy protocol
 STRATEGIES: Registry[StrategyClass] = Registry("strategy", "strategy_args.strategy_name")
+BUILT_IN_STRATEGIES = {
+    "fsdp2_train": "fsdp2",
+    "hf_infer": "hf_infer",
+    "deepspeed_train": "deepspeed_train",
+    "megatron_train": "megatron_train",
+    "megatron_infer": "megatron_infer",
+    "vllm": "vllm_infer",
+    "sglang": "sglang_infer",
+}
+"""Built-in strategy name -> its module under ``rl_engines.strategies``, imported (and so registered) on first use:
+a worker process imports only the strategy it runs (an inference worker never loads torch's distributed
+checkpointing, DeepSpeed's state code or Megatron's)."""
+
+
+def registered_strategies() -> Registry[StrategyClass]:
+    """The registry with every built-in strategy imported (what ``rl_engines.strategies.STRATEGIES`` returns)."""
+    for name in BUILT_IN_STRATEGIES:
+        _import_built_in(name)
+    return STRATEGIES
+
+
+def _import_built_in(name: str) -> None:
+    if name in BUILT_IN_STRATEGIES and name not in STRATEGIES:
+        importlib.import_module(f"rl_engines.strategies.{BUILT_IN_STRATEGIES[name]}")
 
 
 def create_strategy(config: WorkerConfig, role: str) -> Any:
     """Instantiate the strategy ``config.strategy_args.strategy_name`` for ``role`` (not yet initialised)."""
-    import rl_engines.strategies  # noqa: F401  (registers the built-in strategies)
-
     name = config.strategy_args.strategy_name
+    _import_built_in(name)
     if name not in STRATEGIES:
         raise ValueError(
             f"{role}.strategy_args.strategy_name={name!r} is not a registered strategy; valid names: "
-            f"{STRATEGIES.names()}."
+            f"{registered_strategies().names()}."
         )
     return STRATEGIES.get(name)(config, role)
 
