@@ -19,6 +19,8 @@ import pytest
 
 SHARED_DIR = Path(__file__).resolve().parents[2] / "shared"  # <checkout>/tests/shared_dir.py -> <checkout>/../shared
 ROLL_EXAMPLES = SHARED_DIR / "roll-examples"
+ROLL_TARGETS = SHARED_DIR / "roll-targets"
+"""ROLL files of capabilities the issues add; each joins the examples' parametrized tests when its capability lands."""
 
 
 def under_ci() -> bool:
@@ -45,3 +47,8 @@ def roll_example_files(*patterns: str) -> list[Path]:
     """
     found = sorted({path for pattern in patterns for path in ROLL_EXAMPLES.glob(pattern)})
     return found or [ROLL_EXAMPLES / patterns[0]]
+
+
+def roll_target_files(*relative: str) -> list[Path]:
+    """The named files of ``ROLL_TARGETS`` (whether or not they exist: pass each through :func:`require_shared`)."""
+    return [ROLL_TARGETS / name for name in relative]

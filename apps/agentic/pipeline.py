@@ -59,6 +59,8 @@ class AgenticPipeline:
     def __init__(self, config: AgenticConfig, log: Callable[[str], None] = print, progress_bar: bool | None = None):
         self.config, self.base, self.log, self.progress_bar = config, config.base, log, progress_bar
         self.report = agentic_preflight(config)
+        for note in self.report.notes:
+            log(note)
         if warning := checkpoint_space_warning(config.base):
             log(warning)
         from transformers import AutoTokenizer

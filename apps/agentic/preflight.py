@@ -10,6 +10,7 @@ from apps.common.preflight import (
     PreflightReport,
     check_algorithm_roles,
     check_async,
+    check_token_budgets,
     fill_model_paths,
     plan_training,
     role_sections,
@@ -38,4 +39,7 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
             f"sequence_length ({base.sequence_length}) leaves no room for a prompt before a turn of "
             f"max_tokens_per_step={longest} tokens; raise sequence_length or lower max_tokens_per_step."
         )
-    return plan_training(base, placement, sections)
+    notes = check_token_budgets(sections, config.sequence_length, "sequence_length")
+    report = plan_training(base, placement, sections)
+    report.notes.extend(notes)
+    return report

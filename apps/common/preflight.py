@@ -8,7 +8,7 @@ from: the placement plan and each training role's batch plan).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from apps.common.config import ROLE_KEYS, SharedConfig
 from rl_core.batch_size import ParallelLayout, TrainBatchPlan, lr_decay_steps, plan_train_batch
@@ -32,6 +32,8 @@ class PreflightReport:
     """Batch plan of each training role."""
     lr_decay_steps: dict[str, int]
     """Optimizer steps over the run, per training role (what a decaying schedule decays over)."""
+    notes: list[str] = field(default_factory=list)
+    """What the run does differently from what the config may suggest (the pipeline logs each line)."""
 
 
 def role_sections(config: SharedConfig) -> dict[str, WorkerConfig]:
@@ -90,6 +92,36 @@ def train_plan(
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         layout=layout,
     )
+
+
+def check_token_budgets(sections: dict[str, WorkerConfig], longest: int, what: str) -> list[str]:
+    """Dynamic batching: the longest sample the pipeline can build (``longest`` tokens, ``what`` says whence),
+    rounded up to ``sequence_length_round_in_*``, must fit in one pass of ``max_tokens_per_microbatch_in_*``.
+
+    Returns a note for each budget that is not a multiple of its rounding: ROLL accepts those (its own example
+    writes 49125 for a rounding of 128), and a pass then holds at most the largest multiple below the budget.
+    """
+    notes = []
+    for role, section in sections.items():
+        for phase in ("train", "infer"):
+            if not getattr(section, f"use_dynamic_batching_in_{phase}"):
+                continue
+            budget = getattr(section, f"max_tokens_per_microbatch_in_{phase}")
+            round_to = getattr(section, f"sequence_length_round_in_{phase}")
+            need = -(-longest // round_to) * round_to
+            if need > budget:
+                raise PreflightError(
+                    f"{role}.max_tokens_per_microbatch_in_{phase}={budget} cannot hold one sample of {what} = "
+                    f"{longest} tokens ({need} rounded to {role}.sequence_length_round_in_{phase}={round_to}); "
+                    f"raise it to at least {need} (ROLL recommends sequence_length x 2 x micro_batch_size)."
+                )
+            if budget % round_to:
+                notes.append(
+                    f"[preflight] {role}.max_tokens_per_microbatch_in_{phase}={budget} is not a multiple of "
+                    f"{role}.sequence_length_round_in_{phase}={round_to}: its passes hold at most "
+                    f"{budget - budget % round_to} tokens (lengths are rounded up to multiples of {round_to})."
+                )
+    return notes
 
 
 def plan_training(

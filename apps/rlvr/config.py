@@ -75,6 +75,8 @@ class RLVRConfig(SharedConfig):
     and lengths, dynamic sampling, sample masks, rewards, validation). Defaults follow ROLL's where it documents one."""
 
     # ---- batch and lengths -----------------------------------------------------------------------------------
+    global_template: str | None = None
+    """Chat template of every prompt (training and validation), over ``actor_train.data_args.template``."""
     prompt_length: int = 1024
     """Prompt tokens kept (longer prompts are truncated from the left)."""
     response_length: int = 1024

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from apps.common.config_checks import check_minimum, fail
+from apps.rlvr.data import KNOWN_TEMPLATES
 
 # key -> smallest allowed value
 MINIMUM = {
@@ -21,6 +22,11 @@ def check_rlvr_ranges(config: Any) -> None:
         fail(
             f"sequence_length ({config.sequence_length}) must be >= prompt_length + response_length "
             f"({config.prompt_length} + {config.response_length}); raise it or shorten the lengths."
+        )
+    if config.global_template is not None and config.global_template not in KNOWN_TEMPLATES:
+        fail(
+            f"global_template={config.global_template!r} is not supported; use one of {list(KNOWN_TEMPLATES)} (each "
+            "applies the tokenizer's own chat template)."
         )
     if config.generate_opt_level not in (0, 1):
         fail(

@@ -58,6 +58,8 @@ class RLVRPipeline:
         self.log = log
         self.progress_bar = progress_bar  # None: shown when stderr is a terminal
         self.report = preflight(config)
+        for note in self.report.notes:
+            log(note)
         if warning := checkpoint_space_warning(config):
             log(warning)
         from transformers import AutoTokenizer
@@ -69,7 +71,7 @@ class RLVRPipeline:
         if not files:
             raise ValueError("actor_train.data_args.file_name is not set; point it at the training prompts.")
         records = load_records(files, prompt_key=self.prompt_key, messages_key=self.messages_key)
-        template = str(data_args.get("template", "native"))
+        template = str(config.global_template or data_args.get("template", "native"))
         self.prompts = PromptSource(records, self.tokenizer, template, self.prompt_key, self.messages_key,
                                     config.prompt_length)  # fmt: skip
         self.sampler = PromptSampler(len(records), config.seed)

@@ -15,6 +15,7 @@ from apps.common.preflight import (
     PreflightReport,
     check_algorithm_roles,
     check_async,
+    check_token_budgets,
     fill_model_paths,
     plan_training,
     role_sections,
@@ -45,7 +46,11 @@ def preflight(config: RLVRConfig) -> PreflightReport:
     placement = plan_roles(ClusterSpec(config.num_nodes, config.num_gpus_per_node), sections)
     check_async(config, placement)
     _check_generation(config, placement)
-    return plan_training(config, placement, sections, config.num_return_sequences_in_group)
+    longest = config.prompt_length + config.response_length
+    notes = check_token_budgets(sections, longest, "prompt_length + response_length")
+    report = plan_training(config, placement, sections, config.num_return_sequences_in_group)
+    report.notes.extend(notes)
+    return report
 
 
 def _check_generation(config: RLVRConfig, placement: PlacementPlan) -> None:

@@ -50,8 +50,9 @@ class Validator:
         prompt_key = data_args.get("prompt", train_prompts.prompt_key if "messages" not in data_args else None)
         messages_key = data_args.get("messages", train_prompts.messages_key if prompt_key is None else None)
         records = load_records(files, prompt_key=prompt_key, messages_key=messages_key)
+        template = config.global_template or data_args.get("template", train_prompts.template)
         prompts = replace(train_prompts, records=records, prompt_key=prompt_key, messages_key=messages_key,
-                          template=str(data_args.get("template", train_prompts.template)))  # fmt: skip
+                          template=str(template))  # fmt: skip
         batch_size = config.val_batch_size or len(records)
         return cls(prompts, router, config.validation.generating_args, batch_size, replay)
 

@@ -2,7 +2,8 @@
 variant, compare the per-step training metrics with the reference's.
 
 fsdp2_train on 2 data-parallel ranks is the reference. fsdp2_train on 1 rank with twice the gradient accumulation
-trains on the same global batches; deepspeed_train ZeRO-1 and ZeRO-3 (2 ranks), megatron_train TP=1 (2
+trains on the same global batches, and with ROLL's dynamic batching (token-budget passes without padding) on the
+same mini-batches; deepspeed_train ZeRO-1 and ZeRO-3 (2 ranks), megatron_train TP=1 (2
 data-parallel ranks), TP=2 (1 data-parallel rank) and PP=2 (2 pipeline stages, 1 data-parallel rank) train on the
 same samples in the same mini-batches, in fp32 on CPU. Their per-step pg_loss, total_loss, approx_kl (ppo_kl) and
 grad_norm must match the reference to within what fp32 reduction order explains. Megatron's Ray workers get the
@@ -13,6 +14,7 @@ through product code. One matrix (one dump, one replay per variant) serves every
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 from rlvr_fixtures import make_setup, megatron_shim_overrides
@@ -24,7 +26,7 @@ from apps.rlvr.alignment import ALIGNED, AlignmentResult, alignment_matrix, pars
 # the same sets of samples on one and on two ranks (the pipeline orders samples mini-batch-major for that). Two
 # steps: the second trains from weights and optimizer moments the first one left. Inference and reference run on
 # one rank: replay generates nothing, and every variant scores with the same reference.
-BASE = ["max_steps=2", "adv_estimator=reinforce", "entropy_loss_coef=0.05", "ppo_epochs=2",
+BASE = ["max_steps=2", "prompt_length=24", "adv_estimator=reinforce", "entropy_loss_coef=0.05", "ppo_epochs=2",
         "+rewards.math_rule.response_length_penalty_coef=0.01",
         "actor_infer.device_mapping=[0]", "reference.device_mapping=[0]",
         "actor_train.training_args.per_device_train_batch_size=1",
@@ -32,6 +34,14 @@ BASE = ["max_steps=2", "adv_estimator=reinforce", "entropy_loss_coef=0.05", "ppo
 ONE_DATA_RANK = ["actor_train.training_args.gradient_accumulation_steps=4"]  # the same global batch on 1 DP rank
 STRATEGY = "actor_train.strategy_args"
 ENGINE_VARIANTS = ("zero1", "zero3", "megatron_tp1", "megatron_tp2", "megatron_pp2")
+# ROLL's dynamic batching: passes of at most 32 tokens (prompt_length 24 + response_length 8 fit one; two short
+# samples share one) without their padding columns, in training, in actor_train's log-probs and in the reference's.
+DYNAMIC_BATCHING = [
+    *(f"+{role}.use_dynamic_batching_in_infer=true" for role in ("actor_train", "reference")),
+    *(f"+{role}.max_tokens_per_microbatch_in_infer=32" for role in ("actor_train", "reference")),
+    "+actor_train.use_dynamic_batching_in_train=true",
+    "+actor_train.max_tokens_per_microbatch_in_train=32",
+]
 # fp32 on CPU: fsdp2 on 1 and 2 ranks differ only in the order of the gradient reduction (measured <= 1e-7); the
 # engines also in their kernels and Megatron's vocab-parallel softmax (measured <= 1e-6).
 FSDP2_TOLERANCE, ENGINE_TOLERANCE = 1e-6, 2e-5
@@ -47,7 +57,8 @@ def _installed(module: str) -> bool:
 def variants(shim_envs: list[str]) -> dict[str, list[str]]:
     """The reference first; the engine adapters' variants only where their engine is installed."""
     deepspeed, megatron = f"{STRATEGY}.strategy_name=deepspeed_train", f"{STRATEGY}.strategy_name=megatron_train"
-    found: dict[str, list[str]] = {"fsdp2_dp2": [], "fsdp2_dp1": ["actor_train.device_mapping=[0]", *ONE_DATA_RANK]}
+    found: dict[str, list[str]] = {"fsdp2_dp2": [], "fsdp2_dp1": ["actor_train.device_mapping=[0]", *ONE_DATA_RANK],
+                                   "fsdp2_dynamic_batching": DYNAMIC_BATCHING}  # fmt: skip
     if _installed("deepspeed"):
         found["zero1"] = [deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=1"]
         found["zero3"] = [deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=3"]
@@ -65,7 +76,11 @@ def matrix(tmp_path_factory, ray_session) -> AlignmentResult:
     root = tmp_path_factory.mktemp("alignment")
     shim_envs = megatron_shim_overrides(root / "shims")
     setup = make_setup(root / "setup", num_attention_heads=4, num_key_value_heads=2)  # TP=2 splits 2 KV heads
-    result = alignment_matrix(setup / "rlvr.yaml", BASE, variants(shim_envs), root / "work")
+    # Prompts of 4 to 10 tokens: every batch has left padding, which the padding-free passes drop.
+    rows = [{"prompt": f"{a}+{b}=", "ground_truth": str(a + b)} for a in (1, 23, 456, 7890) for b in (2, 34, 567, 8901)]
+    (setup / "varied.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    data = f"actor_train.data_args.file_name={setup / 'varied.jsonl'}"
+    result = alignment_matrix(setup / "rlvr.yaml", [*BASE, data], variants(shim_envs), root / "work")
     print("\n" + result.table())  # the matrix, for the issue notes (pytest -s)
     return result
 
@@ -87,6 +102,12 @@ def test_replayed_rollouts_train_alike_on_one_and_two_ranks(matrix):
     table = matrix.table().splitlines()
     assert table[0].startswith("| step | metric | fsdp2_dp2 | fsdp2_dp1 | ")
     assert len(table) == 2 + 2 * len(ALIGNED)
+
+
+@pytest.mark.slow
+def test_dynamic_batching_trains_like_the_padded_micro_batches(matrix):
+    """Token-budget passes without padding columns (ranks agreeing on their count) give the padded run's update."""
+    _assert_aligned(matrix, "fsdp2_dynamic_batching", FSDP2_TOLERANCE)
 
 
 @pytest.mark.slow

@@ -14,9 +14,11 @@ from rl_core.batch import BatchSizeError
 from rl_engines.config import WorkerConfigError
 from rl_engines.device_mapping import parse_device_mapping
 from rl_engines.placement import PlacementError
-from tests.shared_dir import require_shared, roll_example_files
+from tests.shared_dir import require_shared, roll_example_files, roll_target_files
 
-RLVR_FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/*.yaml", "docs_examples/*.yaml")
+RLVR_FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/*.yaml", "docs_examples/*.yaml") + roll_target_files(
+    "qwen2.5-7B-rlvr_megatron/rlvr_config_dynamic_batching.yaml",  # dynamic batching (issue 15)
+)
 TORCH_NATIVE = {"megatron_train": "fsdp2_train", "deepspeed_train": "fsdp2_train", "vllm": "hf_infer",
                 "sglang": "hf_infer", "megatron_infer": "hf_infer"}  # fmt: skip
 
@@ -129,6 +131,14 @@ def test_the_small_config_passes():
         ({"loss_agg_mode": "mean"}, WorkerConfigError, r"loss_agg_mode='mean' is not supported"),
         ({"rollout_batch_size": 0}, WorkerConfigError, r"rollout_batch_size must be >= 1"),
         ({"system_envs": {"X": 1}}, WorkerConfigError, r"system_envs\.X must be a string"),
+        ({"actor_train__system_envs": {"X": 1}}, WorkerConfigError, r"actor_train\.system_envs\.X must be a string"),
+        ({"global_template": "vicuna"}, WorkerConfigError, r"global_template='vicuna' is not supported; use one of"),
+        ({"actor_train__use_dynamic_batching_in_train": True, "actor_train__max_tokens_per_microbatch_in_train": 1024},
+         PreflightError, r"actor_train\.max_tokens_per_microbatch_in_train=1024 cannot hold one sample of "
+                         r"prompt_length \+ response_length = 1040 tokens \(1040 rounded to actor_train\.sequence_"),
+        ({"reference": {"device_mapping": [0, 1], "strategy_args": {"strategy_name": "hf_infer"},
+                        "use_dynamic_batching_in_infer": True}, "use_kl_loss": True}, WorkerConfigError,
+         r"reference\.use_dynamic_batching_in_infer is true but reference\.max_tokens_per_microbatch_in_infer is None"),
         ({"rollout_mock": {"enable": True, "mode": "replay"}}, WorkerConfigError, r"rollout_mock\.mode"),
         ({"adv_estimator": "gae"}, PreflightError, r"adv_estimator: gae needs a value model; add a `critic`"),
         ({"use_kl_loss": True}, PreflightError, r"use_kl_loss need a `reference` section"),
@@ -149,6 +159,20 @@ def test_the_small_config_passes():
 def test_bad_configs_fail_before_anything_starts_naming_the_key(changes, error, message):
     with pytest.raises(error, match=message):
         preflight(RLVRConfig.from_dict(with_(base(), **changes)))
+
+
+def test_a_token_budget_off_the_rounding_runs_with_a_note_as_in_roll():
+    """ROLL's own example writes max_tokens_per_microbatch_in_infer: 49125 with a rounding of 128."""
+    dynamic = {
+        "actor_train__use_dynamic_batching_in_infer": True,
+        "actor_train__max_tokens_per_microbatch_in_infer": 2101,
+    }
+    report = preflight(RLVRConfig.from_dict(with_(base(), **dynamic)))
+    assert report.notes == [
+        "[preflight] actor_train.max_tokens_per_microbatch_in_infer=2101 is not a multiple of "
+        "actor_train.sequence_length_round_in_infer=4: its passes hold at most 2100 tokens (lengths are rounded up "
+        "to multiples of 4)."
+    ]
 
 
 def test_pretrain_fills_model_paths_of_policy_roles():

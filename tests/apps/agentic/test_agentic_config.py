@@ -9,10 +9,12 @@ from apps.agentic.env_manager import EnvManager, group_seed
 from apps.agentic.preflight import agentic_preflight
 from apps.common.yaml_config import load_config
 from rl_engines.config import WorkerConfigError
-from tests.shared_dir import ROLL_EXAMPLES, require_shared, roll_example_files
+from tests.shared_dir import ROLL_EXAMPLES, require_shared, roll_example_files, roll_target_files
 
 AGENTIC_DIR = ROLL_EXAMPLES / "qwen2.5-0.5B-agentic"
-AGENTIC_FILES = roll_example_files("qwen2.5-0.5B-agentic/*.yaml")
+AGENTIC_FILES = roll_example_files("qwen2.5-0.5B-agentic/*.yaml") + roll_target_files(
+    "qwen2.5-0.5B-agentic/agentic_val_sokoban_dynamic_batching.yaml",  # dynamic batching (issue 15)
+)
 
 
 @pytest.fixture(params=AGENTIC_FILES, ids=lambda p: p.name)
@@ -23,7 +25,8 @@ def roll_file(request):
 def test_the_roll_agentic_files_exist():
     require_shared(AGENTIC_DIR)
     assert [p.name for p in AGENTIC_FILES] == ["agent_val_frozen_lake_async.yaml",
-                                               "agentic_sokoban_rollout_mock_dump.yaml"]  # fmt: skip
+                                               "agentic_sokoban_rollout_mock_dump.yaml",
+                                               "agentic_val_sokoban_dynamic_batching.yaml"]  # fmt: skip
 
 
 def test_every_roll_agentic_file_loads_and_passes_preflight(roll_file):

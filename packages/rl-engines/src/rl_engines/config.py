@@ -168,6 +168,23 @@ class WorkerConfig:
     """See :class:`StrategyArgs`."""
     data_args: dict[str, Any] = field(default_factory=dict)
     """Read by the apps (template, file_name, prompt / messages); kept as given."""
+    system_envs: dict[str, str] = field(default_factory=dict)
+    """Environment variables of this role's worker processes, over the pipeline's own ``system_envs``."""
+    use_dynamic_batching_in_train: bool = False
+    """Training forward/backward passes cut by a token budget instead of per_device_train_batch_size samples:
+    samples sorted by length, padding columns removed (ROLL's dynamic batching). Mini-batches, and so the update,
+    are unchanged."""
+    max_tokens_per_microbatch_in_train: int = 0
+    """The training budget: samples x longest (rounded) per pass. ROLL recommends sequence_length x 2 x
+    micro_batch_size."""
+    sequence_length_round_in_train: int = 4
+    """Sequence lengths are rounded up to a multiple of this in the training budget and the passes' width."""
+    use_dynamic_batching_in_infer: bool = False
+    """The same for log-prob and value passes (in place of infer_batch_size samples per pass)."""
+    max_tokens_per_microbatch_in_infer: int | None = None
+    """The log-prob / value budget: samples x longest (rounded) per pass."""
+    sequence_length_round_in_infer: int = 4
+    """Sequence lengths are rounded up to a multiple of this in the log-prob / value budget."""
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], role: str) -> WorkerConfig:
@@ -186,9 +203,35 @@ class WorkerConfig:
         for name in ("num_gpus_per_worker", "infer_batch_size", "model_update_frequency"):
             if getattr(self, name) < 1:
                 raise WorkerConfigError(f"{role}.{name} must be >= 1, got {getattr(self, name)}.")
+        for name, value in self.system_envs.items():
+            if not isinstance(value, str):
+                raise WorkerConfigError(
+                    f"{role}.system_envs.{name} must be a string, got {type(value).__name__} {value!r}; quote it "
+                    f"in YAML ({name}: '{value}')."
+                )
+        for phase in ("train", "infer"):
+            self._validate_dynamic_batching(role, phase)
         self.model_args.validate(f"{role}.model_args")
         self.training_args.validate(f"{role}.training_args")
         self.generating_args.validate(f"{role}.generating_args")
+
+    def _validate_dynamic_batching(self, role: str, phase: str) -> None:
+        budget_key, round_key = f"max_tokens_per_microbatch_in_{phase}", f"sequence_length_round_in_{phase}"
+        budget, round_to = getattr(self, budget_key), getattr(self, round_key)
+        if round_to < 1:
+            raise WorkerConfigError(f"{role}.{round_key} must be >= 1, got {round_to}.")
+        if not getattr(self, f"use_dynamic_batching_in_{phase}"):
+            return
+        if not budget or budget < 1:
+            raise WorkerConfigError(
+                f"{role}.use_dynamic_batching_in_{phase} is true but {role}.{budget_key} is {budget}; set it to the "
+                "tokens one pass may hold (ROLL recommends sequence_length x 2 x micro_batch_size)."
+            )
+        if budget < round_to:
+            raise WorkerConfigError(
+                f"{role}.{budget_key}={budget} is smaller than {role}.{round_key}={round_to}: no sample fits a pass; "
+                f"raise it to a multiple of {round_to} that holds the longest sample."
+            )
 
 
 T = TypeVar("T")

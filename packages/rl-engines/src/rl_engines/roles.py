@@ -83,7 +83,8 @@ class Roles:
             for name, config in self.configs.items():
                 self.groups[name] = WorkerGroup(
                     name, RoleWorker, self.plan.roles[name], self.pool,
-                    rpc_timeout=rpc_timeout, system_envs=system_envs, init_args=(config,),
+                    rpc_timeout=rpc_timeout, system_envs={**(system_envs or {}), **config.system_envs},
+                    init_args=(config,),
                 )  # fmt: skip
             futures = [group.call_async("initialize", rpc_timeout) for group in self.groups.values()]
             for future in futures:

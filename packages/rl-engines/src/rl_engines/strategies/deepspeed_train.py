@@ -35,10 +35,10 @@ from rl_engines.strategies import deepspeed_state
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, require_engine_package, worker_device
 from rl_engines.strategies.deepspeed_config import ZERO_STAGE_KEY, finalize_deepspeed_config, resolve_strategy_config
 from rl_engines.strategies.deepspeed_offload import OffloadRecord, offload_engine, reload_engine
+from rl_engines.strategies.micro_batches import MicroBatchPlanner, planner
 from rl_engines.strategies.model_io import (
     enable_activation_checkpointing,
     forward_outputs,
-    infer_in_slices,
     load_model,
     load_tokenizer,
 )
@@ -88,6 +88,7 @@ class DeepSpeedTrainStrategy:
                 f"{config.model_args.dtype!r}. Use ZeRO stage >= 1 for bf16 / fp16 (its optimizer keeps fp32 master "
                 "weights, as fsdp2_train does; ROLL's deepspeed_train requires stage >= 1) or model_args.dtype: fp32."
             )
+        self.planners = {phase: planner(config, role, phase) for phase in ("train", "infer")}
         self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
         self.device = torch.device("cpu")
         self.global_step = 0
@@ -135,15 +136,18 @@ class DeepSpeedTrainStrategy:
         return self.config.model_args.dtype != "fp32"
 
     # ---- forward -------------------------------------------------------------------------------------------
-    def _outputs(self, batch: RolloutBatch, *, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+    def _outputs(
+        self, batch: RolloutBatch, planner: MicroBatchPlanner, *, temperature: float, with_entropy: bool
+    ) -> dict[str, torch.Tensor]:
         return forward_outputs(self.engine, batch, self.device, value_head=self.value_head, temperature=temperature,
-                               with_entropy=with_entropy)  # fmt: skip
+                               with_entropy=with_entropy, remove_padding=planner.remove_padding,
+                               round_to=planner.round_to)  # fmt: skip
 
     @torch.no_grad()
     def _infer(self, batch: RolloutBatch, **kwargs: Any) -> RolloutBatch:
         self.reload()
         self.engine.eval()
-        return infer_in_slices(batch, self.config.infer_batch_size, lambda micro: self._outputs(micro, **kwargs))
+        return self.planners["infer"].map(batch, lambda micro: self._outputs(micro, self.planners["infer"], **kwargs))
 
     def compute_log_probs(
         self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
@@ -165,11 +169,11 @@ class DeepSpeedTrainStrategy:
         over ranks (loss values equal the full mini-batch loss) plus ``grad_norm``, ``lr`` and ``skipped_steps``.
         """
         check_objective(self.role, objective, self.value_head)
-        micro, minibatch = check_minibatch(self.role, len(batch), self.config.training_args,
-                                           dp_note=" (DeepSpeed's train_batch_size)")  # fmt: skip
+        _, minibatch = check_minibatch(self.role, len(batch), self.config.training_args,
+                                       dp_note=" (DeepSpeed's train_batch_size)")  # fmt: skip
         self.reload()
         self.engine.train()
-        return run_minibatches(batch, micro, minibatch, self.scheduler,
+        return run_minibatches(batch, self.planners["train"].split, minibatch, self.scheduler,
                                lambda micros, metrics: self._optimizer_step(micros, objective, metrics))  # fmt: skip
 
     def _optimizer_step(self, micros: list[RolloutBatch], objective: Objective, metrics: MetricAccumulator) -> float:
@@ -177,7 +181,8 @@ class DeepSpeedTrainStrategy:
         rank_sum = float(dist.get_world_size())  # DeepSpeed averages over DP ranks; the losses want a sum
         for index, micro in enumerate(micros):
             self.engine.set_gradient_accumulation_boundary(index == len(micros) - 1)
-            outputs = self._outputs(micro, temperature=objective.temperature, with_entropy=objective.needs_entropy)
+            outputs = self._outputs(micro, self.planners["train"], temperature=objective.temperature,
+                                    with_entropy=objective.needs_entropy)  # fmt: skip
             loss, values = objective(outputs, micro, info)
             self.engine.backward(loss * rank_sum, scale_wrt_gas=False)
             metrics.add(values, token_share(micro, info))

@@ -26,11 +26,11 @@ from rl_engines.config import WorkerConfig
 from rl_engines.objectives import Objective
 from rl_engines.strategies import checkpointing
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, reject_unknown_keys, worker_device
+from rl_engines.strategies.micro_batches import MicroBatchPlanner, planner
 from rl_engines.strategies.model_io import (
     TORCH_DTYPES,
     enable_activation_checkpointing,
     forward_outputs,
-    infer_in_slices,
     load_model,
     load_tokenizer,
 )
@@ -78,6 +78,7 @@ class Fsdp2TrainStrategy:
             if value is not None and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
                 wanted = " or ".join(t.__name__ for t in types)
                 raise ValueError(f"{prefix}.{key} must be {wanted}, got {type(value).__name__} {value!r}.")
+        self.planners = {phase: planner(config, role, phase) for phase in ("train", "infer")}
         self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
         self.device = torch.device("cpu")
         self.global_step = 0
@@ -165,15 +166,18 @@ class Fsdp2TrainStrategy:
         return found
 
     # ---- forward -------------------------------------------------------------------------------------------
-    def _outputs(self, batch: RolloutBatch, *, temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:
+    def _outputs(
+        self, batch: RolloutBatch, planner: MicroBatchPlanner, *, temperature: float, with_entropy: bool
+    ) -> dict[str, torch.Tensor]:
         return forward_outputs(self.model, batch, self.device, value_head=self.value_head, temperature=temperature,
-                               with_entropy=with_entropy)  # fmt: skip
+                               with_entropy=with_entropy, remove_padding=planner.remove_padding,
+                               round_to=planner.round_to)  # fmt: skip
 
     @torch.no_grad()
     def _infer(self, batch: RolloutBatch, **kwargs: Any) -> RolloutBatch:
         self.reload()  # a colocated role may have offloaded us; computing needs the weights on the device
         self.model.eval()
-        return infer_in_slices(batch, self.config.infer_batch_size, lambda micro: self._outputs(micro, **kwargs))
+        return self.planners["infer"].map(batch, lambda micro: self._outputs(micro, self.planners["infer"], **kwargs))
 
     def compute_log_probs(
         self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
@@ -195,10 +199,10 @@ class Fsdp2TrainStrategy:
         summed over ranks: loss values equal the full mini-batch loss, plus ``grad_norm`` and ``lr``.
         """
         check_objective(self.role, objective, self.value_head)
-        micro, minibatch = check_minibatch(self.role, len(batch), self.config.training_args)
+        _, minibatch = check_minibatch(self.role, len(batch), self.config.training_args)
         self.reload()
         self.model.train()
-        return run_minibatches(batch, micro, minibatch, self.scheduler,
+        return run_minibatches(batch, self.planners["train"].split, minibatch, self.scheduler,
                                lambda micros, metrics: self._optimizer_step(micros, objective, metrics))  # fmt: skip
 
     def _optimizer_step(self, micros: list[RolloutBatch], objective: Objective, metrics: MetricAccumulator) -> float:
@@ -207,7 +211,8 @@ class Fsdp2TrainStrategy:
         self.optimizer.zero_grad(set_to_none=True)
         for index, micro in enumerate(micros):
             self.model.set_requires_gradient_sync(index == len(micros) - 1)  # reduce-scatter once per step
-            outputs = self._outputs(micro, temperature=objective.temperature, with_entropy=objective.needs_entropy)
+            outputs = self._outputs(micro, self.planners["train"], temperature=objective.temperature,
+                                    with_entropy=objective.needs_entropy)  # fmt: skip
             loss, values = objective(outputs, micro, info)
             loss.backward()  # type: ignore[no-untyped-call]
             metrics.add(values, token_share(micro, info))

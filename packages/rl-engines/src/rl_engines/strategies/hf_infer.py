@@ -16,7 +16,8 @@ from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs, WorkerConfig
 from rl_engines.strategies.base import STRATEGIES, reject_unknown_keys, worker_device
 from rl_engines.strategies.generation import sample_responses
-from rl_engines.strategies.model_io import TORCH_DTYPES, forward_log_probs, load_model, load_tokenizer
+from rl_engines.strategies.micro_batches import planner, require_no_training
+from rl_engines.strategies.model_io import TORCH_DTYPES, forward_outputs, load_model, load_tokenizer
 
 
 @STRATEGIES.register("hf_infer")
@@ -29,6 +30,8 @@ class HfInferStrategy:
         self.config = config
         self.role = role
         reject_unknown_keys(config.strategy_args.strategy_config, set(), f"{role}.strategy_args.strategy_config")
+        require_no_training(config, role, "hf_infer")
+        self.infer_planner = planner(config, role, "infer", agree=False)
         self.device = torch.device("cpu")
         self.model: Any = None
         self.tokenizer: Any = None
@@ -46,16 +49,13 @@ class HfInferStrategy:
     def compute_log_probs(
         self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
     ) -> RolloutBatch:
-        """``log_probs [B, R]`` (and ``entropy``) of the batch's responses, in infer_batch_size slices."""
+        """``log_probs [B, R]`` (and ``entropy``) of the batch's responses, in infer_batch_size slices or by the
+        token budget of ``use_dynamic_batching_in_infer`` (each rank on its own: no collective in the forward)."""
         self.reload()
-        parts: list[dict[str, torch.Tensor]] = []
-        for micro in batch.split(self.config.infer_batch_size):
-            log_probs, entropy = forward_log_probs(
-                self.model, micro, self.device, temperature=temperature, with_entropy=with_entropy
-            )
-            parts.append({"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy})
-        tensors = {key: torch.cat([p[key] for p in parts]).cpu() for key in parts[0]}
-        return RolloutBatch(tensors, meta_info=dict(batch.meta_info))
+        plan = self.infer_planner
+        return plan.map(batch, lambda micro: forward_outputs(
+            self.model, micro, self.device, value_head=False, temperature=temperature, with_entropy=with_entropy,
+            remove_padding=plan.remove_padding, round_to=plan.round_to))  # fmt: skip
 
     @torch.no_grad()
     def generate(self, batch: RolloutBatch, generating_args: GeneratingArgs | None = None) -> RolloutBatch:

@@ -24,6 +24,7 @@ from rl_engines.strategies.megatron_generate import MegatronGenerator, load_gene
 from rl_engines.strategies.megatron_model import MegatronModel, build_model, init_model_parallel
 from rl_engines.strategies.megatron_ops import gather_batch
 from rl_engines.strategies.megatron_weights import export_hf, sharded_names
+from rl_engines.strategies.micro_batches import planner, require_no_training
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path
 
 
@@ -37,6 +38,9 @@ class MegatronInferStrategy:
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config
         self.role = role
+        require_no_training(config, role, "megatron_infer")
+        # The model-parallel ranks of a replica plan the same pooled batch alike; replicas need not agree.
+        self.planner = planner(config, role, "infer", agree=False)
         self.options = parse_megatron_options(
             dict(config.strategy_args.strategy_config), role, train=False, dtype=config.model_args.dtype
         )
@@ -73,10 +77,10 @@ class MegatronInferStrategy:
     def compute_log_probs(
         self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
     ) -> RolloutBatch:
-        """``log_probs [B, R]`` (and ``entropy``) of the batch's responses, in infer_batch_size slices."""
+        """``log_probs [B, R]`` (and ``entropy``) of the batch's responses, in infer_batch_size slices (or by the
+        token budget of ``use_dynamic_batching_in_infer``)."""
         self.reload()
-        return self.megatron.score(batch, self.config.infer_batch_size, temperature=temperature,
-                                   with_entropy=with_entropy)  # fmt: skip
+        return self.megatron.score(batch, self.planner, temperature=temperature, with_entropy=with_entropy)
 
     @torch.no_grad()
     def generate(self, batch: RolloutBatch, generating_args: GeneratingArgs | None = None) -> RolloutBatch:

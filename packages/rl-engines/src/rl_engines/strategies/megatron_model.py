@@ -30,7 +30,8 @@ from rl_engines.strategies.megatron_pipeline import (
     run_schedule,
 )
 from rl_engines.strategies.megatron_weights import ELSEWHERE, RankLayout, WeightLoader, hf_target
-from rl_engines.strategies.model_io import model_inputs, response_length
+from rl_engines.strategies.micro_batches import MicroBatchPlanner, in_batch_order
+from rl_engines.strategies.model_io import model_inputs, response_length, widen
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 """Megatron's default vocabulary padding (rows past the tokenizer's vocabulary are masked out of every softmax)."""
@@ -227,22 +228,26 @@ class MegatronModel:
                      device=self.device, on_output=on_output, train=train)  # fmt: skip
 
     @torch.no_grad()
-    def score(self, batch: RolloutBatch, micro_size: int, *, temperature: float, with_entropy: bool) -> RolloutBatch:
+    def score(self, batch: RolloutBatch, planner: MicroBatchPlanner, *, temperature: float,
+              with_entropy: bool) -> RolloutBatch:  # fmt: skip
         """``values`` or ``log_probs`` (and ``entropy``) ``[B, R]`` of this rank's ``batch``: the model-parallel
-        ranks pool their batches, run them through the pipeline in ``micro_size`` slices, the last stage's results
-        are broadcast to the others, and every rank returns its own rows (on the CPU)."""
+        ranks pool their batches, run them through the pipeline in the ``planner``'s micro-batches (each rank plans
+        the same pooled batch alike), the last stage's results are broadcast to the others, and every rank returns
+        its own rows (on the CPU)."""
         pooled, own = gather_batch(batch, self.mp_group)
-        micros = pooled.split(micro_size)
+        plan = planner.plan(pooled)
         parts: list[dict[str, torch.Tensor]] = []
+        width = response_length(pooled)
 
-        def on_output(index: int, micro: RolloutBatch, out: torch.Tensor) -> None:
-            parts.append(self.head(micro, out, temperature=temperature, with_entropy=with_entropy))
+        def on_output(index: int, run: RolloutBatch, out: torch.Tensor) -> None:
+            parts.append(widen(self.head(run, out, temperature=temperature, with_entropy=with_entropy), width))
 
-        self.schedule(micros, on_output, train=False)
+        self.schedule(planner.runs([pooled.index(indices) for indices in plan]), on_output, train=False)
         keys = ["values"] if self.layout.value_head else ["log_probs", "entropy"][: 1 + with_entropy]
-        shape = (len(pooled), response_length(pooled))
+        shape = (len(pooled), width)
         if self.stage.last:
-            tensors = {key: torch.cat([part[key] for part in parts]) for key in keys}
+            ordered = in_batch_order(parts, plan)
+            tensors = {key: ordered[key].to(self.device) for key in keys}
         else:
             tensors = {key: torch.empty(shape, dtype=torch.float32, device=self.device) for key in keys}
         tensors = broadcast_from_last(self.stage, tensors)

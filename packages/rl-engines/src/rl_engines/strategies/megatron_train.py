@@ -43,7 +43,8 @@ from rl_engines.strategies.megatron_ops import (
 )
 from rl_engines.strategies.megatron_pipeline import broadcast_object_from_last
 from rl_engines.strategies.megatron_weights import export_hf, sharded_names
-from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path
+from rl_engines.strategies.micro_batches import planner
+from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path, response_length, widen
 from rl_engines.strategies.train_utils import (
     MetricAccumulator,
     build_optimizer,
@@ -71,6 +72,9 @@ class MegatronTrainStrategy:
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config
         self.role = role
+        # The model-parallel ranks of a replica plan the same pooled batch alike; data-parallel replicas need not
+        # agree on a count (their gradients are reduced once per optimizer step, after every pass).
+        self.planners = {phase: planner(config, role, phase, agree=False) for phase in ("train", "infer")}
         self.options = parse_megatron_options(
             dict(config.strategy_args.strategy_config), role, train=True, dtype=config.model_args.dtype
         )
@@ -130,8 +134,7 @@ class MegatronTrainStrategy:
     def _infer(self, batch: RolloutBatch, *, temperature: float, with_entropy: bool) -> RolloutBatch:
         self.reload()
         self.model.module.eval()
-        return self.model.score(batch, self.config.infer_batch_size, temperature=temperature,
-                                with_entropy=with_entropy)  # fmt: skip
+        return self.model.score(batch, self.planners["infer"], temperature=temperature, with_entropy=with_entropy)
 
     def compute_log_probs(
         self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
@@ -152,7 +155,7 @@ class MegatronTrainStrategy:
         check_objective(self.role, objective, self.value_head)
         pooled, _ = gather_batch(batch, self.model.mp_group)
         layout = self.model.layout
-        micro, minibatch = check_minibatch(
+        _, minibatch = check_minibatch(
             self.role, len(pooled), self.config.training_args,
             per=f"per data-parallel replica (pooled over tensor_model_parallel_size={layout.tp} x "
             f"pipeline_model_parallel_size={layout.pp} ranks)",
@@ -160,7 +163,7 @@ class MegatronTrainStrategy:
         )  # fmt: skip
         self.reload()
         self.model.module.train()
-        return run_minibatches(pooled, micro, minibatch, self.scheduler,
+        return run_minibatches(pooled, self.planners["train"].split, minibatch, self.scheduler,
                                lambda micros, metrics: self._optimizer_step(micros, objective, metrics))  # fmt: skip
 
     def _optimizer_step(self, micros: list[RolloutBatch], objective: Objective, metrics: MetricAccumulator) -> float:
@@ -169,14 +172,14 @@ class MegatronTrainStrategy:
         self.optimizer.zero_grad(set_to_none=True)
         found: list[dict[str, torch.Tensor]] = []
 
-        def loss_of(index: int, micro: RolloutBatch, out: torch.Tensor) -> torch.Tensor:  # on the last stage
-            outputs = self.model.head(micro, out, temperature=objective.temperature,
+        def loss_of(index: int, run: RolloutBatch, out: torch.Tensor) -> torch.Tensor:  # on the last stage
+            outputs = self.model.head(run, out, temperature=objective.temperature,
                                       with_entropy=objective.needs_entropy)  # fmt: skip
-            loss, values = objective(outputs, micro, info)
+            loss, values = objective(widen(outputs, response_length(micros[index])), micros[index], info)
             found.append({k: v.detach() for k, v in values.items()})
             return loss
 
-        self.model.schedule(micros, loss_of, train=True)
+        self.model.schedule(self.planners["train"].runs(micros), loss_of, train=True)
         self._add_metrics(micros, found, info, metrics)
         self._finalize_gradients()
         norm = grad_norm(self._norm_owned(), self.model.mp_group)

@@ -7,7 +7,6 @@ Batch layout (verl / ROLL): ``prompts [B, P]`` left-padded, ``responses [B, R]``
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -135,19 +134,49 @@ def forward_values(model: nn.Module, batch: RolloutBatch, device: torch.device) 
 
 def forward_outputs(
     model: nn.Module, batch: RolloutBatch, device: torch.device, *, value_head: bool, temperature: float,
-    with_entropy: bool,
+    with_entropy: bool, remove_padding: bool = False, round_to: int = 1,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
-    """``values`` of a value-head model, else ``log_probs`` (and ``entropy``); ``[B, R]`` each, on ``device``."""
+    """``values`` of a value-head model, else ``log_probs`` (and ``entropy``); ``[B, R]`` each, on ``device``.
+
+    ``remove_padding``: the model sees only the columns where some sample has a real token (the width rounded up
+    to a multiple of ``round_to``); outputs come back ``[B, R]``, 0 past the columns it saw.
+    """
+    if remove_padding:
+        trimmed = without_padding_columns(batch, round_to)
+        outputs = forward_outputs(model, trimmed, device, value_head=value_head, temperature=temperature,
+                                  with_entropy=with_entropy)  # fmt: skip
+        return widen(outputs, response_length(batch))
     if value_head:
         return {"values": forward_values(model, batch, device)}
     log_probs, entropy = forward_log_probs(model, batch, device, temperature=temperature, with_entropy=with_entropy)
     return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
 
 
-def infer_in_slices(
-    batch: RolloutBatch, slice_size: int, forward: Callable[[RolloutBatch], dict[str, torch.Tensor]]
-) -> RolloutBatch:
-    """``forward`` over ``slice_size``-sample slices of ``batch`` (``infer_batch_size``), concatenated on the CPU."""
-    parts = [forward(micro) for micro in batch.split(slice_size)]
-    tensors = {key: torch.cat([p[key] for p in parts]).cpu() for key in parts[0]}
-    return RolloutBatch(tensors, meta_info=dict(batch.meta_info))
+def widen(outputs: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
+    """``[B, r]`` outputs of a padding-free pass back to the batch's ``[B, R]``, 0 in the columns it did not see."""
+    return {key: nn.functional.pad(value, (0, width - value.shape[1])) for key, value in outputs.items()}
+
+
+def without_padding_columns(batch: RolloutBatch, round_to: int = 1) -> RolloutBatch:
+    """The model inputs of ``batch`` (``input_ids``, ``attention_mask``, ``position_ids`` when given,
+    ``responses``) cut to the columns from the first real prompt token of any sample to the last real response
+    token of any sample, widened to a multiple of ``round_to`` (responses first, then prompts) within the batch.
+
+    At least the last prompt column stays (it predicts the first response token) and one response column.
+    """
+    mask = batch.batch["attention_mask"].to(torch.bool)
+    total, responses = mask.shape[1], response_length(batch)
+    prompts = total - responses
+    used = mask.any(dim=0).nonzero().flatten().tolist()  # ascending
+    prompt_columns, response_columns = [c for c in used if c < prompts], [c for c in used if c >= prompts]
+    start = min(prompt_columns[0], prompts - 1) if prompt_columns else prompts - 1
+    end = response_columns[-1] + 1 if response_columns else prompts + 1
+    short = (-(end - start)) % round_to
+    grow = min(short, total - end)
+    end, start = end + grow, max(start - (short - grow), 0)
+    tensors = {key: batch.batch[key][:, start:end] for key in ("input_ids", "attention_mask", "position_ids")
+               if key in batch}  # fmt: skip
+    for key in ("responses", "response_mask"):
+        if key in batch:
+            tensors[key] = batch.batch[key][:, : end - prompts]
+    return RolloutBatch(tensors)

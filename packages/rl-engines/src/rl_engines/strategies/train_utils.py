@@ -156,9 +156,14 @@ OptimizerStep = Callable[[list[RolloutBatch], MetricAccumulator], float]
 
 
 def run_minibatches(
-    batch: RolloutBatch, micro: int, minibatch: int, scheduler: Any, optimizer_step: OptimizerStep
+    batch: RolloutBatch,
+    split: Callable[[RolloutBatch], list[RolloutBatch]],
+    minibatch: int,
+    scheduler: Any,
+    optimizer_step: OptimizerStep,
 ) -> dict[str, float]:
-    """``optimizer_step`` on each ``minibatch``-sample slice of ``batch`` split into ``micro``-sample micro-batches.
+    """``optimizer_step`` on each ``minibatch``-sample slice of ``batch``, cut into micro-batches by ``split`` (a
+    :class:`~rl_engines.strategies.micro_batches.MicroBatchPlanner`'s, or fixed-size slices).
 
     Returns the metrics summed over DP ranks and averaged over mini-batches, plus ``grad_norm`` (mean over the
     steps with a finite norm; NaN when none), ``lr`` (mean of the rates the steps applied) and ``skipped_steps``.
@@ -167,7 +172,7 @@ def run_minibatches(
     norms, lrs = [], []
     for mini in batch.split(minibatch):
         lrs.append(scheduler.get_last_lr()[0])  # the rate this step applies
-        norms.append(optimizer_step(mini.split(micro), metrics))
+        norms.append(optimizer_step(split(mini), metrics))
     result = metrics.result()
     finite = [norm for norm in norms if math.isfinite(norm)]  # skipped steps are counted, not averaged in
     result.update(

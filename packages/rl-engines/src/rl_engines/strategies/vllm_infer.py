@@ -40,6 +40,7 @@ from rl_engines.strategies.engine_rollout import (
     unpadded_prompts,
 )
 from rl_engines.strategies.generation import eos_token_ids, pad_token_id
+from rl_engines.strategies.micro_batches import require_fixed_micro_batches
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path, response_length
 from rl_engines.strategies.vllm_config import (
     configure_vllm_env,
@@ -65,6 +66,7 @@ class VllmInferStrategy:
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config
         self.role = role
+        require_fixed_micro_batches(config, role, "vllm")
         self.options = parse_vllm_config(config, role)
         self.device = torch.device("cpu")
         self.model: Any = None  # EngineModel once initialised

@@ -1,0 +1,238 @@
+"""Micro-batch planning (rl_engines/strategies/micro_batches.py): ROLL's dynamic batching by a token budget.
+
+What it promises: every pass holds at most the budget (samples x longest, rounded), runs without the padding
+columns, and gives the log-probs and the update of the fixed, padded micro-batches (fp32, in-process).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from engine_fixtures import require_engine, tiny_model_dir, worker_config
+
+from rl_core.batch import RolloutBatch
+from rl_engines.config import WorkerConfigError
+from rl_engines.objectives import ActorObjective
+from rl_engines.strategies import create_strategy
+from rl_engines.strategies.micro_batches import MicroBatchPlanner, TokenBudget, plan_token_budget, split_to_count
+from rl_engines.strategies.model_io import without_padding_columns
+
+__all__ = ["tiny_model_dir"]
+
+BUDGET, ROUND = 64, 4
+DYNAMIC = {"use_dynamic_batching_in_train": True, "max_tokens_per_microbatch_in_train": BUDGET,
+           "sequence_length_round_in_train": ROUND, "use_dynamic_batching_in_infer": True,
+           "max_tokens_per_microbatch_in_infer": BUDGET, "sequence_length_round_in_infer": ROUND}  # fmt: skip
+
+
+def varied_batch(size: int = 8, prompt_len: int = 12, resp_len: int = 20, seed: int = 0) -> RolloutBatch:
+    """Prompts of 2-12 tokens (left-padded) and responses of 1-20 (right-padded): most columns of most rows are
+    padding, as in RL where a few responses run to the limit."""
+    gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    prompts = torch.randint(3, 250, (size, prompt_len), generator=gen)
+    responses = torch.randint(3, 250, (size, resp_len), generator=gen)
+    attention = torch.zeros(size, prompt_len + resp_len, dtype=torch.long)
+    response_mask = torch.zeros(size, resp_len, dtype=torch.bool)
+    for row in range(size):
+        prompt, response = rng.randint(2, prompt_len), rng.choice([1, 2, 3, 5, 8, resp_len])
+        attention[row, prompt_len - prompt : prompt_len + response] = 1
+        response_mask[row, :response] = True
+    return RolloutBatch({
+        "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
+        "attention_mask": attention, "response_mask": response_mask,
+        "advantages": torch.randn(size, resp_len, generator=gen),
+    })  # fmt: skip
+
+
+# ---- planning ---------------------------------------------------------------------------------------------------
+def test_samples_are_grouped_by_length_within_the_budget():
+    budget = TokenBudget(max_tokens=24, round_to=4, key="actor_train.max_tokens_per_microbatch_in_train")
+    # sorted: 3 (4), 5 (8), 7 (8) fit 3 x 8 = 24; 10 (12) starts a new one; 12 (12) joins: 2 x 12 = 24
+    assert plan_token_budget([(0, 10), (0, 3), (0, 7), (0, 12), (0, 5)], budget) == [[1, 4, 2], [0, 3]]
+    # a long prompt with a short response and a short prompt with a long one: 6 + 6 = 12 columns together
+    assert plan_token_budget([(5, 1), (1, 5), (1, 1)], budget) == [[2, 0], [1]]
+
+
+def test_every_plan_covers_each_sample_once_and_respects_the_budget():
+    rng = random.Random(0)
+    for _ in range(200):
+        spans = [(rng.randint(1, 20), rng.randint(0, 20)) for _ in range(rng.randint(1, 30))]
+        lengths = [p + r for p, r in spans]
+        budget = TokenBudget(max_tokens=rng.choice([40, 64, 128]), round_to=rng.choice([1, 4, 8]), key="k")
+        groups = plan_token_budget(spans, budget)
+        assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+        for group in groups:
+            width = max(spans[i][0] for i in group) + max(spans[i][1] for i in group)
+            assert len(group) * budget.rounded(width) <= budget.max_tokens
+        count = rng.randint(len(groups), len(lengths))
+        more = split_to_count(groups, count)
+        assert len(more) == count and sorted(i for group in more for i in group) == list(range(len(lengths)))
+
+
+def test_a_sample_longer_than_the_budget_names_the_key_and_the_fix():
+    budget = TokenBudget(max_tokens=16, round_to=4, key="actor_train.max_tokens_per_microbatch_in_train")
+    with pytest.raises(ValueError, match=r"actor_train.max_tokens_per_microbatch_in_train=16 is smaller than one "
+                                         r"sample: 17 tokens, 20 rounded .* Raise it to at least"):  # fmt: skip
+        plan_token_budget([(1, 2), (9, 8)], budget)
+
+
+def test_padding_columns_are_removed_and_the_width_rounded():
+    batch = varied_batch(size=3, seed=1)
+    mask = batch.batch["attention_mask"].bool()
+    trimmed = without_padding_columns(batch)
+    used = mask.any(dim=0).nonzero().flatten()
+    assert trimmed.batch["input_ids"].shape[1] == int(used[-1] - used[0] + 1)
+    assert trimmed.batch["attention_mask"].sum() == mask.sum()  # no real token dropped
+    rounded = without_padding_columns(batch, round_to=8)
+    assert rounded.batch["input_ids"].shape[1] % 8 == 0 and rounded.batch["attention_mask"].sum() == mask.sum()
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"use_dynamic_batching_in_train": True}, r"actor_train.use_dynamic_batching_in_train is true but "
+                                                  r"actor_train.max_tokens_per_microbatch_in_train is 0"),
+        ({"use_dynamic_batching_in_infer": True, "max_tokens_per_microbatch_in_infer": 2},
+         r"actor_train.max_tokens_per_microbatch_in_infer=2 is smaller than "
+         r"actor_train.sequence_length_round_in_infer=4: no sample fits a pass"),
+        ({"sequence_length_round_in_train": 0}, r"actor_train.sequence_length_round_in_train must be >= 1"),
+    ],
+)  # fmt: skip
+def test_bad_dynamic_batching_keys_name_the_key(tiny_model_dir, values, message):
+    with pytest.raises(WorkerConfigError, match=message):
+        worker_config(tiny_model_dir, **values)
+
+
+def test_strategies_that_cannot_honour_the_keys_refuse_them(tiny_model_dir):
+    """vLLM / SGLang schedule their own batches; an inference strategy has no training passes."""
+    for name in ("vllm", "sglang"):
+        config = worker_config(tiny_model_dir, "actor_infer", strategy_args={"strategy_name": name}, **DYNAMIC)
+        with pytest.raises(ValueError, match=rf"actor_infer.use_dynamic_batching_in_train is set, but {name} sched"):
+            create_strategy(config, "actor_infer")
+    for name in ("hf_infer", "megatron_infer"):
+        config = worker_config(tiny_model_dir, "reference", strategy_args={"strategy_name": name}, **DYNAMIC)
+        with pytest.raises(ValueError, match=r"reference.use_dynamic_batching_in_train is set, but reference does no"):
+            create_strategy(config, "reference")
+
+
+# ---- the strategies ---------------------------------------------------------------------------------------------
+MODULE = {"fsdp2_train": lambda s: s.model, "deepspeed_train": lambda s: s.engine, "hf_infer": lambda s: s.model,
+          "megatron_train": lambda s: s.model.module, "megatron_infer": lambda s: s.megatron.module}  # fmt: skip
+
+
+def passes(strategy: object, name: str) -> list[tuple[int, int]]:
+    """``(samples, width)`` of every forward pass of the strategy's model from now on (its token embedding's)."""
+    seen: list[tuple[int, int]] = []
+    module = MODULE[name](strategy)
+    embedding = next(m for n, m in module.named_modules() if n.endswith(("embed_tokens", "word_embeddings")))
+    embedding.register_forward_pre_hook(lambda _, args: seen.append(tuple(args[0].shape)))
+    return seen
+
+
+def make(name, model_dir, role="actor_train", **sections):
+    training = {"learning_rate": 1e-2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
+                "adam_epsilon": 1e-4}  # fmt: skip
+    config = worker_config(model_dir, role, training_args=training, infer_batch_size=4,
+                           strategy_args={"strategy_name": name}, **sections)  # fmt: skip
+    strategy = create_strategy(config, role)
+    strategy.initialize()
+    return strategy
+
+
+@pytest.mark.parametrize("name", ["fsdp2_train", "deepspeed_train", "megatron_train"])
+def test_dynamic_batching_gives_the_padded_log_probs_and_update(name, tiny_model_dir):
+    require_engine(name)
+    batch = varied_batch()
+    mask = batch.batch["response_mask"]
+    padded, dynamic = make(name, tiny_model_dir), make(name, tiny_model_dir, **DYNAMIC)
+    seen = passes(dynamic, name)
+    expected = padded.compute_log_probs(batch, with_entropy=True)
+    got = dynamic.compute_log_probs(batch, with_entropy=True)  # sorted by length inside, returned in batch order
+    for key in ("log_probs", "entropy"):
+        torch.testing.assert_close(got.batch[key][mask], expected.batch[key][mask], atol=1e-6, rtol=0)
+    assert all(samples * width <= BUDGET and width % ROUND == 0 for samples, width in seen), seen
+    full = batch.batch["input_ids"].numel()
+    assert sum(samples * width for samples, width in seen) < 0.6 * full  # the padding did not go through the model
+
+    batch.batch["old_log_probs"] = expected.batch["log_probs"]
+    objective = ActorObjective(loss_agg_mode="seq-mean-token-mean")
+    seen.clear()
+    metrics_padded, metrics_dynamic = padded.train_step(batch, objective), dynamic.train_step(batch, objective)
+    assert all(samples * width <= BUDGET for samples, width in seen)
+    assert sum(samples * width for samples, width in seen) < 0.6 * full
+    for key in ("pg_loss", "total_loss", "grad_norm", "ppo_kl", "entropy"):
+        if key in metrics_padded:
+            assert metrics_dynamic[key] == pytest.approx(metrics_padded[key], abs=1e-6), key
+    weights = dict(dynamic.named_weights())
+    for weight_name, value in padded.named_weights():
+        torch.testing.assert_close(weights[weight_name], value, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["hf_infer", "megatron_infer"])
+def test_inference_strategies_score_by_the_token_budget_alike(name, tiny_model_dir):
+    require_engine(name)
+    batch = varied_batch(seed=2)
+    mask = batch.batch["response_mask"]
+    infer_only = {key: value for key, value in DYNAMIC.items() if key.endswith("_infer")}
+    padded = make(name, tiny_model_dir, "reference")
+    dynamic = make(name, tiny_model_dir, "reference", **infer_only)
+    seen = passes(dynamic, name)
+    expected = padded.compute_log_probs(batch, temperature=0.7).batch["log_probs"]
+    got = dynamic.compute_log_probs(batch, temperature=0.7).batch["log_probs"]
+    torch.testing.assert_close(got[mask], expected[mask], atol=1e-6, rtol=0)
+    assert all(samples * width <= BUDGET for samples, width in seen)
+    assert sum(samples * width for samples, width in seen) < 0.6 * batch.batch["input_ids"].numel()
+
+
+def test_a_fixed_planner_keeps_the_batch_order_and_sizes():
+    batch = varied_batch(size=5)
+    planner = MicroBatchPlanner(size=2)
+    assert [len(micro) for micro in planner.split(batch)] == [2, 2, 1] and not planner.remove_padding
+    out = planner.map(batch, lambda micro: {"first": micro.batch["input_ids"][:, :1]})
+    torch.testing.assert_close(out.batch["first"], batch.batch["input_ids"][:, :1])
+
+
+# ---- data-parallel ranks agree on the number of passes -----------------------------------------------------------
+def batch_of_lengths(lengths: list[int], width: int = 32) -> RolloutBatch:
+    """Samples of the given real lengths (a 4-token prompt, the rest response), right-padded to ``width``."""
+    attention = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        attention[row, :length] = 1
+    ids = torch.randint(3, 250, (len(lengths), width))
+    return RolloutBatch({"input_ids": ids, "attention_mask": attention, "responses": ids[:, 4:],
+                         "response_mask": attention[:, 4:].bool()})  # fmt: skip
+
+
+def _plan_on_rank(rank: int, port: int, lengths: list[list[int]], folder: str) -> None:
+    import json
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        planner = MicroBatchPlanner(size=1, budget=TokenBudget(max_tokens=32, round_to=4, key="k"))
+        sizes = [len(micro) for micro in planner.split(batch_of_lengths(lengths[rank]))]
+        with open(os.path.join(folder, f"{rank}.json"), "w") as file:
+            json.dump(sizes, file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_with_different_lengths_run_the_same_number_of_passes(tmp_path):
+    """FSDP and ZeRO gather parameters inside every pass, so a rank must not run fewer: rank 0's four short
+    samples fit one pass of the budget (4 x 8 tokens), rank 1's need three (2 x 16, 1 x 20, 1 x 24); rank 0 splits
+    its pass into three as well."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from rl_engines.worker_group import WorkerBase
+
+    lengths = [[5, 6, 7, 8], [12, 14, 20, 24]]
+    mp.spawn(_plan_on_rank, args=(WorkerBase.free_port(), lengths, str(tmp_path)), nprocs=2)
+    sizes = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    assert sizes == [[1, 1, 2], [2, 1, 1]]
