@@ -157,3 +157,19 @@ def test_sample_masks_reach_the_loop_and_an_all_masked_step_skips_training(setup
         assert "actor/pg_loss" not in row and row["response_length/clip_ratio"] == 1.0
     # actor_infer.model_update_frequency=2: weights are synced every second step
     assert "time/model_update" not in rows[0] and "time/model_update" in rows[1]
+
+
+def test_global_template_overrides_the_data_args_template(setup):
+    """ROLL: global_template, when set, is the chat template of every prompt (training and validation)."""
+    from apps.common.yaml_config import load_config
+    from apps.rlvr.config import RLVRConfig
+    from apps.rlvr.pipeline import RLVRPipeline
+
+    def templates(*overrides):
+        config = RLVRConfig.from_dict(load_config(setup / "rlvr.yaml", list(overrides)))
+        pipeline = RLVRPipeline(config, log=lambda line: None)
+        assert pipeline.validator is not None
+        return pipeline.prompts.template, pipeline.validator.prompts.template
+
+    assert templates() == ("native", "native")
+    assert templates("+global_template=qwen2_5") == ("qwen2_5", "qwen2_5")

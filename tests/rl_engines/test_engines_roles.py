@@ -32,7 +32,8 @@ def role_configs(model_dir, infer_devices):
                                      strategy_args={"strategy_name": "hf_infer"}, infer_batch_size=4,
                                      generating_args={"max_new_tokens": 6, "num_return_sequences": 2, "seed": 0}),
         "reference": worker_config(model_dir, "reference", device_mapping=[0, 1],
-                                   strategy_args={"strategy_name": "hf_infer"}, infer_batch_size=4),
+                                   strategy_args={"strategy_name": "hf_infer"}, infer_batch_size=4,
+                                   system_envs={"RL_ROLE_FLAG": "reference only"}),
     }  # fmt: skip
 
 
@@ -105,6 +106,9 @@ def test_system_envs_reach_every_worker_of_every_role(roles):
     expected = "colocated" if roles.plan.is_colocated("actor_train", "actor_infer") else "separate"
     for role in ("actor_train", "actor_infer", "reference"):
         assert roles[role].call("get_env", "RL_TEST_FLAG") == [expected, expected]
+    # a role's own system_envs (ROLL's per-worker key) reach that role's workers, and only them
+    assert roles["reference"].call("get_env", "RL_ROLE_FLAG") == ["reference only"] * 2
+    assert roles["actor_train"].call("get_env", "RL_ROLE_FLAG") == [None, None]
 
 
 def test_a_bad_device_mapping_fails_before_any_worker_starts(ray_session, tiny_model_dir):
