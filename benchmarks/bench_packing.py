@@ -1,4 +1,4 @@
-"""Benchmark: padding-free throughput of a train step and a log-prob pass, padded vs ROLL's dynamic batching.
+"""Benchmark: padding-free throughput of a train step and a log-prob pass: padded vs dynamic batching vs packing.
 
 A realistic RL length mix: prompts of 50-400 tokens, responses log-normal (median ~1/8 of ``response_length``) with
 a long tail cut at ``response_length``, as when a few samples run to the limit. One fsdp2_train strategy in this
@@ -7,7 +7,9 @@ that its peak memory is its own:
 
 - ``padded``: fixed micro-batches of ``--micro`` samples, every one as wide as the batch (the baseline);
 - ``dynamic``: ``use_dynamic_batching_in_train`` / ``_in_infer`` with a budget of ``--micro`` x the median sample
-  length (rounded to 64), padding columns removed.
+  length (rounded to 64), padding columns removed;
+- ``packing``: ``use_sequence_packing`` with ``algorithm: load_balance`` and the same number of tokens per pass
+  (``max_packed_sequence_length_*``): each pass one row of real tokens, attention kept within each sample.
 
 Reported per mode: real tokens per second of ``train_step`` and of ``compute_log_probs`` (median of ``--repeats``),
 the fraction of the tokens the model processed that were padding, the largest pass (samples x width) and the peak
@@ -35,7 +37,7 @@ from typing import Any
 os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-MODES = ("padded", "dynamic")
+MODES = ("padded", "dynamic", "packing")
 
 
 def length_mix(samples: int, response_length: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -89,6 +91,10 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: str, out: Any) -> N
         for phase in ("train", "infer"):
             values.update({f"use_dynamic_batching_in_{phase}": True, f"max_tokens_per_microbatch_in_{phase}": budget,
                            f"sequence_length_round_in_{phase}": 64})  # fmt: skip
+    if mode == "packing":
+        values.update(use_sequence_packing=True, sequence_packing_args={
+            "algorithm": "load_balance", "max_packed_sequence_length_train": budget,
+            "max_packed_sequence_length_forward": budget})  # fmt: skip
     strategy = create_strategy(WorkerConfig.from_dict(values, "actor_train"), "actor_train")
     strategy.initialize()
     seen: list[tuple[int, int]] = []
@@ -106,7 +112,7 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: str, out: Any) -> N
         train_times.append(time.perf_counter() - start)
     processed = sum(samples * width for samples, width in seen) / 2  # the log-prob pass and the train step
     out.put({
-        "mode": mode, "budget": budget if mode == "dynamic" else None,
+        "mode": mode, "budget": budget if mode != "padded" else None,
         "train_tokens_per_s": real / statistics.median(train_times),
         "log_prob_tokens_per_s": real / statistics.median(log_prob_times),
         "padding_fraction": 1 - real / processed, "largest_pass": max(s * w for s, w in seen),

@@ -96,13 +96,15 @@ def train_plan(
 
 def check_token_budgets(sections: dict[str, WorkerConfig], longest: int, what: str) -> list[str]:
     """Dynamic batching: the longest sample the pipeline can build (``longest`` tokens, ``what`` says whence),
-    rounded up to ``sequence_length_round_in_*``, must fit in one pass of ``max_tokens_per_microbatch_in_*``.
+    rounded up to ``sequence_length_round_in_*``, must fit in one pass of ``max_tokens_per_microbatch_in_*``; with
+    ``load_balance`` packing, in ``max_packed_sequence_length_*``.
 
     Returns a note for each budget that is not a multiple of its rounding: ROLL accepts those (its own example
     writes 49125 for a rounding of 128), and a pass then holds at most the largest multiple below the budget.
     """
     notes = []
     for role, section in sections.items():
+        _check_packed_lengths(role, section, longest, what)
         for phase in ("train", "infer"):
             if not getattr(section, f"use_dynamic_batching_in_{phase}"):
                 continue
@@ -122,6 +124,21 @@ def check_token_budgets(sections: dict[str, WorkerConfig], longest: int, what: s
                     f"{budget - budget % round_to} tokens (lengths are rounded up to multiples of {round_to})."
                 )
     return notes
+
+
+def _check_packed_lengths(role: str, section: WorkerConfig, longest: int, what: str) -> None:
+    """``load_balance`` packing: ``max_packed_sequence_length_*`` must hold the longest sample (ROLL asserts it
+    against the batch's padded length when the pass runs; here it fails before anything starts)."""
+    args = section.sequence_packing_args
+    if not section.use_sequence_packing or args.algorithm != "load_balance":
+        return
+    for phase in ("train", "forward"):
+        length = getattr(args, f"max_packed_sequence_length_{phase}")
+        if length is not None and length < longest:
+            raise PreflightError(
+                f"{role}.sequence_packing_args.max_packed_sequence_length_{phase}={length} is shorter than one "
+                f"sample of {what} = {longest} tokens; raise it to at least {longest}."
+            )
 
 
 def plan_training(

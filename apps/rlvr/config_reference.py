@@ -13,7 +13,14 @@ import sys
 from apps.common.config import SharedConfig
 from apps.common.config_reference import render
 from apps.rlvr.config import RewardSpec, RLVRConfig, ValidationConfig
-from rl_engines.config import GeneratingArgs, ModelArgs, StrategyArgs, TrainingArgs, WorkerConfig
+from rl_engines.config import (
+    GeneratingArgs,
+    ModelArgs,
+    SequencePackingArgs,
+    StrategyArgs,
+    TrainingArgs,
+    WorkerConfig,
+)
 
 HEADER = """# RLVR config reference
 
@@ -36,6 +43,7 @@ def reference() -> str:
             (TrainingArgs, "<worker>.training_args", ()),
             (GeneratingArgs, "<worker>.generating_args and validation.generating_args", ()),
             (StrategyArgs, "<worker>.strategy_args", ()),
+            (SequencePackingArgs, "<worker>.sequence_packing_args", ()),
             (RewardSpec, "rewards.<name> (besides the worker keys)", ()),
             (ValidationConfig, "validation", ()),
         ],

@@ -2,13 +2,14 @@
 variant, compare the per-step training metrics with the reference's.
 
 fsdp2_train on 2 data-parallel ranks is the reference. fsdp2_train on 1 rank with twice the gradient accumulation
-trains on the same global batches, and with ROLL's dynamic batching (token-budget passes without padding) on the
-same mini-batches; deepspeed_train ZeRO-1 and ZeRO-3 (2 ranks), megatron_train TP=1 (2
-data-parallel ranks), TP=2 (1 data-parallel rank) and PP=2 (2 pipeline stages, 1 data-parallel rank) train on the
-same samples in the same mini-batches, in fp32 on CPU. Their per-step pg_loss, total_loss, approx_kl (ppo_kl) and
-grad_norm must match the reference to within what fp32 reduction order explains. Megatron's Ray workers get the
-test harness's CUDA shims through a sitecustomize on their PYTHONPATH (tests/rl_engines/megatron_shims.py), never
-through product code. One matrix (one dump, one replay per variant) serves every test of this module.
+trains on the same global batches, and with ROLL's dynamic batching (token-budget passes without padding) and
+sequence packing (load-balanced packed rows) on the same mini-batches; deepspeed_train ZeRO-1 and ZeRO-3 (2 ranks),
+megatron_train TP=1 (2 data-parallel ranks), TP=2 (1 data-parallel rank) and PP=2 (2 pipeline stages, 1
+data-parallel rank) train on the same samples in the same mini-batches, in fp32 on CPU. Their per-step pg_loss,
+total_loss, approx_kl (ppo_kl) and grad_norm must match the reference to within what fp32 reduction order explains.
+Megatron's Ray workers get the test harness's CUDA shims through a sitecustomize on their PYTHONPATH
+(tests/rl_engines/megatron_shims.py), never through product code. One matrix (one dump, one replay per variant)
+serves every test of this module.
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ DYNAMIC_BATCHING = [
     "+actor_train.use_dynamic_batching_in_train=true",
     "+actor_train.max_tokens_per_microbatch_in_train=32",
 ]
+# ROLL's sequence packing, load_balance: each pass one row of real tokens, as many passes as 48-token rows need
+# (lengths rounded to 16), samples spread over them by Karmarkar-Karp; actor_train's and the reference's passes.
+SEQUENCE_PACKING = [
+    *(f"+{role}.use_sequence_packing=true" for role in ("actor_train", "reference")),
+    *(f"+{role}.sequence_packing_args.algorithm=load_balance" for role in ("actor_train", "reference")),
+    *(f"+{role}.sequence_packing_args.max_packed_sequence_length_forward=48" for role in ("actor_train", "reference")),
+    "+actor_train.sequence_packing_args.max_packed_sequence_length_train=48",
+]
 # fp32 on CPU: fsdp2 on 1 and 2 ranks differ only in the order of the gradient reduction (measured <= 1e-7); the
 # engines also in their kernels and Megatron's vocab-parallel softmax (measured <= 1e-6).
 FSDP2_TOLERANCE, ENGINE_TOLERANCE = 1e-6, 2e-5
@@ -58,7 +67,8 @@ def variants(shim_envs: list[str]) -> dict[str, list[str]]:
     """The reference first; the engine adapters' variants only where their engine is installed."""
     deepspeed, megatron = f"{STRATEGY}.strategy_name=deepspeed_train", f"{STRATEGY}.strategy_name=megatron_train"
     found: dict[str, list[str]] = {"fsdp2_dp2": [], "fsdp2_dp1": ["actor_train.device_mapping=[0]", *ONE_DATA_RANK],
-                                   "fsdp2_dynamic_batching": DYNAMIC_BATCHING}  # fmt: skip
+                                   "fsdp2_dynamic_batching": DYNAMIC_BATCHING,
+                                   "fsdp2_sequence_packing": SEQUENCE_PACKING}  # fmt: skip
     if _installed("deepspeed"):
         found["zero1"] = [deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=1"]
         found["zero3"] = [deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=3"]
@@ -108,6 +118,12 @@ def test_replayed_rollouts_train_alike_on_one_and_two_ranks(matrix):
 def test_dynamic_batching_trains_like_the_padded_micro_batches(matrix):
     """Token-budget passes without padding columns (ranks agreeing on their count) give the padded run's update."""
     _assert_aligned(matrix, "fsdp2_dynamic_batching", FSDP2_TOLERANCE)
+
+
+@pytest.mark.slow
+def test_sequence_packing_trains_like_the_padded_micro_batches(matrix):
+    """Packed rows without any padding, load-balanced micro-batches (count agreed over ranks): the padded update."""
+    _assert_aligned(matrix, "fsdp2_sequence_packing", FSDP2_TOLERANCE)
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from tests.shared_dir import require_shared, roll_example_files, roll_target_fil
 
 RLVR_FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/*.yaml", "docs_examples/*.yaml") + roll_target_files(
     "qwen2.5-7B-rlvr_megatron/rlvr_config_dynamic_batching.yaml",  # dynamic batching (issue 15)
+    "qwen2.5-7B-rlvr_megatron/rlvr_config_sequence_packing.yaml",  # sequence packing (issue 15)
 )
 TORCH_NATIVE = {"megatron_train": "fsdp2_train", "deepspeed_train": "fsdp2_train", "vllm": "hf_infer",
                 "sglang": "hf_infer", "megatron_infer": "hf_infer"}  # fmt: skip
@@ -136,6 +137,14 @@ def test_the_small_config_passes():
         ({"actor_train__use_dynamic_batching_in_train": True, "actor_train__max_tokens_per_microbatch_in_train": 1024},
          PreflightError, r"actor_train\.max_tokens_per_microbatch_in_train=1024 cannot hold one sample of "
                          r"prompt_length \+ response_length = 1040 tokens \(1040 rounded to actor_train\.sequence_"),
+        ({"actor_train__use_sequence_packing": True, "actor_train__sequence_packing_args": {
+            "algorithm": "load_balance", "max_packed_sequence_length_train": 512,
+            "max_packed_sequence_length_forward": 2048}}, PreflightError,
+         r"actor_train\.sequence_packing_args\.max_packed_sequence_length_train=512 is shorter than one sample of "
+         r"prompt_length \+ response_length = 1040 tokens"),
+        ({"actor_train__use_sequence_packing": True, "actor_train__sequence_packing_args": {
+            "algorithm": "load_balance", "max_packed_sequence_length_train": 2048}}, ValueError,
+         r"actor_train\.sequence_packing_args\.max_packed_sequence_length_forward is not set"),
         ({"reference": {"device_mapping": [0, 1], "strategy_args": {"strategy_name": "hf_infer"},
                         "use_dynamic_batching_in_infer": True}, "use_kl_loss": True}, WorkerConfigError,
          r"reference\.use_dynamic_batching_in_infer is true but reference\.max_tokens_per_microbatch_in_infer is None"),

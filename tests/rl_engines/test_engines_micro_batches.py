@@ -1,7 +1,9 @@
-"""Micro-batch planning (rl_engines/strategies/micro_batches.py): ROLL's dynamic batching by a token budget.
+"""Micro-batch planning (rl_engines/strategies/micro_batches.py): ROLL's dynamic batching by a token budget, and
+sequence packing (``use_sequence_packing`` / ``use_remove_padding``) in every strategy that runs the model itself.
 
-What it promises: every pass holds at most the budget (samples x longest, rounded), runs without the padding
-columns, and gives the log-probs and the update of the fixed, padded micro-batches (fp32, in-process).
+What it promises: every dynamic pass holds at most the budget (samples x longest, rounded) and runs without the
+padding columns; every packed pass is one row of exactly its samples' real tokens; both give the log-probs and the
+update of the fixed, padded micro-batches (fp32, in-process).
 """
 
 from __future__ import annotations
@@ -25,6 +27,11 @@ BUDGET, ROUND = 64, 4
 DYNAMIC = {"use_dynamic_batching_in_train": True, "max_tokens_per_microbatch_in_train": BUDGET,
            "sequence_length_round_in_train": ROUND, "use_dynamic_batching_in_infer": True,
            "max_tokens_per_microbatch_in_infer": BUDGET, "sequence_length_round_in_infer": ROUND}  # fmt: skip
+PACKED = {"use_sequence_packing": True,
+          "sequence_packing_args": {"algorithm": "load_balance", "max_packed_sequence_length_train": BUDGET,
+                                    "max_packed_sequence_length_forward": BUDGET}}  # fmt: skip
+LAYOUTS = {"dynamic_batching": DYNAMIC, "sequence_packing": PACKED, "remove_padding": {"use_remove_padding": True},
+           "dynamic_batching_packed": {**DYNAMIC, "use_sequence_packing": True}}  # fmt: skip
 
 
 def varied_batch(size: int = 8, prompt_len: int = 12, resp_len: int = 20, seed: int = 0) -> RolloutBatch:
@@ -141,31 +148,44 @@ def make(name, model_dir, role="actor_train", **sections):
     return strategy
 
 
+def real_tokens(batch: RolloutBatch) -> int:
+    return int(batch.batch["attention_mask"].sum())
+
+
+def check_passes(seen: list[tuple[int, int]], layout: str, batch: RolloutBatch) -> None:
+    """Dynamic passes: within the budget, rounded, and well under the padded batch; packed passes: single rows that
+    hold exactly the batch's real tokens (no padding at all)."""
+    if layout in ("dynamic_batching",):
+        assert all(samples * width <= BUDGET and width % ROUND == 0 for samples, width in seen), seen
+        assert sum(samples * width for samples, width in seen) < 0.6 * batch.batch["input_ids"].numel()
+    else:
+        assert all(samples == 1 for samples, _ in seen), seen
+        assert sum(width for _, width in seen) == real_tokens(batch), seen
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("name", ["fsdp2_train", "deepspeed_train", "megatron_train"])
-def test_dynamic_batching_gives_the_padded_log_probs_and_update(name, tiny_model_dir):
+def test_dynamic_batching_and_packing_give_the_padded_log_probs_and_update(name, layout, tiny_model_dir):
     require_engine(name)
     batch = varied_batch()
     mask = batch.batch["response_mask"]
-    padded, dynamic = make(name, tiny_model_dir), make(name, tiny_model_dir, **DYNAMIC)
-    seen = passes(dynamic, name)
+    padded, other = make(name, tiny_model_dir), make(name, tiny_model_dir, **LAYOUTS[layout])
+    seen = passes(other, name)
     expected = padded.compute_log_probs(batch, with_entropy=True)
-    got = dynamic.compute_log_probs(batch, with_entropy=True)  # sorted by length inside, returned in batch order
+    got = other.compute_log_probs(batch, with_entropy=True)  # sorted by length inside, returned in batch order
     for key in ("log_probs", "entropy"):
         torch.testing.assert_close(got.batch[key][mask], expected.batch[key][mask], atol=1e-6, rtol=0)
-    assert all(samples * width <= BUDGET and width % ROUND == 0 for samples, width in seen), seen
-    full = batch.batch["input_ids"].numel()
-    assert sum(samples * width for samples, width in seen) < 0.6 * full  # the padding did not go through the model
+    check_passes(seen, layout, batch)
 
     batch.batch["old_log_probs"] = expected.batch["log_probs"]
     objective = ActorObjective(loss_agg_mode="seq-mean-token-mean")
     seen.clear()
-    metrics_padded, metrics_dynamic = padded.train_step(batch, objective), dynamic.train_step(batch, objective)
-    assert all(samples * width <= BUDGET for samples, width in seen)
-    assert sum(samples * width for samples, width in seen) < 0.6 * full
+    metrics_padded, metrics_other = padded.train_step(batch, objective), other.train_step(batch, objective)
+    check_passes(seen, layout, batch)
     for key in ("pg_loss", "total_loss", "grad_norm", "ppo_kl", "entropy"):
         if key in metrics_padded:
-            assert metrics_dynamic[key] == pytest.approx(metrics_padded[key], abs=1e-6), key
-    weights = dict(dynamic.named_weights())
+            assert metrics_other[key] == pytest.approx(metrics_padded[key], rel=1e-6, abs=1e-6), key
+    weights = dict(other.named_weights())
     for weight_name, value in padded.named_weights():
         torch.testing.assert_close(weights[weight_name], value, atol=1e-6, rtol=0)
 
@@ -177,19 +197,19 @@ def test_inference_strategies_score_by_the_token_budget_alike(name, tiny_model_d
     mask = batch.batch["response_mask"]
     infer_only = {key: value for key, value in DYNAMIC.items() if key.endswith("_infer")}
     padded = make(name, tiny_model_dir, "reference")
-    dynamic = make(name, tiny_model_dir, "reference", **infer_only)
-    seen = passes(dynamic, name)
     expected = padded.compute_log_probs(batch, temperature=0.7).batch["log_probs"]
-    got = dynamic.compute_log_probs(batch, temperature=0.7).batch["log_probs"]
-    torch.testing.assert_close(got[mask], expected[mask], atol=1e-6, rtol=0)
-    assert all(samples * width <= BUDGET for samples, width in seen)
-    assert sum(samples * width for samples, width in seen) < 0.6 * batch.batch["input_ids"].numel()
+    for layout, sections in (("dynamic_batching", infer_only), ("sequence_packing", PACKED)):
+        other = make(name, tiny_model_dir, "reference", **sections)
+        seen = passes(other, name)
+        got = other.compute_log_probs(batch, temperature=0.7).batch["log_probs"]
+        torch.testing.assert_close(got[mask], expected[mask], atol=1e-6, rtol=0)
+        check_passes(seen, layout, batch)
 
 
 def test_a_fixed_planner_keeps_the_batch_order_and_sizes():
     batch = varied_batch(size=5)
     planner = MicroBatchPlanner(size=2)
-    assert [len(micro) for micro in planner.split(batch)] == [2, 2, 1] and not planner.remove_padding
+    assert [len(micro) for micro in planner.split(batch)] == [2, 2, 1] and planner.layout == "padded"
     out = planner.map(batch, lambda micro: {"first": micro.batch["input_ids"][:, :1]})
     torch.testing.assert_close(out.batch["first"], batch.batch["input_ids"][:, :1])
 

@@ -23,6 +23,12 @@ class WorkerConfigError(ValueError):
     """A worker config value is unknown or invalid; the message names the key path and the fix."""
 
 
+ATTENTION_ALIASES: dict[str, str | None] = {"fa2": "flash_attention_2", "auto": None, "disabled": "eager",
+                                             "sdpa": "sdpa"}  # fmt: skip
+"""ROLL's names of an attention kernel -> transformers' (None: its default)."""
+ATTENTION_KERNELS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
 @dataclass
 class ModelArgs:
     """How to load the role's model (ROLL ``model_args``)."""
@@ -36,10 +42,32 @@ class ModelArgs:
     model_type: str | None = None
     """None for a causal LM; ``"critic"`` or ROLL's ``"trl"`` load a value head (the critic role always gets one)."""
     attn_implementation: str | None = None
-    """HF attention kernel (``eager``, ``sdpa``, ``flash_attention_2``); None = transformers' default."""
+    """HF attention kernel: ROLL's ``sdpa`` / ``fa2`` / ``auto`` or transformers' names (``eager``, ``sdpa``,
+    ``flash_attention_2``, ...); None or ``auto`` = transformers' default. Flash-attention on a worker without CUDA
+    or the flash_attn package runs sdpa, with a log line."""
+    flash_attn: str | None = None
+    """ROLL's older spelling of the same choice: ``disabled`` (eager), ``sdpa``, ``fa2``, ``auto``."""
+
+    def attention(self, prefix: str) -> str | None:
+        """The transformers ``attn_implementation`` these keys ask for (None = its default)."""
+        chosen = {ATTENTION_ALIASES.get(v, v) for v in (self.attn_implementation, self.flash_attn) if v is not None}
+        if len(chosen) > 1:
+            raise WorkerConfigError(
+                f"{prefix}.attn_implementation={self.attn_implementation!r} and {prefix}.flash_attn="
+                f"{self.flash_attn!r} ask for different attention kernels; keep one of them."
+            )
+        return chosen.pop() if chosen else None
 
     def validate(self, prefix: str) -> None:
         """Raise :class:`WorkerConfigError` naming ``<prefix>.<key>`` for the first bad value."""
+        for key in ("attn_implementation", "flash_attn"):
+            value = getattr(self, key)
+            if value is not None and value not in ATTENTION_ALIASES and value not in ATTENTION_KERNELS:
+                raise WorkerConfigError(
+                    f"{prefix}.{key}={value!r}; use one of {sorted(ATTENTION_ALIASES)} (ROLL) or "
+                    f"{sorted(ATTENTION_KERNELS)} (transformers)."
+                )
+        self.attention(prefix)
         if self.dtype not in DTYPES:
             raise WorkerConfigError(f"{prefix}.dtype={self.dtype!r} is not supported; use one of {list(DTYPES)}.")
         if self.model_type not in (None, "critic", "trl"):
@@ -134,12 +162,46 @@ class GeneratingArgs:
             raise WorkerConfigError(f"{prefix}.num_return_sequences must be >= 1, got {self.num_return_sequences}.")
 
 
+PACKING_ALGORITHMS = ("none", "load_balance")
+
+
+@dataclass
+class SequencePackingArgs:
+    """How ``use_sequence_packing`` forms its micro-batches (ROLL ``sequence_packing_args``)."""
+
+    algorithm: str = "none"
+    """``none``: micro-batches of per_device_train_batch_size / infer_batch_size samples in batch order;
+    ``load_balance``: as many micro-batches as the tokens need (``max_packed_sequence_length_*``), the samples
+    spread over them by work (Karmarkar-Karp), the count agreed over data-parallel ranks."""
+    max_packed_sequence_length_train: int | None = None
+    """``load_balance``: tokens of one packed training micro-batch that decide their count (ROLL: must be at least
+    the batch's padded sequence length)."""
+    max_packed_sequence_length_forward: int | None = None
+    """The same for log-prob and value passes."""
+    min_num_micro_batches_train: int = 1
+    """``load_balance``: at least this many micro-batches per training mini-batch (lower memory per pass)."""
+    min_num_micro_batches_forward: int = 1
+    """The same for log-prob and value passes."""
+
+    def validate(self, prefix: str) -> None:
+        """Raise :class:`WorkerConfigError` naming ``<prefix>.<key>`` for the first bad value."""
+        if self.algorithm not in PACKING_ALGORITHMS:
+            raise WorkerConfigError(f"{prefix}.algorithm={self.algorithm!r}; use one of {list(PACKING_ALGORITHMS)}.")
+        for phase in ("train", "forward"):
+            least, longest = f"min_num_micro_batches_{phase}", f"max_packed_sequence_length_{phase}"
+            if getattr(self, least) < 1:
+                raise WorkerConfigError(f"{prefix}.{least} must be >= 1, got {getattr(self, least)}.")
+            if getattr(self, longest) is not None and getattr(self, longest) < 1:
+                raise WorkerConfigError(f"{prefix}.{longest} must be >= 1, got {getattr(self, longest)}.")
+
+
 @dataclass
 class StrategyArgs:
     """Which engine runs the role (ROLL ``strategy_args``)."""
 
     strategy_name: str = "fsdp2_train"
-    """Registered strategy: fsdp2_train (torch-native, CPU and GPU), hf_infer, and the optional engine adapters."""
+    """Registered strategy: fsdp2_train (torch-native, CPU and GPU), fsdp2_infer (its frozen, sharded twin for
+    log-prob roles), hf_infer, and the optional engine adapters."""
     strategy_config: dict[str, Any] = field(default_factory=dict)
     """Passed to the strategy, which validates its own keys (e.g. fsdp_size, param_dtype for fsdp2_train)."""
 
@@ -186,6 +248,15 @@ class WorkerConfig:
     sequence_length_round_in_infer: int = 4
     """Sequence lengths are rounded up to a multiple of this in the log-prob / value budget."""
 
+    use_sequence_packing: bool = False
+    """Every log-prob, value and training pass runs its samples packed into one row without padding (position ids
+    restarting per sample, attention within each sample); micro-batches by ``sequence_packing_args``."""
+    sequence_packing_args: SequencePackingArgs = field(default_factory=SequencePackingArgs)
+    """See :class:`SequencePackingArgs`."""
+    use_remove_padding: bool = False
+    """Run each micro-batch packed without padding, micro-batches formed as without it (verl's and ROLL's fsdp2
+    key; ``use_sequence_packing`` implies it)."""
+
     @classmethod
     def from_dict(cls, values: dict[str, Any], role: str) -> WorkerConfig:
         """Build and validate from a YAML mapping; every error names ``<role>.<key path>``."""
@@ -211,6 +282,7 @@ class WorkerConfig:
                 )
         for phase in ("train", "infer"):
             self._validate_dynamic_batching(role, phase)
+        self.sequence_packing_args.validate(f"{role}.sequence_packing_args")
         self.model_args.validate(f"{role}.model_args")
         self.training_args.validate(f"{role}.training_args")
         self.generating_args.validate(f"{role}.generating_args")

@@ -85,6 +85,7 @@ StrategyClass = Any  # a class taking (config: WorkerConfig, role: str) and impl
 STRATEGIES: Registry[StrategyClass] = Registry("strategy", "strategy_args.strategy_name")
 BUILT_IN_STRATEGIES = {
     "fsdp2_train": "fsdp2",
+    "fsdp2_infer": "fsdp2_infer",
     "hf_infer": "hf_infer",
     "deepspeed_train": "deepspeed_train",
     "megatron_train": "megatron_train",

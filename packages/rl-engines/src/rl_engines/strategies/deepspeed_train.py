@@ -38,7 +38,6 @@ from rl_engines.strategies.deepspeed_offload import OffloadRecord, offload_engin
 from rl_engines.strategies.micro_batches import MicroBatchPlanner, planner
 from rl_engines.strategies.model_io import (
     enable_activation_checkpointing,
-    forward_outputs,
     load_model,
     load_tokenizer,
 )
@@ -139,9 +138,8 @@ class DeepSpeedTrainStrategy:
     def _outputs(
         self, batch: RolloutBatch, planner: MicroBatchPlanner, *, temperature: float, with_entropy: bool
     ) -> dict[str, torch.Tensor]:
-        return forward_outputs(self.engine, batch, self.device, value_head=self.value_head, temperature=temperature,
-                               with_entropy=with_entropy, remove_padding=planner.remove_padding,
-                               round_to=planner.round_to)  # fmt: skip
+        return planner.forward(self.engine, batch, self.device, value_head=self.value_head, temperature=temperature,
+                               with_entropy=with_entropy)  # fmt: skip
 
     @torch.no_grad()
     def _infer(self, batch: RolloutBatch, **kwargs: Any) -> RolloutBatch:

@@ -30,7 +30,6 @@ from rl_engines.strategies.micro_batches import MicroBatchPlanner, planner
 from rl_engines.strategies.model_io import (
     TORCH_DTYPES,
     enable_activation_checkpointing,
-    forward_outputs,
     load_model,
     load_tokenizer,
 )
@@ -169,9 +168,8 @@ class Fsdp2TrainStrategy:
     def _outputs(
         self, batch: RolloutBatch, planner: MicroBatchPlanner, *, temperature: float, with_entropy: bool
     ) -> dict[str, torch.Tensor]:
-        return forward_outputs(self.model, batch, self.device, value_head=self.value_head, temperature=temperature,
-                               with_entropy=with_entropy, remove_padding=planner.remove_padding,
-                               round_to=planner.round_to)  # fmt: skip
+        return planner.forward(self.model, batch, self.device, value_head=self.value_head, temperature=temperature,
+                               with_entropy=with_entropy)  # fmt: skip
 
     @torch.no_grad()
     def _infer(self, batch: RolloutBatch, **kwargs: Any) -> RolloutBatch:

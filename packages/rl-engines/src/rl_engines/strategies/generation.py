@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
@@ -64,9 +65,10 @@ def pad_token_id(model: Any, tokenizer: Any, eos: list[int]) -> int:
 
 
 def sample_responses(
-    model: Any, tokenizer: Any, batch: RolloutBatch, args: GeneratingArgs, device: torch.device
+    model: Any, tokenizer: Any, batch: RolloutBatch, args: GeneratingArgs, device: torch.device, *, synced: bool = False
 ) -> RolloutBatch:
-    """Generate for one slice of prompts; responses right-padded to ``max_new_tokens``."""
+    """Generate for one slice of prompts; responses right-padded to ``max_new_tokens``. ``synced``: the model's
+    parameters are sharded over the ranks (FSDP), so every rank keeps stepping until all have finished."""
     config = _generation_config(model, tokenizer, args)
     prompts = batch.batch["input_ids"].to(device)
     prompt_mask = batch.batch["attention_mask"].to(device)
@@ -75,7 +77,9 @@ def sample_responses(
             "prompts must be left-padded (attention_mask[:, -1] is 0 for some rows): decoder-only generation "
             "continues from the last column. Tokenize with padding_side='left'."
         )
-    extra = {"tokenizer": tokenizer} if args.stop_strings else {}
+    extra: dict[str, Any] = {"tokenizer": tokenizer} if args.stop_strings else {}
+    if synced:
+        extra["synced_gpus"] = True
     out = model.generate(input_ids=prompts, attention_mask=prompt_mask, generation_config=config, **extra)
     generated = out.sequences[:, prompts.shape[1] :]  # [b*n, L], L <= max_new_tokens
     logits = torch.stack(out.logits, dim=1)  # [b*n, L, V] raw logits, before temperature / top-p / top-k
@@ -83,6 +87,20 @@ def sample_responses(
     expanded = prompts.repeat_interleave(args.num_return_sequences, dim=0)
     lengths, reasons = _finish(generated, expanded, tokenizer, args, config)
     return _rollout_batch(batch, generated, log_probs, lengths, reasons, config.pad_token_id, args)
+
+
+def generate_batch(
+    model: Any, tokenizer: Any, batch: RolloutBatch, args: GeneratingArgs, device: torch.device, slice_size: int,
+    *, synced: bool = False,
+) -> RolloutBatch:  # fmt: skip
+    """:func:`sample_responses` over ``slice_size``-prompt slices of ``batch``, with the rank-offset ``args.seed``
+    in a forked RNG (data-parallel workers must not draw the same numbers; the caller's stream is untouched)."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        if args.seed is not None:
+            torch.manual_seed(args.seed + int(os.environ.get("RANK", "0")))
+        parts = [sample_responses(model, tokenizer, micro, args, device, synced=synced)
+                 for micro in batch.split(slice_size)]  # fmt: skip
+    return RolloutBatch.concat(parts)
 
 
 def _finish(

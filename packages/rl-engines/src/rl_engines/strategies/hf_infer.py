@@ -6,7 +6,6 @@ of given tokens with a frozen copy). Weights arrive from the train strategy thro
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
@@ -15,9 +14,9 @@ import torch
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs, WorkerConfig
 from rl_engines.strategies.base import STRATEGIES, reject_unknown_keys, worker_device
-from rl_engines.strategies.generation import sample_responses
+from rl_engines.strategies.generation import generate_batch
 from rl_engines.strategies.micro_batches import planner, require_no_training
-from rl_engines.strategies.model_io import TORCH_DTYPES, forward_outputs, load_model, load_tokenizer
+from rl_engines.strategies.model_io import TORCH_DTYPES, load_model, load_tokenizer
 
 
 @STRATEGIES.register("hf_infer")
@@ -49,13 +48,17 @@ class HfInferStrategy:
     def compute_log_probs(
         self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
     ) -> RolloutBatch:
-        """``log_probs [B, R]`` (and ``entropy``) of the batch's responses, in infer_batch_size slices or by the
-        token budget of ``use_dynamic_batching_in_infer`` (each rank on its own: no collective in the forward)."""
+        """``log_probs [B, R]`` (and ``entropy``) of the batch's responses, in infer_batch_size slices, by the
+        token budget of ``use_dynamic_batching_in_infer`` or packed (see micro_batches); each rank on its own: no
+        collective in the forward."""
         self.reload()
         plan = self.infer_planner
-        return plan.map(batch, lambda micro: forward_outputs(
-            self.model, micro, self.device, value_head=False, temperature=temperature, with_entropy=with_entropy,
-            remove_padding=plan.remove_padding, round_to=plan.round_to))  # fmt: skip
+        return plan.map(
+            batch,
+            lambda micro: plan.forward(
+                self.model, micro, self.device, value_head=False, temperature=temperature, with_entropy=with_entropy
+            ),
+        )
 
     @torch.no_grad()
     def generate(self, batch: RolloutBatch, generating_args: GeneratingArgs | None = None) -> RolloutBatch:
@@ -68,14 +71,7 @@ class HfInferStrategy:
         args = generating_args or self.config.generating_args
         args.validate(f"{self.role}.generating_args")
         self.reload()
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            if args.seed is not None:  # offset by rank: data-parallel workers must not draw the same numbers
-                torch.manual_seed(args.seed + int(os.environ.get("RANK", "0")))
-            parts = [
-                sample_responses(self.model, self.tokenizer, micro, args, self.device)
-                for micro in batch.split(self.config.infer_batch_size)
-            ]
-        return RolloutBatch.concat(parts)
+        return generate_batch(self.model, self.tokenizer, batch, args, self.device, self.config.infer_batch_size)
 
     def named_weights(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The model's weights under HF names (tied weights appear under both names)."""

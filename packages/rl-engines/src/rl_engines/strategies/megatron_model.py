@@ -8,6 +8,7 @@ layer spec. megatron is imported inside functions only, so this module imports w
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from rl_engines.strategies.megatron_pipeline import (
 from rl_engines.strategies.megatron_weights import ELSEWHERE, RankLayout, WeightLoader, hf_target
 from rl_engines.strategies.micro_batches import MicroBatchPlanner, in_batch_order
 from rl_engines.strategies.model_io import model_inputs, response_length, widen
+from rl_engines.strategies.packing import PackedBatch
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 """Megatron's default vocabulary padding (rows past the tokenizer's vocabulary are masked out of every softmax)."""
@@ -177,27 +179,36 @@ class MegatronModel:
         rows = seq // self.layout.tp if self.sequence_parallel else seq
         return rows, ids.shape[0], self.layout.spec.hidden_size
 
-    def run(self, ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def run(self, ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor | None = None,
+            segments: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """``ids [B, S]``, ``mask [B, S]`` (True = real token) -> the last stage's ``[B, S, Vp/tp]`` logits
         (``[B, S, 1]`` values); earlier stages return the hidden states ``[S, B, H]`` for the next one, and every
-        stage but the first takes the previous one's as ``hidden``."""
+        stage but the first takes the previous one's as ``hidden``. ``segments [B, S]`` (packed rows: the sample of
+        each token) keeps attention within each sample."""
         length = ids.shape[1]
         extra = self._padding(length)
         ids, mask = nn.functional.pad(ids, (0, extra)), nn.functional.pad(mask, (0, extra))
         seq = ids.shape[1]
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=self.device).tril()
-        blocked = ~(causal.unsqueeze(0) & mask.unsqueeze(1)).unsqueeze(1)  # [B, 1, S, S], True = masked
-        # RoPE is relative, so Megatron's 0..S-1 positions equal HF's left-padding-aware position_ids here.
+        allowed = torch.ones(seq, seq, dtype=torch.bool, device=self.device).tril().unsqueeze(0) & mask.unsqueeze(1)
+        if segments is not None:
+            segments = nn.functional.pad(segments.to(self.device), (0, extra), value=-1)
+            allowed = allowed & (segments.unsqueeze(2) == segments.unsqueeze(1))
+        # RoPE is relative, so Megatron's 0..S-1 positions equal HF's left-padding-aware position_ids here, and
+        # within each sample of a packed row (attention never leaves it) its own restarting ones.
         positions = torch.arange(seq, device=self.device).expand_as(ids)
         if not self.stage.first:
             self.module.set_input_tensor(hidden)
-        out = self.module(ids, positions, blocked)  # in the parameters' dtype
+        out = self.module(ids, positions, ~allowed.unsqueeze(1))  # mask [B, 1, S, S], True = masked
         return out[:, :length] if self.stage.last else out  # type: ignore[no-any-return]
 
-    def forward(self, batch: RolloutBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, batch: RolloutBatch | PackedBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's forward of ``batch``; the last stage returns the outputs at the positions that predict the
-        responses: ``[B, R, Vp/tp]`` logits (row t predicts response token t) or ``[B, R, 1]`` values. Padding:
-        prompts left, responses right (see model_io)."""
+        responses: ``[B, R, Vp/tp]`` logits (row t predicts response token t) or ``[B, R, 1]`` values; ``[1, N, .]``
+        for a packed batch's N response tokens. Padding: prompts left, responses right (see model_io)."""
+        if isinstance(batch, PackedBatch):
+            segments = batch.segments.to(self.device)
+            out = self.run(batch.input_ids.to(self.device), segments >= 0, hidden, segments)
+            return out[:, batch.rows.to(self.device)] if self.stage.last else out
         inputs = model_inputs(batch, self.device)
         out = self.run(inputs["input_ids"], inputs["attention_mask"].bool(), hidden)
         if not self.stage.last:
@@ -205,24 +216,30 @@ class MegatronModel:
         length, resp = out.shape[1], response_length(batch)
         return out[:, length - resp - 1 : length - 1]
 
-    def batch_hidden_shape(self, batch: RolloutBatch) -> tuple[int, int, int]:
+    def batch_hidden_shape(self, batch: RolloutBatch | PackedBatch) -> tuple[int, int, int]:
         """:meth:`hidden_shape` of ``batch``'s input ids."""
-        return self.hidden_shape(batch.batch["input_ids"])
+        return self.hidden_shape(batch.input_ids if isinstance(batch, PackedBatch) else batch.batch["input_ids"])
 
-    def head(self, batch: RolloutBatch, out: torch.Tensor, *, temperature: float,
+    def head(self, batch: RolloutBatch | PackedBatch, out: torch.Tensor, *, temperature: float,
              with_entropy: bool) -> dict[str, torch.Tensor]:  # fmt: skip
         """Last stage: ``values`` (value head) or ``log_probs`` (and ``entropy``) of the responses from
         :meth:`forward`'s ``out``, ``[B, R]`` float32."""
+        if isinstance(batch, PackedBatch):
+            outputs = self._head(out, batch.targets.unsqueeze(0), temperature, with_entropy)
+            return {key: batch.scatter(value[0]) for key, value in outputs.items()}
+        return self._head(out, batch.batch["responses"], temperature, with_entropy)
+
+    def _head(self, out: torch.Tensor, targets: torch.Tensor, temperature: float,
+              with_entropy: bool) -> dict[str, torch.Tensor]:  # fmt: skip
         if self.layout.value_head:
             return {"values": out[..., 0].float()}
         log_probs, entropy = vocab_parallel_log_probs(
-            out, batch.batch["responses"].to(self.device), vocab_start=self.vocab_start,
-            vocab_size=self.layout.spec.vocab_size, temperature=temperature, with_entropy=with_entropy,
-            group=self.tp_group,
+            out, targets.to(self.device), vocab_start=self.vocab_start, vocab_size=self.layout.spec.vocab_size,
+            temperature=temperature, with_entropy=with_entropy, group=self.tp_group,
         )  # fmt: skip
         return {"log_probs": log_probs} if entropy is None else {"log_probs": log_probs, "entropy": entropy}
 
-    def schedule(self, micros: list[RolloutBatch], on_output: OnOutput, *, train: bool) -> None:
+    def schedule(self, micros: Sequence[RolloutBatch | PackedBatch], on_output: OnOutput, *, train: bool) -> None:
         """:func:`run_schedule` of ``micros`` through this model's pipeline (every TP x PP rank calls it)."""
         run_schedule(self.stage, micros, self.forward, hidden_shape=self.batch_hidden_shape, dtype=self.dtype,
                      device=self.device, on_output=on_output, train=train)  # fmt: skip

@@ -1,16 +1,27 @@
-"""Micro-batch planning, one home for every train and log-prob path: which samples go through the model together.
+"""Micro-batch planning, one home for every train and log-prob path: which samples go through the model together,
+and in which layout.
 
-Two plans (ROLL's keys, per worker):
+Three plans (ROLL's keys, per worker):
 
 - *fixed*: micro-batches of a fixed number of samples (``training_args.per_device_train_batch_size`` in training,
   ``infer_batch_size`` in log-prob / value passes), every one as wide as the batch.
 - *token budget* (``use_dynamic_batching_in_train`` / ``_in_infer``): the samples are sorted by length (prompt and
   response) and grouped while ``samples x width`` stays within ``max_tokens_per_microbatch_in_*``, the width rounded
   up to a multiple of ``sequence_length_round_in_*`` (ROLL's rule). Each micro-batch then runs without its padding
-  columns (:func:`rl_engines.strategies.model_io.forward_outputs` with ``remove_padding``), so memory per
+  columns (:meth:`MicroBatchPlanner.forward`, layout *trimmed*), so memory per
   micro-batch is bounded by the budget and short responses stop paying for the longest. Prompts are left-padded
   and responses right-padded, so a pass is as wide as its longest prompt plus its longest response (ROLL's
   right-padded layout makes that its longest sample).
+- *load balance* (``use_sequence_packing`` with ``sequence_packing_args.algorithm: load_balance``): as many
+  micro-batches as the tokens need (their sum, each length rounded up to 16 as ROLL does, over
+  ``max_packed_sequence_length_*``, at least ``min_num_micro_batches_*``, at most one per sample, the largest count
+  over the data-parallel ranks), the samples spread over them by work with Karmarkar-Karp
+  (:func:`rl_engines.strategies.packing.balanced_partitions`), ordered light-heavy-light as ROLL does. With
+  ``algorithm: none`` packing keeps the fixed plan. Dynamic batching, when also on, decides the plan (as in ROLL).
+
+Three layouts a micro-batch runs in: *padded* (as the batch is), *trimmed* (without its padding columns; dynamic
+batching) and *packed* (``use_sequence_packing`` or ``use_remove_padding``: one row of real tokens, see
+:mod:`rl_engines.strategies.packing`).
 
 A training step keeps its mini-batches as they are (``per_device_train_batch_size x gradient_accumulation_steps``
 samples per rank, one optimizer step each): only how a mini-batch is cut into forward/backward passes changes, and
@@ -27,10 +38,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfig
-from rl_engines.strategies.model_io import response_length, without_padding_columns
+from rl_engines.strategies.model_io import forward_outputs, response_length, widen, without_padding_columns
+from rl_engines.strategies.packing import PackedBatch, balanced_partitions, pack, packed_outputs, workload
 
 Phase = str
 """``"train"`` (train_step's forward/backward passes) or ``"infer"`` (log-prob and value passes)."""
@@ -57,6 +70,53 @@ def token_budget(config: WorkerConfig, role: str, phase: Phase) -> TokenBudget |
     max_tokens = getattr(config, f"max_tokens_per_microbatch_in_{phase}")
     return TokenBudget(int(max_tokens), int(getattr(config, f"sequence_length_round_in_{phase}")),
                        f"{role}.max_tokens_per_microbatch_in_{phase}")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LoadBalance:
+    """ROLL's ``load_balance`` packing of one phase: micro-batch count from ``max_tokens`` (``key`` names it) and
+    ``min_count``."""
+
+    max_tokens: int
+    min_count: int
+    key: str
+
+
+PACKING_ROUND = 16
+"""ROLL rounds each length up to a multiple of 16 when it counts a packed micro-batch's tokens and work."""
+
+
+def load_balance(config: WorkerConfig, role: str, phase: Phase) -> LoadBalance | None:
+    """The phase's load-balance plan when ``use_sequence_packing`` with ``algorithm: load_balance``, else None."""
+    args = config.sequence_packing_args
+    if not config.use_sequence_packing or args.algorithm != "load_balance":
+        return None
+    name = "train" if phase == "train" else "forward"
+    key = f"{role}.sequence_packing_args.max_packed_sequence_length_{name}"
+    max_tokens = getattr(args, f"max_packed_sequence_length_{name}")
+    if max_tokens is None:
+        raise ValueError(f"{key} is not set; sequence_packing_args.algorithm: load_balance needs it (the tokens of "
+                         "one packed micro-batch, at least prompt_length + response_length).")  # fmt: skip
+    return LoadBalance(int(max_tokens), int(getattr(args, f"min_num_micro_batches_{name}")), key)
+
+
+def plan_load_balance(
+    lengths: Sequence[int], plan: LoadBalance, group: dist.ProcessGroup | None, *, agree: bool
+) -> list[list[int]]:
+    """Sample indices per micro-batch under ``plan`` (see the module docstring); raises naming ``plan.key`` when
+    one sample is longer than ``max_tokens``."""
+    rounded = [-(-length // PACKING_ROUND) * PACKING_ROUND for length in lengths]
+    if max(lengths) > plan.max_tokens:
+        raise ValueError(f"{plan.key}={plan.max_tokens} is shorter than a sample of {max(lengths)} tokens; raise it "
+                         "to at least prompt_length + response_length.")  # fmt: skip
+    count = min(max(1, -(-sum(rounded) // plan.max_tokens)), len(lengths))
+    count = max(count, plan.min_count)
+    if agree:
+        count = agreed_count(count, group)
+    work = [workload(length) for length in rounded]
+    parts = balanced_partitions(work, min(count, len(lengths)))
+    parts.sort(key=lambda part: (sum(work[i] for i in part), part[0]), reverse=True)
+    return parts[::2][::-1] + parts[1::2]  # light ones at both ends (pipeline bubbles), as ROLL orders them
 
 
 def sequence_spans(batch: RolloutBatch) -> list[tuple[int, int]]:
@@ -124,46 +184,62 @@ def agreed_count(count: int, group: dist.ProcessGroup | None = None) -> int:
 
 @dataclass
 class MicroBatchPlanner:
-    """Cuts a rank's batch into micro-batches for one phase: fixed ``size`` samples, or by ``budget``.
+    """Cuts a rank's batch into micro-batches for one phase (fixed ``size`` samples, by ``budget``, or by
+    ``balance``) and runs them in their layout (``packed``; trimmed with a budget; else padded).
 
     ``group`` is the data-parallel process group whose ranks must agree on the number of micro-batches (only with
-    a budget, and only when ``agree`` is set: a train step's passes run collectives, an inference pass of an
-    unsharded model does not).
+    a budget or a balance, and only when ``agree`` is set: a train step's passes run collectives, an inference pass
+    of an unsharded model does not).
     """
 
     size: int
     budget: TokenBudget | None = None
+    balance: LoadBalance | None = None
+    packed: bool = False
     group: dist.ProcessGroup | None = None
     agree: bool = True
 
     @property
-    def remove_padding(self) -> bool:
-        """Whether the micro-batches run without their padding columns (every plan but the fixed one)."""
-        return self.budget is not None
+    def layout(self) -> str:
+        """``packed``, ``trimmed`` (padding columns removed: dynamic batching) or ``padded``."""
+        return "packed" if self.packed else "trimmed" if self.budget is not None else "padded"
 
     @property
     def round_to(self) -> int:
-        """The width multiple of a padding-free micro-batch (``sequence_length_round_in_<phase>``)."""
+        """The width multiple of a trimmed micro-batch (``sequence_length_round_in_<phase>``)."""
         return self.budget.round_to if self.budget is not None else 1
 
     def plan(self, batch: RolloutBatch) -> list[list[int]]:
         """Sample indices of each micro-batch."""
-        if self.budget is None:
-            return [list(range(start, min(start + self.size, len(batch)))) for start in range(0, len(batch), self.size)]
-        groups = plan_token_budget(sequence_spans(batch), self.budget)
-        if self.agree:
-            groups = split_to_count(groups, agreed_count(len(groups), self.group))
-        return groups
+        if self.budget is not None:
+            groups = plan_token_budget(sequence_spans(batch), self.budget)
+            return split_to_count(groups, agreed_count(len(groups), self.group)) if self.agree else groups
+        if self.balance is not None:
+            lengths = batch.batch["attention_mask"].sum(dim=1).tolist()
+            return plan_load_balance(lengths, self.balance, self.group, agree=self.agree)
+        return [list(range(start, min(start + self.size, len(batch)))) for start in range(0, len(batch), self.size)]
 
     def split(self, batch: RolloutBatch) -> list[RolloutBatch]:
-        """The micro-batches themselves (every column kept; ``remove_padding`` says how to run them)."""
+        """The micro-batches themselves (every column kept; :meth:`forward` / :meth:`runs` lay them out)."""
         return [batch.index(indices) for indices in self.plan(batch)]
 
-    def runs(self, micros: list[RolloutBatch]) -> list[RolloutBatch]:
-        """What the model runs for each micro-batch: its padding-free columns
-        (:func:`~rl_engines.strategies.model_io.without_padding_columns`) when :attr:`remove_padding`, else itself
-        (for strategies that drive the forward themselves, e.g. Megatron's pipeline schedule)."""
-        return [without_padding_columns(m, self.round_to) for m in micros] if self.remove_padding else micros
+    def forward(self, model: nn.Module, micro: RolloutBatch, device: torch.device, *, value_head: bool,
+                temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:  # fmt: skip
+        """The model's outputs on ``micro`` in this planner's layout, ``[B, R]`` each (see model_io)."""
+        if self.packed:
+            return packed_outputs(model, micro, device, value_head=value_head, temperature=temperature,
+                                  with_entropy=with_entropy)  # fmt: skip
+        run = without_padding_columns(micro, self.round_to) if self.budget is not None else micro
+        outputs = forward_outputs(model, run, device, value_head=value_head, temperature=temperature,
+                                  with_entropy=with_entropy)  # fmt: skip
+        return widen(outputs, response_length(micro))
+
+    def runs(self, micros: list[RolloutBatch]) -> list[RolloutBatch | PackedBatch]:
+        """What the model runs for each micro-batch, for strategies that drive the forward themselves (Megatron's
+        pipeline schedule): packed, trimmed or as it is."""
+        if self.packed:
+            return [pack(m) for m in micros]
+        return [without_padding_columns(m, self.round_to) if self.budget is not None else m for m in micros]
 
     def map(self, batch: RolloutBatch, forward: Callable[[RolloutBatch], dict[str, torch.Tensor]]) -> RolloutBatch:
         """``forward`` on each micro-batch; outputs concatenated on the CPU in the batch's own sample order."""
@@ -184,20 +260,26 @@ def planner(
     config: WorkerConfig, role: str, phase: Phase, group: dist.ProcessGroup | None = None, *, agree: bool = True
 ) -> MicroBatchPlanner:
     """The role's planner for ``phase``: fixed micro-batches of per_device_train_batch_size (train) or
-    infer_batch_size (infer), or the token budget of ``use_dynamic_batching_in_<phase>``. ``agree``: the
+    infer_batch_size (infer), the token budget of ``use_dynamic_batching_in_<phase>`` or the load balance of
+    ``use_sequence_packing``; packed with ``use_sequence_packing`` / ``use_remove_padding``. ``agree``: the
     strategy's passes run collectives (sharded parameters), so the ranks of ``group`` agree on their count."""
     size = config.training_args.per_device_train_batch_size if phase == "train" else config.infer_batch_size
-    return MicroBatchPlanner(size, token_budget(config, role, phase), group, agree=agree)
+    packed = config.use_sequence_packing or config.use_remove_padding
+    return MicroBatchPlanner(size, token_budget(config, role, phase), load_balance(config, role, phase), packed,
+                             group, agree=agree)  # fmt: skip
 
 
 def require_fixed_micro_batches(config: WorkerConfig, role: str, strategy: str) -> None:
-    """For a generation engine that batches by itself (vLLM, SGLang): refuse ``use_dynamic_batching_in_*``."""
-    for phase in ("train", "infer"):
-        if getattr(config, f"use_dynamic_batching_in_{phase}"):
+    """For a generation engine that batches by itself (vLLM, SGLang): refuse ``use_dynamic_batching_in_*``,
+    ``use_sequence_packing`` and ``use_remove_padding`` naming the key."""
+    keys = ["use_dynamic_batching_in_train", "use_dynamic_batching_in_infer", "use_sequence_packing",
+            "use_remove_padding"]  # fmt: skip
+    for key in keys:
+        if getattr(config, key):
             raise ValueError(
-                f"{role}.use_dynamic_batching_in_{phase} is set, but {strategy} schedules its own batches; dynamic "
-                "batching applies to the log-prob and training passes of fsdp2_train, deepspeed_train, "
-                "megatron_train, megatron_infer and hf_infer. Set it to false for this role."
+                f"{role}.{key} is set, but {strategy} schedules its own batches; dynamic batching and packing apply "
+                "to the log-prob and training passes of fsdp2_train, deepspeed_train, megatron_train, "
+                "megatron_infer and hf_infer. Set it to false for this role."
             )
 
 

@@ -7,6 +7,8 @@ Batch layout (verl / ROLL): ``prompts [B, P]`` left-padded, ``responses [B, R]``
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,8 @@ from torch import nn
 from rl_core.batch import RolloutBatch
 from rl_core.losses import entropy_from_logits
 from rl_engines.config import ModelArgs
+
+logger = logging.getLogger(__name__)
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -41,14 +45,32 @@ def load_model(model_args: ModelArgs, role: str, *, dtype: torch.dtype, value_he
 
     path = resolve_model_path(model_args, role)
     kwargs: dict[str, Any] = {"dtype": dtype}
-    if model_args.attn_implementation:
-        kwargs["attn_implementation"] = model_args.attn_implementation
+    attention = attention_kernel(model_args, role)
+    if attention:
+        kwargs["attn_implementation"] = attention
     if value_head:
         model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.config.use_cache = False
     return model  # type: ignore[no-any-return]
+
+
+def attention_kernel(model_args: ModelArgs, role: str) -> str | None:
+    """The transformers attention kernel for ``model_args`` on this worker: flash-attention needs CUDA and its
+    package; without them the worker runs sdpa (the same attention, another kernel) and logs that it does."""
+    wanted = model_args.attention(f"{role}.model_args")
+    if wanted is None or not wanted.startswith("flash_attention"):
+        return wanted
+    package = "flash_attn_interface" if wanted == "flash_attention_3" else "flash_attn"
+    if torch.cuda.is_available() and importlib.util.find_spec(package) is not None:
+        return wanted
+    logger.warning(
+        "[engines] %s.model_args asks for %s, which needs a CUDA device and the %s package; this worker has %s, "
+        "so it runs sdpa: the same attention (packed rows still attend within their own sample), another kernel.",
+        role, wanted, package, "no CUDA device" if not torch.cuda.is_available() else f"no {package}",
+    )  # fmt: skip
+    return "sdpa"
 
 
 def enable_activation_checkpointing(model: Any) -> None:
@@ -134,18 +156,10 @@ def forward_values(model: nn.Module, batch: RolloutBatch, device: torch.device) 
 
 def forward_outputs(
     model: nn.Module, batch: RolloutBatch, device: torch.device, *, value_head: bool, temperature: float,
-    with_entropy: bool, remove_padding: bool = False, round_to: int = 1,
+    with_entropy: bool,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """``values`` of a value-head model, else ``log_probs`` (and ``entropy``); ``[B, R]`` each, on ``device``.
-
-    ``remove_padding``: the model sees only the columns where some sample has a real token (the width rounded up
-    to a multiple of ``round_to``); outputs come back ``[B, R]``, 0 past the columns it saw.
-    """
-    if remove_padding:
-        trimmed = without_padding_columns(batch, round_to)
-        outputs = forward_outputs(model, trimmed, device, value_head=value_head, temperature=temperature,
-                                  with_entropy=with_entropy)  # fmt: skip
-        return widen(outputs, response_length(batch))
+    (:meth:`rl_engines.strategies.micro_batches.MicroBatchPlanner.forward` runs it trimmed or packed.)"""
     if value_head:
         return {"values": forward_values(model, batch, device)}
     log_probs, entropy = forward_log_probs(model, batch, device, temperature=temperature, with_entropy=with_entropy)

@@ -1,0 +1,139 @@
+"""Sequence packing: a micro-batch's samples as one row without padding, and the balanced partitions that form them.
+
+A packed micro-batch (:func:`pack`) concatenates each sample's real tokens (its prompt without left padding, its
+response without right padding) into one row ``[1, T]``; position ids restart at 0 for every sample, which is how
+transformers recognises packed sequences when no attention mask is given (eager / sdpa build a block-diagonal causal
+mask, flash-attention-2 runs its varlen kernel), so attention never crosses a sample boundary. The model's outputs
+at the rows that predict response tokens go back to the batch's ``[B, R]`` layout with :meth:`PackedBatch.scatter`.
+
+:func:`balanced_partitions` is the Karmarkar-Karp largest-differencing heuristic ROLL uses (``load_balance``) to cut
+a mini-batch into micro-batches of similar work, with its workload model :func:`workload`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from rl_core.batch import RolloutBatch
+from rl_engines.strategies.model_io import position_ids_from_mask, response_length, response_log_probs
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A micro-batch packed into one row. ``input_ids`` / ``position_ids`` ``[1, T]``; ``segments [1, T]`` is the
+    sample each token belongs to (-1 for the fill that rounds ``T`` up). ``rows [N]`` are the packed positions
+    whose outputs predict a response token, ``targets [N]`` those tokens, ``samples [N]`` / ``columns [N]`` where
+    they sit in the ``[B, R]`` layout (``shape``)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    segments: torch.Tensor
+    rows: torch.Tensor
+    targets: torch.Tensor
+    samples: torch.Tensor
+    columns: torch.Tensor
+    shape: tuple[int, int]
+
+    @property
+    def tokens(self) -> int:
+        """``T``: the packed row's length (fill included)."""
+        return int(self.input_ids.shape[1])
+
+    def scatter(self, values: torch.Tensor) -> torch.Tensor:
+        """``values [N]`` (one per response token) into ``[B, R]``; 0 where a sample has no response token."""
+        out = torch.zeros(self.shape, dtype=values.dtype, device=values.device)
+        out[self.samples.to(values.device), self.columns.to(values.device)] = values
+        return out
+
+
+def pack(batch: RolloutBatch, round_to: int = 1) -> PackedBatch:
+    """Pack ``batch`` (prompts left-padded, responses right-padded, see model_io) into one row, filled up to a
+    multiple of ``round_to`` with a separate run of padding tokens. Raises when a sample has no prompt token (the
+    first response token would have no position to be predicted from)."""
+    mask = batch.batch["attention_mask"].to(torch.bool)
+    ids = batch.batch["input_ids"]
+    total, width = mask.shape[1], response_length(batch)
+    prompts = total - width
+    prompt_lengths = mask[:, :prompts].sum(dim=1)
+    if bool((prompt_lengths == 0).any()):
+        raise ValueError("sequence packing needs at least one prompt token per sample; a sample has none")
+    response_lengths = mask[:, prompts:].sum(dim=1)
+    positions = batch.batch["position_ids"] if "position_ids" in batch else position_ids_from_mask(mask)
+    flat_ids, flat_positions = ids[mask], positions[mask]
+    lengths = prompt_lengths + response_lengths
+    starts = lengths.cumsum(0) - lengths
+    if bool((flat_positions[starts] != 0).any()):
+        raise ValueError("sequence packing needs position ids that start at 0 for every sample")
+    segments = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    columns = torch.arange(width).expand(len(lengths), width)
+    valid = columns < response_lengths.unsqueeze(1)
+    rows = (starts + prompt_lengths - 1).unsqueeze(1) + columns
+    samples = torch.arange(len(lengths)).unsqueeze(1).expand_as(columns)
+    fill = -len(flat_ids) % round_to
+    return PackedBatch(
+        input_ids=torch.cat([flat_ids, flat_ids.new_zeros(fill)]).unsqueeze(0),
+        position_ids=torch.cat([flat_positions, torch.arange(fill, dtype=flat_positions.dtype)]).unsqueeze(0),
+        segments=torch.cat([segments, segments.new_full((fill,), -1)]).unsqueeze(0),
+        rows=rows[valid], targets=flat_ids[rows[valid] + 1], samples=samples[valid], columns=columns[valid],
+        shape=(len(lengths), width),
+    )  # fmt: skip
+
+
+def workload(length: int) -> int:
+    """ROLL's cost model of one sequence (a 7B transformer's FLOPs up to a constant): ``24576 L + L^2``."""
+    return 24576 * length + length * length
+
+
+def balanced_partitions(weights: Sequence[int], parts: int) -> list[list[int]]:
+    """Indices of ``weights`` cut into ``parts`` non-empty groups of near-equal sums (Karmarkar-Karp largest
+    differencing: repeatedly merge the two partial solutions with the largest spread, the heaviest group of one
+    with the lightest of the other). Each group lists its indices ascending; groups come heaviest first."""
+    if not 1 <= parts <= len(weights):
+        raise ValueError(f"cannot cut {len(weights)} samples into {parts} non-empty micro-batches")
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+    for index, weight in enumerate(weights):
+        start = [(int(weight), [index])] + [(0, []) for _ in range(parts - 1)]
+        heapq.heappush(heap, (-int(weight), index, start))
+    while len(heap) > 1:
+        _, order, first = heapq.heappop(heap)
+        _, _, second = heapq.heappop(heap)
+        merged = [(a[0] + b[0], a[1] + b[1]) for a, b in zip(first, reversed(second), strict=True)]
+        merged.sort(key=lambda group: -group[0])
+        heapq.heappush(heap, (merged[-1][0] - merged[0][0], order, merged))
+    groups = [sorted(members) for _, members in heap[0][2]]
+    return _fill_empty(groups, weights)
+
+
+def _fill_empty(groups: list[list[int]], weights: Sequence[int]) -> list[list[int]]:
+    """Move the lightest sample of the most populated group into each empty group (equal weights can leave one)."""
+    for group in groups:
+        if not group:
+            donor = max(groups, key=len)
+            lightest = min(donor, key=lambda i: weights[i])
+            donor.remove(lightest)
+            group.append(lightest)
+    return groups
+
+
+def packed_outputs(
+    model: nn.Module, batch: RolloutBatch, device: torch.device, *, value_head: bool, temperature: float,
+    with_entropy: bool, round_to: int = 1,
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """:func:`~rl_engines.strategies.model_io.forward_outputs` of ``batch`` run packed: ``values`` of a value-head
+    model, else ``log_probs`` (and ``entropy``), ``[B, R]`` each on ``device``, 0 past each sample's response."""
+    packed = pack(batch, round_to)
+    out = model(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device), use_cache=False)
+    rows = out.logits[0, packed.rows.to(device)]  # [N, V]: the outputs that predict the response tokens
+    if value_head:
+        return {"values": packed.scatter(rows[:, 0].float())}
+    log_probs, entropy = response_log_probs(rows.unsqueeze(0), packed.targets.to(device).unsqueeze(0),
+                                            temperature=temperature, with_entropy=with_entropy)  # fmt: skip
+    outputs = {"log_probs": packed.scatter(log_probs[0])}
+    if entropy is not None:
+        outputs["entropy"] = packed.scatter(entropy[0])
+    return outputs
