@@ -81,7 +81,8 @@ def train_plan(
         world_size=len(section.device_mapping),
         tensor_model_parallel_size=int(strategy_config.get("tensor_model_parallel_size", 1)),
         pipeline_model_parallel_size=int(strategy_config.get("pipeline_model_parallel_size", 1)),
-        context_parallel_size=int(strategy_config.get("context_parallel_size", 1)),
+        # Ulysses (fsdp2) splits sequences like Megatron's context parallelism: ranks / ulysses_size hold the data
+        context_parallel_size=int(strategy_config.get("context_parallel_size", 1)) * section.model_args.ulysses_size,
     )
     args = section.training_args
     return plan_train_batch(

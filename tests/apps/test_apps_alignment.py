@@ -3,11 +3,12 @@ variant, compare the per-step training metrics with the reference's.
 
 fsdp2_train on 2 data-parallel ranks is the reference. fsdp2_train on 1 rank with twice the gradient accumulation
 trains on the same global batches, and with ROLL's dynamic batching (token-budget passes without padding) and
-sequence packing (load-balanced packed rows) on the same mini-batches; deepspeed_train ZeRO-1 and ZeRO-3 (2 ranks),
-megatron_train TP=1 (2 data-parallel ranks), TP=2 (1 data-parallel rank) and PP=2 (2 pipeline stages, 1
-data-parallel rank) train on the same samples in the same mini-batches, in fp32 on CPU. Their per-step pg_loss,
-total_loss, approx_kl (ppo_kl) and grad_norm must match the reference to within what fp32 reduction order explains.
-Megatron's Ray workers get the test harness's CUDA shims through a sitecustomize on their PYTHONPATH
+sequence packing (load-balanced packed rows) on the same mini-batches, and with Ulysses sequence parallelism
+(ulysses_size 2: one data-parallel group of 2 ranks) on the same global batches; deepspeed_train ZeRO-1 and
+ZeRO-3 (2 ranks), megatron_train TP=1 (2 data-parallel ranks), TP=2 (1 data-parallel rank) and PP=2 (2 pipeline
+stages, 1 data-parallel rank) train on the same samples in the same mini-batches, in fp32 on CPU. Their per-step
+pg_loss, total_loss, approx_kl (ppo_kl) and grad_norm must match the reference to within what fp32 reduction order
+explains. Megatron's Ray workers get the test harness's CUDA shims through a sitecustomize on their PYTHONPATH
 (tests/rl_engines/megatron_shims.py), never through product code. One matrix (one dump, one replay per variant)
 serves every test of this module.
 """
@@ -51,6 +52,8 @@ SEQUENCE_PACKING = [
     *(f"+{role}.sequence_packing_args.max_packed_sequence_length_forward=48" for role in ("actor_train", "reference")),
     "+actor_train.sequence_packing_args.max_packed_sequence_length_train=48",
 ]
+# Ulysses on both ranks: one data-parallel group, so the global batch takes twice the accumulation.
+ULYSSES = [*ONE_DATA_RANK, "+actor_train.model_args.ulysses_size=2"]
 # fp32 on CPU: fsdp2 on 1 and 2 ranks differ only in the order of the gradient reduction (measured <= 1e-7); the
 # engines also in their kernels and Megatron's vocab-parallel softmax (measured <= 1e-6).
 FSDP2_TOLERANCE, ENGINE_TOLERANCE = 1e-6, 2e-5
@@ -68,7 +71,8 @@ def variants(shim_envs: list[str]) -> dict[str, list[str]]:
     deepspeed, megatron = f"{STRATEGY}.strategy_name=deepspeed_train", f"{STRATEGY}.strategy_name=megatron_train"
     found: dict[str, list[str]] = {"fsdp2_dp2": [], "fsdp2_dp1": ["actor_train.device_mapping=[0]", *ONE_DATA_RANK],
                                    "fsdp2_dynamic_batching": DYNAMIC_BATCHING,
-                                   "fsdp2_sequence_packing": SEQUENCE_PACKING}  # fmt: skip
+                                   "fsdp2_sequence_packing": SEQUENCE_PACKING,
+                                   "fsdp2_ulysses": ULYSSES}  # fmt: skip
     if _installed("deepspeed"):
         found["zero1"] = [deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=1"]
         found["zero3"] = [deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=3"]
@@ -118,6 +122,13 @@ def test_replayed_rollouts_train_alike_on_one_and_two_ranks(matrix):
 def test_dynamic_batching_trains_like_the_padded_micro_batches(matrix):
     """Token-budget passes without padding columns (ranks agreeing on their count) give the padded run's update."""
     _assert_aligned(matrix, "fsdp2_dynamic_batching", FSDP2_TOLERANCE)
+
+
+@pytest.mark.slow
+def test_ulysses_trains_like_data_parallel_ranks(matrix):
+    """ulysses_size 2 on the 2 ranks (one data-parallel group, so twice the accumulation): each rank runs half of
+    every packed row, attention through gloo all-to-alls; the same update as 2 data-parallel ranks."""
+    _assert_aligned(matrix, "fsdp2_ulysses", FSDP2_TOLERANCE)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from tests.shared_dir import require_shared, roll_example_files, roll_target_fil
 RLVR_FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/*.yaml", "docs_examples/*.yaml") + roll_target_files(
     "qwen2.5-7B-rlvr_megatron/rlvr_config_dynamic_batching.yaml",  # dynamic batching (issue 15)
     "qwen2.5-7B-rlvr_megatron/rlvr_config_sequence_packing.yaml",  # sequence packing (issue 15)
+    "qwen2.5-7B-rlvr_megatron/rlvr_fsdp2_sp2.yaml",  # Ulysses in fsdp2, fsdp2_infer (issue 15)
 )
 TORCH_NATIVE = {"megatron_train": "fsdp2_train", "deepspeed_train": "fsdp2_train", "vllm": "hf_infer",
                 "sglang": "hf_infer", "megatron_infer": "hf_infer"}  # fmt: skip
@@ -148,6 +149,8 @@ def test_the_small_config_passes():
         ({"reference": {"device_mapping": [0, 1], "strategy_args": {"strategy_name": "hf_infer"},
                         "use_dynamic_batching_in_infer": True}, "use_kl_loss": True}, WorkerConfigError,
          r"reference\.use_dynamic_batching_in_infer is true but reference\.max_tokens_per_microbatch_in_infer is None"),
+        ({"actor_train__model_args__ulysses_size": 3}, ValueError,
+         r"actor_train\.model_args\.ulysses_size=3 must divide the role's 2 ranks"),
         ({"rollout_mock": {"enable": True, "mode": "replay"}}, WorkerConfigError, r"rollout_mock\.mode"),
         ({"adv_estimator": "gae"}, PreflightError, r"adv_estimator: gae needs a value model; add a `critic`"),
         ({"use_kl_loss": True}, PreflightError, r"use_kl_loss need a `reference` section"),

@@ -33,7 +33,10 @@ for name in filter(str.isdigit, os.listdir("/proc")):
         command = open(f"/proc/{name}/cmdline", "rb").read().replace(b"\\0", b" ").decode().strip()
     except OSError:
         continue
-    parents[int(name)] = (int(stat[stat.rindex(b")") + 2:].split()[1]), command)
+    fields = stat[stat.rindex(b")") + 2:].split()
+    if fields[0] == b"Z":  # a helper that has exited and awaits reaping (no command line): not a live process
+        continue
+    parents[int(name)] = (int(fields[1]), command)
 mine, found = {os.getpid()}, True
 while found:
     found = [pid for pid, (ppid, _) in parents.items() if ppid in mine and pid not in mine]

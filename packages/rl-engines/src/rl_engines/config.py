@@ -47,6 +47,10 @@ class ModelArgs:
     or the flash_attn package runs sdpa, with a log line."""
     flash_attn: str | None = None
     """ROLL's older spelling of the same choice: ``disabled`` (eager), ``sdpa``, ``fa2``, ``auto``."""
+    ulysses_size: int = 1
+    """Ulysses sequence parallelism (fsdp2_train / fsdp2_infer): this many ranks share their samples and split
+    every packed row's sequence, trading heads for sequence around attention (all-to-all). Must divide the role's
+    ranks and the model's attention heads; the data-parallel size becomes ranks / ulysses_size."""
 
     def attention(self, prefix: str) -> str | None:
         """The transformers ``attn_implementation`` these keys ask for (None = its default)."""
@@ -68,6 +72,8 @@ class ModelArgs:
                     f"{sorted(ATTENTION_KERNELS)} (transformers)."
                 )
         self.attention(prefix)
+        if self.ulysses_size is None or self.ulysses_size < 1:
+            raise WorkerConfigError(f"{prefix}.ulysses_size must be >= 1, got {self.ulysses_size}.")
         if self.dtype not in DTYPES:
             raise WorkerConfigError(f"{prefix}.dtype={self.dtype!r} is not supported; use one of {list(DTYPES)}.")
         if self.model_type not in (None, "critic", "trl"):

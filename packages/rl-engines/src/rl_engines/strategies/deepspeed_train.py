@@ -35,7 +35,7 @@ from rl_engines.strategies import deepspeed_state
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, require_engine_package, worker_device
 from rl_engines.strategies.deepspeed_config import ZERO_STAGE_KEY, finalize_deepspeed_config, resolve_strategy_config
 from rl_engines.strategies.deepspeed_offload import OffloadRecord, offload_engine, reload_engine
-from rl_engines.strategies.micro_batches import MicroBatchPlanner, planner
+from rl_engines.strategies.micro_batches import MicroBatchPlanner, planner, require_no_ulysses
 from rl_engines.strategies.model_io import (
     enable_activation_checkpointing,
     load_model,
@@ -87,6 +87,7 @@ class DeepSpeedTrainStrategy:
                 f"{config.model_args.dtype!r}. Use ZeRO stage >= 1 for bf16 / fp16 (its optimizer keeps fp32 master "
                 "weights, as fsdp2_train does; ROLL's deepspeed_train requires stage >= 1) or model_args.dtype: fp32."
             )
+        require_no_ulysses(config, role, "deepspeed_train")
         self.planners = {phase: planner(config, role, phase) for phase in ("train", "infer")}
         self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
         self.device = torch.device("cpu")

@@ -8,6 +8,10 @@ past one device's memory), it runs on CPU over gloo in torch >= 2.6, and state d
 Gradient semantics: each micro-batch loss is its share of the whole mini-batch loss (rl-core GlobalBatchInfo),
 gradients are *summed* over ranks (FSDP's divide factor set to 1) and over accumulation steps, so the update
 is identical for any split of a mini-batch into ranks x micro-batches.
+
+Ulysses (``model_args.ulysses_size`` > 1, see :mod:`rl_engines.strategies.ulysses`): the ranks of a Ulysses group
+pool their batches, every pass is packed and each rank runs its slice of the row; the data-parallel size is
+ranks / ulysses_size, and mini-batches are formed from the pooled batch as from a data-parallel rank's.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from rl_engines.strategies.base import STRATEGIES, ensure_process_group, reject_
 from rl_engines.strategies.micro_batches import MicroBatchPlanner, planner
 from rl_engines.strategies.model_io import (
     TORCH_DTYPES,
+    attention_kernel,
     enable_activation_checkpointing,
     load_model,
     load_tokenizer,
@@ -39,6 +44,7 @@ from rl_engines.strategies.train_utils import (
     build_scheduler,
     check_minibatch,
     check_objective,
+    gather_batch,
     minibatch_info,
     offload_optimizer_state,
     reload_optimizer_state,
@@ -46,6 +52,15 @@ from rl_engines.strategies.train_utils import (
     require_value_head,
     run_minibatches,
     token_share,
+)
+from rl_engines.strategies.ulysses import (
+    ATTENTION,
+    UlyssesGroups,
+    check_ulysses,
+    model_heads,
+    new_groups,
+    register_attention,
+    ulysses_outputs,
 )
 
 # strategy_config key -> accepted types (ROLL's fsdp2_train keys)
@@ -79,6 +94,11 @@ class Fsdp2TrainStrategy:
                 raise ValueError(f"{prefix}.{key} must be {wanted}, got {type(value).__name__} {value!r}.")
         self.planners = {phase: planner(config, role, phase) for phase in ("train", "infer")}
         self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
+        self.ulysses: UlyssesGroups | None = None
+        self.ulysses_kernel = "sdpa"
+        if config.model_args.ulysses_size > 1 and config.device_mapping:
+            check_ulysses(config.model_args.ulysses_size, len(config.device_mapping), *model_heads(config),
+                          f"{role}.model_args")  # fmt: skip
         self.device = torch.device("cpu")
         self.global_step = 0
         self.model: Any = None
@@ -96,12 +116,29 @@ class Fsdp2TrainStrategy:
         args = self.config.model_args
         torch.manual_seed(self.config.training_args.seed)
         model = load_model(args, self.role, dtype=torch.float32, value_head=self.value_head)
+        self._setup_ulysses(model)
         if not args.disable_gradient_checkpointing:
             enable_activation_checkpointing(model)
         self.model = self._shard(model.to(self.device))
         self.optimizer = build_optimizer(self.model.parameters(), self.config.training_args)
         self.scheduler = build_scheduler(self.optimizer, self.config.training_args, self.role)
         self.tokenizer = load_tokenizer(str(args.model_name_or_path))
+
+    def _setup_ulysses(self, model: Any) -> None:
+        """With ``ulysses_size`` > 1: check it against the world and the heads, build the groups, and give the
+        model the ``ulysses`` attention around the kernel ``model_args`` asks for (flash on GPU, else sdpa)."""
+        size = self.config.model_args.ulysses_size
+        if size == 1:
+            return
+        config = model.config
+        check_ulysses(size, dist.get_world_size(), config.num_attention_heads,
+                      getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                      f"{self.role}.model_args")  # fmt: skip
+        wanted = attention_kernel(self.config.model_args, self.role)
+        self.ulysses_kernel = wanted if wanted and wanted.startswith("flash_attention") else "sdpa"
+        register_attention()
+        model.set_attn_implementation(ATTENTION)
+        self.ulysses = new_groups(size)
 
     def _dtype_option(self, key: str, default: torch.dtype) -> torch.dtype:
         value = self.options.get(key)
@@ -168,14 +205,25 @@ class Fsdp2TrainStrategy:
     def _outputs(
         self, batch: RolloutBatch, planner: MicroBatchPlanner, *, temperature: float, with_entropy: bool
     ) -> dict[str, torch.Tensor]:
+        if self.ulysses is not None:
+            return ulysses_outputs(self.model, batch, self.device, self.ulysses, kernel=self.ulysses_kernel,
+                                   value_head=self.value_head, temperature=temperature,
+                                   with_entropy=with_entropy)  # fmt: skip
         return planner.forward(self.model, batch, self.device, value_head=self.value_head, temperature=temperature,
                                with_entropy=with_entropy)  # fmt: skip
+
+    def _pooled(self, batch: RolloutBatch) -> tuple[RolloutBatch, slice]:
+        """The Ulysses group's batches together, and this rank's rows in them (the batch itself without Ulysses)."""
+        return gather_batch(batch, self.ulysses.group if self.ulysses is not None else None)
 
     @torch.no_grad()
     def _infer(self, batch: RolloutBatch, **kwargs: Any) -> RolloutBatch:
         self.reload()  # a colocated role may have offloaded us; computing needs the weights on the device
         self.model.eval()
-        return self.planners["infer"].map(batch, lambda micro: self._outputs(micro, self.planners["infer"], **kwargs))
+        pooled, own = self._pooled(batch)
+        plan = self.planners["infer"]
+        out = plan.map(pooled, lambda micro: self._outputs(micro, plan, **kwargs))
+        return RolloutBatch({key: value[own] for key, value in out.batch.items()}, meta_info=dict(batch.meta_info))
 
     def compute_log_probs(
         self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
@@ -197,15 +245,23 @@ class Fsdp2TrainStrategy:
         summed over ranks: loss values equal the full mini-batch loss, plus ``grad_norm`` and ``lr``.
         """
         check_objective(self.role, objective, self.value_head)
-        _, minibatch = check_minibatch(self.role, len(batch), self.config.training_args)
+        pooled, _ = self._pooled(batch)
+        size = self.config.model_args.ulysses_size
+        _, minibatch = check_minibatch(
+            self.role, len(pooled), self.config.training_args,
+            per="per rank" if size == 1 else f"per Ulysses group (pooled over ulysses_size={size} ranks)",
+            dp_note="" if size == 1 else " (world size / ulysses_size)",
+        )  # fmt: skip
         self.reload()
         self.model.train()
-        return run_minibatches(batch, self.planners["train"].split, minibatch, self.scheduler,
+        return run_minibatches(pooled, self.planners["train"].split, minibatch, self.scheduler,
                                lambda micros, metrics: self._optimizer_step(micros, objective, metrics))  # fmt: skip
 
     def _optimizer_step(self, micros: list[RolloutBatch], objective: Objective, metrics: MetricAccumulator) -> float:
         assert self.optimizer is not None
-        info = minibatch_info(micros)
+        # under Ulysses the ranks of a group hold the same samples: count them, and their metrics, once
+        info = minibatch_info(micros, self.ulysses.data_group if self.ulysses is not None else None)
+        counted = 1.0 if self.ulysses is None or self.ulysses.rank == 0 else 0.0
         self.optimizer.zero_grad(set_to_none=True)
         for index, micro in enumerate(micros):
             self.model.set_requires_gradient_sync(index == len(micros) - 1)  # reduce-scatter once per step
@@ -213,7 +269,7 @@ class Fsdp2TrainStrategy:
                                     with_entropy=objective.needs_entropy)  # fmt: skip
             loss, values = objective(outputs, micro, info)
             loss.backward()  # type: ignore[no-untyped-call]
-            metrics.add(values, token_share(micro, info))
+            metrics.add({name: value * counted for name, value in values.items()}, token_share(micro, info))
         metrics.end_minibatch()
         max_norm = self.config.training_args.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else math.inf)

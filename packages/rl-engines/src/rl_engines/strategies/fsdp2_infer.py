@@ -41,6 +41,7 @@ class Fsdp2InferStrategy(Fsdp2TrainStrategy):
         self.device = worker_device()
         model = load_model(self.config.model_args, self.role, dtype=torch.float32, value_head=self.value_head)
         model.requires_grad_(False)
+        self._setup_ulysses(model)
         self.model = self._shard(model.to(self.device))
         self.model.eval()
         self.tokenizer = load_tokenizer(str(self.config.model_args.model_name_or_path))
@@ -54,6 +55,9 @@ class Fsdp2InferStrategy(Fsdp2TrainStrategy):
         the role must call it with as many prompts (slices of infer_batch_size)."""
         args = generating_args or self.config.generating_args
         args.validate(f"{self.role}.generating_args")
+        if self.ulysses is not None:
+            raise RuntimeError(f"{self.role}: fsdp2_infer does not generate with model_args.ulysses_size > 1 (nor "
+                               "does ROLL's); set it to 1 for a generating role.")  # fmt: skip
         self.reload()
         synced = dist.is_initialized() and dist.get_world_size() > 1
         return generate_batch(self.model, self.tokenizer, batch, args, self.device, self.config.infer_batch_size,

@@ -15,7 +15,7 @@ from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs, WorkerConfig
 from rl_engines.strategies.base import STRATEGIES, reject_unknown_keys, worker_device
 from rl_engines.strategies.generation import generate_batch
-from rl_engines.strategies.micro_batches import planner, require_no_training
+from rl_engines.strategies.micro_batches import planner, require_no_training, require_no_ulysses
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_model, load_tokenizer
 
 
@@ -30,6 +30,7 @@ class HfInferStrategy:
         self.role = role
         reject_unknown_keys(config.strategy_args.strategy_config, set(), f"{role}.strategy_args.strategy_config")
         require_no_training(config, role, "hf_infer")
+        require_no_ulysses(config, role, "hf_infer")
         self.infer_planner = planner(config, role, "infer", agree=False)
         self.device = torch.device("cpu")
         self.model: Any = None

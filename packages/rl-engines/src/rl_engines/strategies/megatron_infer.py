@@ -22,10 +22,10 @@ from rl_engines.strategies.generation import sample_responses
 from rl_engines.strategies.megatron_config import check_world_size, parse_megatron_options
 from rl_engines.strategies.megatron_generate import MegatronGenerator, load_generation_config
 from rl_engines.strategies.megatron_model import MegatronModel, build_model, init_model_parallel
-from rl_engines.strategies.megatron_ops import gather_batch
 from rl_engines.strategies.megatron_weights import export_hf, sharded_names
-from rl_engines.strategies.micro_batches import planner, require_no_training
+from rl_engines.strategies.micro_batches import planner, require_no_training, require_no_ulysses
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path
+from rl_engines.strategies.train_utils import gather_batch
 
 
 @STRATEGIES.register("megatron_infer")
@@ -39,6 +39,7 @@ class MegatronInferStrategy:
         self.config = config
         self.role = role
         require_no_training(config, role, "megatron_infer")
+        require_no_ulysses(config, role, "megatron_infer")
         # The model-parallel ranks of a replica plan the same pooled batch alike; replicas need not agree.
         self.planner = planner(config, role, "infer", agree=False)
         self.options = parse_megatron_options(

@@ -22,7 +22,7 @@ from rl_ckpt.layout import padded_vocab_size
 from rl_ckpt.spec import ModelSpec, spec_from_hf_config
 from rl_core.batch import RolloutBatch
 from rl_engines.strategies.megatron_config import MegatronOptions
-from rl_engines.strategies.megatron_ops import gather_batch, vocab_parallel_log_probs
+from rl_engines.strategies.megatron_ops import vocab_parallel_log_probs
 from rl_engines.strategies.megatron_pipeline import (
     OnOutput,
     PipelineStage,
@@ -34,6 +34,7 @@ from rl_engines.strategies.megatron_weights import ELSEWHERE, RankLayout, Weight
 from rl_engines.strategies.micro_batches import MicroBatchPlanner, in_batch_order
 from rl_engines.strategies.model_io import model_inputs, response_length, widen
 from rl_engines.strategies.packing import PackedBatch
+from rl_engines.strategies.train_utils import gather_batch
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 """Megatron's default vocabulary padding (rows past the tokenizer's vocabulary are masked out of every softmax)."""

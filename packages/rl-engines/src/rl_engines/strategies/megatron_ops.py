@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rl_core.batch import RolloutBatch
 from rl_engines.strategies.train_utils import all_reduce_sum
 
 
@@ -88,21 +87,6 @@ def gather_vocab(logits: torch.Tensor, vocab_size: int, group: dist.ProcessGroup
         dist.all_gather(parts, logits.contiguous(), group=group)
         logits = torch.cat(parts, dim=-1)
     return logits[..., :vocab_size]
-
-
-def gather_batch(batch: RolloutBatch, group: dist.ProcessGroup | None) -> tuple[RolloutBatch, slice]:
-    """The concatenated batches of all ranks of ``group``, and the rows of this rank's own batch in it.
-
-    ``dp_split`` hands every rank its own chunk; ranks that hold one model together (a tensor-parallel group)
-    must compute on the same samples, so they pool their chunks and each returns its own rows at the end.
-    """
-    if group is None or dist.get_world_size(group) == 1:
-        return batch, slice(0, len(batch))
-    parts: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(parts, batch, group=group)
-    rank = dist.get_rank(group)
-    start = sum(len(part) for part in parts[:rank])
-    return RolloutBatch.concat(parts), slice(start, start + len(batch))
 
 
 def sum_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> None:

@@ -35,7 +35,6 @@ from rl_engines.strategies.megatron_config import check_world_size, describe_unu
 from rl_engines.strategies.megatron_model import MegatronModel, build_model, init_model_parallel
 from rl_engines.strategies.megatron_ops import (
     clip_gradients,
-    gather_batch,
     grad_norm,
     local_optimizer,
     partition_optimizer_state,
@@ -43,7 +42,7 @@ from rl_engines.strategies.megatron_ops import (
 )
 from rl_engines.strategies.megatron_pipeline import broadcast_object_from_last
 from rl_engines.strategies.megatron_weights import export_hf, sharded_names
-from rl_engines.strategies.micro_batches import planner
+from rl_engines.strategies.micro_batches import planner, require_no_ulysses
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path, response_length, widen
 from rl_engines.strategies.train_utils import (
     MetricAccumulator,
@@ -51,6 +50,7 @@ from rl_engines.strategies.train_utils import (
     build_scheduler,
     check_minibatch,
     check_objective,
+    gather_batch,
     minibatch_info,
     offload_optimizer_state,
     reload_optimizer_state,
@@ -74,6 +74,7 @@ class MegatronTrainStrategy:
         self.role = role
         # The model-parallel ranks of a replica plan the same pooled batch alike; data-parallel replicas need not
         # agree on a count (their gradients are reduced once per optimizer step, after every pass).
+        require_no_ulysses(config, role, "megatron_train")
         self.planners = {phase: planner(config, role, phase, agree=False) for phase in ("train", "infer")}
         self.options = parse_megatron_options(
             dict(config.strategy_args.strategy_config), role, train=True, dtype=config.model_args.dtype

@@ -261,10 +261,10 @@ def planner(
 ) -> MicroBatchPlanner:
     """The role's planner for ``phase``: fixed micro-batches of per_device_train_batch_size (train) or
     infer_batch_size (infer), the token budget of ``use_dynamic_batching_in_<phase>`` or the load balance of
-    ``use_sequence_packing``; packed with ``use_sequence_packing`` / ``use_remove_padding``. ``agree``: the
+    ``use_sequence_packing``; packed with ``use_sequence_packing`` / ``use_remove_padding`` / Ulysses. ``agree``: the
     strategy's passes run collectives (sharded parameters), so the ranks of ``group`` agree on their count."""
     size = config.training_args.per_device_train_batch_size if phase == "train" else config.infer_batch_size
-    packed = config.use_sequence_packing or config.use_remove_padding
+    packed = config.use_sequence_packing or config.use_remove_padding or config.model_args.ulysses_size > 1
     return MicroBatchPlanner(size, token_budget(config, role, phase), load_balance(config, role, phase), packed,
                              group, agree=agree)  # fmt: skip
 
@@ -272,6 +272,7 @@ def planner(
 def require_fixed_micro_batches(config: WorkerConfig, role: str, strategy: str) -> None:
     """For a generation engine that batches by itself (vLLM, SGLang): refuse ``use_dynamic_batching_in_*``,
     ``use_sequence_packing`` and ``use_remove_padding`` naming the key."""
+    require_no_ulysses(config, role, strategy)
     keys = ["use_dynamic_batching_in_train", "use_dynamic_batching_in_infer", "use_sequence_packing",
             "use_remove_padding"]  # fmt: skip
     for key in keys:
@@ -281,6 +282,16 @@ def require_fixed_micro_batches(config: WorkerConfig, role: str, strategy: str) 
                 "to the log-prob and training passes of fsdp2_train, deepspeed_train, megatron_train, "
                 "megatron_infer and hf_infer. Set it to false for this role."
             )
+
+
+def require_no_ulysses(config: WorkerConfig, role: str, strategy: str) -> None:
+    """Ulysses sequence parallelism is fsdp2's: refuse ``model_args.ulysses_size`` > 1 naming the key."""
+    size = config.model_args.ulysses_size
+    if size > 1:
+        raise ValueError(
+            f"{role}.model_args.ulysses_size={size}: {strategy} has no Ulysses sequence parallelism; it runs in "
+            "fsdp2_train and fsdp2_infer (Megatron splits sequences with context_parallel_size). Set it to 1."
+        )
 
 
 def require_no_training(config: WorkerConfig, role: str, strategy: str) -> None:

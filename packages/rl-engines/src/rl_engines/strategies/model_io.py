@@ -41,15 +41,17 @@ def resolve_model_path(model_args: ModelArgs, role: str) -> str:
 
 def load_model(model_args: ModelArgs, role: str, *, dtype: torch.dtype, value_head: bool = False) -> nn.Module:
     """Load a causal LM, or (``value_head``) the same backbone with a 1-output token-classification head."""
-    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
     path = resolve_model_path(model_args, role)
     kwargs: dict[str, Any] = {"dtype": dtype}
     attention = attention_kernel(model_args, role)
     if attention:
         kwargs["attn_implementation"] = attention
-    if value_head:
-        model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, **kwargs)
+    if value_head:  # no dropout before the value head (as verl): training computes the values scoring computes
+        config = AutoConfig.from_pretrained(path, num_labels=1)
+        config.classifier_dropout = 0.0
+        model = AutoModelForTokenClassification.from_pretrained(path, config=config, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.config.use_cache = False

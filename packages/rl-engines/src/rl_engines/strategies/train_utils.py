@@ -109,6 +109,21 @@ def global_batch_info(response_mask: torch.Tensor, group: dist.ProcessGroup | No
     return GlobalBatchInfo(num_tokens=float(counts[0]), num_seqs=float(counts[1]))
 
 
+def gather_batch(batch: RolloutBatch, group: dist.ProcessGroup | None) -> tuple[RolloutBatch, slice]:
+    """The concatenated batches of all ranks of ``group``, and the rows of this rank's own batch in it.
+
+    ``dp_split`` hands every rank its own chunk; ranks that hold one model together (a tensor-parallel group)
+    must compute on the same samples, so they pool their chunks and each returns its own rows at the end.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return batch, slice(0, len(batch))
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, batch, group=group)
+    rank = dist.get_rank(group)
+    start = sum(len(part) for part in parts[:rank])
+    return RolloutBatch.concat(parts), slice(start, start + len(batch))
+
+
 def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum a small CPU tensor over ranks (through the GPU when the backend is nccl); identity for one rank."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1 or values.numel() == 0:
