@@ -85,6 +85,13 @@ def test_a_sharded_reference_scores_like_an_unsharded_one(tiny_model_dir, tmp_pa
     torch.testing.assert_close(got[mask], expected[mask], atol=1e-6, rtol=0)
 
 
+def test_fsdp2_infer_needs_only_the_forward_keys_of_load_balance(tiny_model_dir):
+    packing = {"algorithm": "load_balance", "max_packed_sequence_length_forward": 64}
+    config = worker_config(tiny_model_dir, "reference", strategy_args={"strategy_name": "fsdp2_infer"},
+                           use_sequence_packing=True, sequence_packing_args=packing)  # fmt: skip
+    assert create_strategy(config, "reference").planners["infer"].balance.max_tokens == 64
+
+
 def test_fsdp2_infer_refuses_training_keys_and_roles(tiny_model_dir):
     config = worker_config(tiny_model_dir, "actor_train", strategy_args={"strategy_name": "fsdp2_infer"})
     with pytest.raises(ValueError, match=r"actor_train.strategy_args.strategy_name='fsdp2_infer' is an inference"):

@@ -147,3 +147,20 @@ def test_strategies_without_ulysses_refuse_the_key(tiny_model_dir, name):
     config = worker_config(tiny_model_dir, role, strategy_args={"strategy_name": name}, **ULYSSES)
     with pytest.raises(ValueError, match=rf"{role}.model_args.ulysses_size=2: {name} has no Ulysses"):
         create_strategy(config, role)
+
+
+def test_the_row_mask_keeps_attention_causal_within_each_sample_and_its_sliding_window():
+    """sdpa reads a sliding-window layer's window from its mask only: the row's mask carries it per window."""
+    from rl_engines.strategies.ulysses import _Row
+
+    segments = torch.tensor([[0, 0, 0, 0, 1, 1, -1, -1]])
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 0, 1]])
+    row = _Row(None, positions, "sdpa", None, segments)
+    full, window = row.mask(None)[0, 0], row.mask(2)[0, 0]
+    expected = torch.zeros(8, 8, dtype=torch.bool)
+    for start, end in ((0, 4), (4, 6), (6, 8)):
+        expected[start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+    torch.testing.assert_close(full, expected)
+    assert window[3].tolist() == [False, False, True, True, False, False, False, False]  # keys 2 and 3 only
+    torch.testing.assert_close(window, expected & ~torch.ones(8, 8, dtype=torch.bool).tril(-2))
+    assert row.mask(2) is row.mask(2)  # built once per row and window

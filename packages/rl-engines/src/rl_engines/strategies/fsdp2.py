@@ -80,6 +80,8 @@ class Fsdp2TrainStrategy:
     """Train one role's model with FSDP2 over all ranks of the worker's process group."""
 
     kind = "train"
+    phases: tuple[str, ...] = ("train", "infer")
+    """The micro-batch plans this strategy runs (training passes, log-prob / value passes)."""
 
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config
@@ -92,7 +94,7 @@ class Fsdp2TrainStrategy:
             if value is not None and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
                 wanted = " or ".join(t.__name__ for t in types)
                 raise ValueError(f"{prefix}.{key} must be {wanted}, got {type(value).__name__} {value!r}.")
-        self.planners = {phase: planner(config, role, phase) for phase in ("train", "infer")}
+        self.planners = {phase: planner(config, role, phase) for phase in self.phases}
         self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
         self.ulysses: UlyssesGroups | None = None
         self.ulysses_kernel = "sdpa"

@@ -15,8 +15,9 @@ transformers as ``ulysses`` and gets the packed row's layout through the forward
 
 from __future__ import annotations
 
+import copy
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -154,22 +155,38 @@ def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor
 
 
 # ---- the attention function ----------------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass
 class _Row:
     group: dist.ProcessGroup
     positions: torch.Tensor
     """``[1, S]``: the position ids of the whole packed row (restarting per sample)."""
     kernel: str
-    """``sdpa`` (with ``mask``) or a flash-attention kernel (varlen by the position ids)."""
-    mask: torch.Tensor | None
-    """sdpa: ``[1, 1, S, S]``, True where a token may attend (causal, within its own sample), built once per row."""
+    """``sdpa`` (with :meth:`mask`) or a flash-attention kernel (varlen by the position ids)."""
+    config: Any
+    """The model's config as the inner kernel must see it (``_attn_implementation`` = ``kernel``, not ``ulysses``)."""
+    segments: torch.Tensor
+    """``[1, S]``: the sample of each token (-1: fill)."""
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """sdpa: ``[1, 1, S, S]``, True where a token may attend: causal, within its own sample, and within
+        ``window`` positions for a sliding-window layer; built once per row and window."""
+        if window not in self.masks:
+            index = torch.arange(self.segments.shape[1], device=self.positions.device)
+            distance = index.unsqueeze(1) - index.unsqueeze(0)  # query - key
+            segments = self.segments[0].to(self.positions.device)
+            allowed = (distance >= 0) & (segments.unsqueeze(1) == segments.unsqueeze(0))
+            if window is not None:
+                allowed &= distance < window
+            self.masks[window] = allowed[None, None]
+        return self.masks[window]
 
 
 class _Heads:
     """The attention module as the inner kernel should see it: this rank's share of query and key/value heads."""
 
-    def __init__(self, module: nn.Module, groups: int) -> None:
-        self._module, self.num_key_value_groups = module, groups
+    def __init__(self, module: nn.Module, groups: int, config: Any) -> None:
+        self._module, self.num_key_value_groups, self.config = module, groups, config
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._module, name)
@@ -191,10 +208,11 @@ def ulysses_attention(
         repeat = size // key.shape[1]
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
     query, key, value = (heads_to_sequence(t, row.group) for t in (query, key, value))
-    heads = _Heads(module, query.shape[1] // key.shape[1])
+    heads = _Heads(module, query.shape[1] // key.shape[1], row.config)
     kwargs.pop("position_ids", None)
-    if row.mask is not None:
-        out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](heads, query, key, value, row.mask, **kwargs)
+    if row.kernel == "sdpa":  # sdpa reads the sliding window of a layer from its mask only
+        mask = row.mask(kwargs.pop("sliding_window", None))
+        out, _ = ALL_ATTENTION_FUNCTIONS["sdpa"](heads, query, key, value, mask, **kwargs)
     else:
         out, _ = ALL_ATTENTION_FUNCTIONS[row.kernel](heads, query, key, value, None,
                                                      position_ids=row.positions, **kwargs)  # fmt: skip
@@ -218,12 +236,9 @@ def ulysses_outputs(
     The row's layout travels with the forward's keyword arguments to every attention call (activation
     recomputation in the backward gets it the same way)."""
     packed = pack(batch, groups.size)
-    mask = None
-    if kernel == "sdpa":
-        segments = packed.segments.to(device)
-        causal = torch.ones(packed.tokens, packed.tokens, dtype=torch.bool, device=device).tril()
-        mask = (causal & (segments.unsqueeze(2) == segments.unsqueeze(1))).unsqueeze(1)
-    row = _Row(groups.group, packed.position_ids.to(device), kernel, mask)
+    config: Any = copy.copy(getattr(model, "config"))  # noqa: B009  (a module attribute, not a tensor)
+    config._attn_implementation = kernel
+    row = _Row(groups.group, packed.position_ids.to(device), kernel, config, packed.segments)
     length = packed.tokens // groups.size
     part = slice(groups.rank * length, (groups.rank + 1) * length)
     ids, positions = packed.input_ids[:, part].to(device), packed.position_ids[:, part].to(device)
