@@ -29,6 +29,7 @@ from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.checkpoint_space import checkpoint_space_warning
 from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
 from apps.common.loop import run_loop
+from apps.common.preflight import role_sections
 from apps.common.sampler_state import SamplerState
 from apps.common.timeline import Timeline
 from apps.common.training import checkpoint_dir, load_roles, save_checkpoint, score_with_roles, train_roles
@@ -108,8 +109,7 @@ class AgenticPipeline:
             self._started_ray = start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
         else:
             self._started_ray = start_ray()
-        sections = {role: getattr(self.base, role) for role in ("actor_train", "actor_infer", "reference", "critic")}
-        sections = {role: section for role, section in sections.items() if section is not None}
+        sections = role_sections(self.base)  # a reference that enable_reference leaves off does not start
         self.roles = Roles(cluster, sections, rpc_timeout=self.base.rpc_timeout, system_envs=self.base.system_envs)
         self.updater = self.roles.model_updater()
         self.log(f"[agentic] train environments: {self.train_envs.describe()}")

@@ -122,6 +122,10 @@ class SharedConfig:
     """Adaptive KL control target; None = fixed coefficient."""
     kl_horizon: int = 10000
     """Adaptive KL control horizon."""
+    enable_reference: bool = False
+    """ROLL's: run the reference role. It runs anyway when a KL needs it (use_kl_loss, add_token_level_kl or
+    init_kl_coef > 0, as ROLL); otherwise a configured `reference` is not started and ref_log_probs are the
+    old_log_probs (every KL to it 0)."""
     critic_warmup: int = 0
     """Steps that train only the critic."""
     # ---- rewards ---------------------------------------------------------------------------------------------
@@ -185,6 +189,12 @@ class SharedConfig:
         config = dataclasses.replace(build_dataclass(cls, values, ""), **sections)
         validate_shared(config)
         return config
+
+
+def reference_enabled(config: SharedConfig) -> bool:
+    """ROLL's ``enable_reference``, forced on by any KL to the reference (``init_kl_coef`` > 0 included)."""
+    kl = config.use_kl_loss or config.add_token_level_kl or config.init_kl_coef > 0
+    return config.enable_reference or kl
 
 
 def pop_shared_sections(values: dict[str, Any]) -> dict[str, Any]:

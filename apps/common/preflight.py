@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from apps.common.config import ROLE_KEYS, SharedConfig
+from apps.common.config import ROLE_KEYS, SharedConfig, reference_enabled
 from rl_core.batch_size import ParallelLayout, TrainBatchPlan, lr_decay_steps, plan_train_batch
 from rl_engines.config import WorkerConfig
 from rl_engines.placement import PlacementPlan
@@ -37,8 +37,23 @@ class PreflightReport:
 
 
 def role_sections(config: SharedConfig) -> dict[str, WorkerConfig]:
-    """The configured roles (actor_train, actor_infer, reference, critic), by placement name."""
-    return {role: getattr(config, role) for role in ROLE_KEYS if getattr(config, role) is not None}
+    """The roles that run (actor_train, actor_infer, reference, critic), by placement name: the configured ones,
+    less a reference that ROLL's ``enable_reference`` leaves off."""
+    sections = {role: getattr(config, role) for role in ROLE_KEYS if getattr(config, role) is not None}
+    if not reference_enabled(config):
+        sections.pop("reference", None)
+    return sections
+
+
+def reference_notes(config: SharedConfig) -> list[str]:
+    """The log line of a configured reference that does not run."""
+    if config.reference is None or reference_enabled(config):
+        return []
+    return [
+        "[preflight] reference: not started (enable_reference false, use_kl_loss and add_token_level_kl false, "
+        "init_kl_coef 0: nothing needs it); ref_log_probs are the old_log_probs, as in ROLL. Set "
+        "enable_reference: true to run it."
+    ]
 
 
 def fill_model_paths(config: SharedConfig) -> None:
@@ -53,9 +68,8 @@ def check_algorithm_roles(config: SharedConfig) -> None:
     """The roles the algorithm keys need: a critic for gae, a reference for any KL to it."""
     if config.adv_estimator == "gae" and config.critic is None:
         raise PreflightError("adv_estimator: gae needs a value model; add a `critic` section or use grpo / reinforce.")
-    needs_reference = config.use_kl_loss or config.add_token_level_kl
-    if needs_reference and config.reference is None:
-        keys = [k for k in ("use_kl_loss", "add_token_level_kl") if getattr(config, k)]
+    keys = [k for k in ("use_kl_loss", "add_token_level_kl", "enable_reference") if getattr(config, k)]
+    if keys and config.reference is None:
         raise PreflightError(f"{' and '.join(keys)} need a `reference` section (the frozen policy the KL is to).")
 
 
@@ -154,4 +168,4 @@ def plan_training(
         if role in sections:
             plans[role] = train_plan(config, role, sections[role], num_return_sequences_in_group)
             decay[role] = lr_decay_steps(config.max_steps, plans[role], config.ppo_epochs)
-    return PreflightReport(placement, plans, decay)
+    return PreflightReport(placement, plans, decay, reference_notes(config))

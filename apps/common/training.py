@@ -25,10 +25,12 @@ def score_with_roles(roles: Roles, rollout: RolloutBatch, config: Any, temperatu
     rollout.batch["old_log_probs"] = (
         roles["actor_train"].call("compute_log_probs", rollout, temperature, dispatch="dp_split").batch["log_probs"]
     )
-    if config.reference is not None:
+    if "reference" in roles.groups:
         rollout.batch["ref_log_probs"] = (
             roles["reference"].call("compute_log_probs", rollout, temperature, dispatch="dp_split").batch["log_probs"]
         )
+    elif config.reference is not None:  # configured, left off by enable_reference: ROLL's stand-in, every KL 0
+        rollout.batch["ref_log_probs"] = rollout.batch["old_log_probs"].clone()
     if config.critic is not None:
         rollout.batch["values"] = roles["critic"].call("compute_values", rollout, dispatch="dp_split").batch["values"]
 

@@ -61,22 +61,24 @@ def _run_pipeline(config: RLVRConfig) -> None:
 def alignment_matrix(
     config_file: Path, base: Sequence[str], variants: Mapping[str, Sequence[str]], work_dir: Path
 ) -> AlignmentResult:
-    """Dump ``max_steps`` rollouts with the first variant, then replay them through every variant.
+    """Dump ``max_steps`` rollouts with the first variant, then replay them through every other variant.
 
     ``base`` are overrides for every run (model, data, steps); ``variants`` maps a name to its own overrides (e.g.
-    ``actor_train.strategy_args.strategy_name=deepspeed_train``). Validation is off: only training is compared.
+    ``actor_train.strategy_args.strategy_name=deepspeed_train``). Validation is off: only training is compared. The
+    first variant's metrics are those of the dumping run itself: replaying its rollouts through the same variant
+    reproduces its training bit for bit (rl-replay's promise, tested with the RLVR pipeline), so that replay is not
+    run again.
     """
     dumps = work_dir / "rollouts"
     mock = ["eval_steps=0", "+rollout_mock.enable=true", f"+rollout_mock.dump_dir={dumps}"]
-    first = next(iter(variants))
-    runs = [("dump", first, "dump")] + [(name, name, "mock") for name in variants]
     result = AlignmentResult()
-    for folder, name, mode in runs:
-        overrides = [*base, *variants[name], *mock, f"+rollout_mock.mode={mode}", f"output_dir={work_dir / folder}"]
-        _run_pipeline(RLVRConfig.from_dict(load_config(config_file, overrides)))
-        if mode == "mock":
-            logged = read_metrics(str(work_dir / folder / "metrics.jsonl"))
-            result.metrics[name] = {step: {k: float(v) for k, v in row.items()} for step, row in logged.items()}
+    for index, (name, overrides) in enumerate(variants.items()):
+        mode = "dump" if index == 0 else "mock"
+        output = work_dir / name
+        run = [*base, *overrides, *mock, f"+rollout_mock.mode={mode}", f"output_dir={output}"]
+        _run_pipeline(RLVRConfig.from_dict(load_config(config_file, run)))
+        logged = read_metrics(str(output / "metrics.jsonl"))
+        result.metrics[name] = {step: {k: float(v) for k, v in row.items()} for step, row in logged.items()}
     return result
 
 

@@ -24,6 +24,7 @@ from apps.common.checkpoint_space import checkpoint_space_warning
 from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
 from apps.common.loop import run_loop
 from apps.common.padding import padded_indices
+from apps.common.preflight import role_sections
 from apps.common.sample_filters import SampleShaping, apply_sample_masks, apply_sample_weights
 from apps.common.sampler_state import SamplerState
 from apps.common.timeline import Timeline
@@ -107,8 +108,7 @@ class RLVRPipeline:
             self._started_ray = start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
         else:
             self._started_ray = start_ray()
-        sections = {role: getattr(self.config, role) for role in ("actor_train", "actor_infer", "reference", "critic")}
-        sections = {role: section for role, section in sections.items() if section is not None}
+        sections = role_sections(self.config)  # a reference that enable_reference leaves off does not start
         self.roles = Roles(cluster, sections, rpc_timeout=self.config.rpc_timeout, system_envs=self.config.system_envs)
         self.updater = self.roles.model_updater()
         self.router.start_workers(self.config.rpc_timeout, self.config.system_envs)

@@ -1,16 +1,16 @@
-"""The alignment matrix of issue 6: dump RLVR rollouts once, replay the same rollouts through every training
+"""The alignment matrix of issue 6: dump RLVR rollouts once, replay the same rollouts through every other training
 variant, compare the per-step training metrics with the reference's.
 
-fsdp2_train on 2 data-parallel ranks is the reference. fsdp2_train on 1 rank with twice the gradient accumulation
-trains on the same global batches, and with ROLL's dynamic batching (token-budget passes without padding) and
-sequence packing (load-balanced packed rows) on the same mini-batches, and with Ulysses sequence parallelism
-(ulysses_size 2: one data-parallel group of 2 ranks) on the same global batches; deepspeed_train ZeRO-1 and
-ZeRO-3 (2 ranks), megatron_train TP=1 (2 data-parallel ranks), TP=2 (1 data-parallel rank) and PP=2 (2 pipeline
+fsdp2_train on 2 data-parallel ranks is the reference (the dumping run). fsdp2_train on 1 rank with twice the
+gradient accumulation trains on the same global batches, and with ROLL's dynamic batching (token-budget passes
+without padding) and sequence packing (load-balanced packed rows) on the same mini-batches, and with Ulysses sequence
+parallelism (ulysses_size 2: one data-parallel group of 2 ranks) on the same global batches; deepspeed_train ZeRO-1
+and ZeRO-3 (2 ranks), megatron_train TP=1 (2 data-parallel ranks), TP=2 (1 data-parallel rank) and PP=2 (2 pipeline
 stages, 1 data-parallel rank) train on the same samples in the same mini-batches, in fp32 on CPU. Their per-step
 pg_loss, total_loss, approx_kl (ppo_kl) and grad_norm must match the reference to within what fp32 reduction order
 explains. Megatron's Ray workers get the test harness's CUDA shims through a sitecustomize on their PYTHONPATH
-(tests/rl_engines/megatron_shims.py), never through product code. One matrix (one dump, one replay per variant)
-serves every test of this module.
+(tests/rl_engines/megatron_shims.py), never through product code. One matrix (one dump, one replay per other
+variant) serves every test of this module.
 """
 
 from __future__ import annotations
@@ -23,33 +23,35 @@ from rlvr_fixtures import make_setup, megatron_shim_overrides
 
 from apps.rlvr.alignment import ALIGNED, AlignmentResult, alignment_matrix, parse_variant
 
-# Rewards with a learning signal on the random tiny model: REINFORCE on a length penalty, plus entropy and KL terms;
+# Rewards with a learning signal on the random tiny model: REINFORCE on a length penalty, plus an entropy term;
 # two PPO epochs of two optimizer steps each, so approx_kl (ppo_kl) is not trivially 0 and the mini-batches must be
 # the same sets of samples on one and on two ranks (the pipeline orders samples mini-batch-major for that). Two
-# steps: the second trains from weights and optimizer moments the first one left. Inference and reference run on
-# one rank: replay generates nothing, and every variant scores with the same reference.
+# steps: the second trains from weights and optimizer moments the first one left. Inference runs on one rank (replay
+# generates nothing). No KL to the reference, so the reference does not run (ROLL's enable_reference): a KL term is
+# rl-core arithmetic on the same log-probs the policy loss uses, and the reference's log-probs under every layout
+# are compared with the padded ones in tests/rl_engines/test_engines_micro_batches.py.
 BASE = ["max_steps=2", "prompt_length=24", "adv_estimator=reinforce", "entropy_loss_coef=0.05", "ppo_epochs=2",
-        "+rewards.math_rule.response_length_penalty_coef=0.01",
-        "actor_infer.device_mapping=[0]", "reference.device_mapping=[0]",
+        "+rewards.math_rule.response_length_penalty_coef=0.01", "use_kl_loss=false", "kl_loss_coef=0", "init_kl_coef=0",
+        "actor_infer.device_mapping=[0]",
         "actor_train.training_args.per_device_train_batch_size=1",
         "actor_train.training_args.gradient_accumulation_steps=2"]  # fmt: skip
 ONE_DATA_RANK = ["actor_train.training_args.gradient_accumulation_steps=4"]  # the same global batch on 1 DP rank
 STRATEGY = "actor_train.strategy_args"
 ENGINE_VARIANTS = ("zero1", "zero3", "megatron_tp1", "megatron_tp2", "megatron_pp2")
 # ROLL's dynamic batching: passes of at most 32 tokens (prompt_length 24 + response_length 8 fit one; two short
-# samples share one) without their padding columns, in training, in actor_train's log-probs and in the reference's.
+# samples share one) without their padding columns, in training and in actor_train's log-probs.
 DYNAMIC_BATCHING = [
-    *(f"+{role}.use_dynamic_batching_in_infer=true" for role in ("actor_train", "reference")),
-    *(f"+{role}.max_tokens_per_microbatch_in_infer=32" for role in ("actor_train", "reference")),
+    "+actor_train.use_dynamic_batching_in_infer=true",
+    "+actor_train.max_tokens_per_microbatch_in_infer=32",
     "+actor_train.use_dynamic_batching_in_train=true",
     "+actor_train.max_tokens_per_microbatch_in_train=32",
 ]
 # ROLL's sequence packing, load_balance: each pass one row of real tokens, as many passes as 48-token rows need
-# (lengths rounded to 16), samples spread over them by Karmarkar-Karp; actor_train's and the reference's passes.
+# (lengths rounded to 16), samples spread over them by Karmarkar-Karp; actor_train's log-prob and training passes.
 SEQUENCE_PACKING = [
-    *(f"+{role}.use_sequence_packing=true" for role in ("actor_train", "reference")),
-    *(f"+{role}.sequence_packing_args.algorithm=load_balance" for role in ("actor_train", "reference")),
-    *(f"+{role}.sequence_packing_args.max_packed_sequence_length_forward=48" for role in ("actor_train", "reference")),
+    "+actor_train.use_sequence_packing=true",
+    "+actor_train.sequence_packing_args.algorithm=load_balance",
+    "+actor_train.sequence_packing_args.max_packed_sequence_length_forward=48",
     "+actor_train.sequence_packing_args.max_packed_sequence_length_train=48",
 ]
 # Ulysses on both ranks: one data-parallel group, so the global batch takes twice the accumulation.
@@ -112,6 +114,9 @@ def test_replayed_rollouts_train_alike_on_one_and_two_ranks(matrix):
     assert sorted(reference) == [0, 1]
     assert all(reference[step]["actor/pg_loss"] != 0.0 for step in reference)
     assert any(reference[step]["actor/ppo_kl"] != 0.0 for step in reference)
+    # No KL, so the reference did not run (ROLL's enable_reference): ref_log_probs were the old_log_probs, even at
+    # step 1, where a running reference (the initial weights) would differ from the trained policy.
+    assert reference[1]["critic/kl"] == 0.0
     _assert_aligned(matrix, "fsdp2_dp1", FSDP2_TOLERANCE)
     table = matrix.table().splitlines()
     assert table[0].startswith("| step | metric | fsdp2_dp2 | fsdp2_dp1 | ")

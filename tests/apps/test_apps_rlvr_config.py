@@ -187,6 +187,30 @@ def test_a_token_budget_off_the_rounding_runs_with_a_note_as_in_roll():
     ]
 
 
+REFERENCE = {"device_mapping": [0, 1], "strategy_args": {"strategy_name": "hf_infer"}}
+
+
+@pytest.mark.parametrize(
+    ("changes", "runs"),
+    [
+        ({}, True),  # init_kl_coef defaults to 0.2, as in ROLL: the in-reward KL controller needs the reference
+        ({"init_kl_coef": 0.0}, False),
+        ({"init_kl_coef": 0.0, "enable_reference": True}, True),
+        ({"init_kl_coef": 0.0, "use_kl_loss": True}, True),
+        ({"init_kl_coef": 0.0, "add_token_level_kl": True}, True),
+    ],
+)
+def test_the_reference_runs_only_when_enabled_or_a_kl_needs_it_as_in_roll(changes, runs):
+    report = preflight(RLVRConfig.from_dict(with_(base(), reference=REFERENCE, **changes)))
+    assert ("reference" in report.placement.roles) is runs
+    assert any("reference: not started" in note for note in report.notes) is not runs
+
+
+def test_enable_reference_without_a_reference_section_names_the_key():
+    with pytest.raises(PreflightError, match=r"enable_reference need a `reference` section"):
+        preflight(RLVRConfig.from_dict(with_(base(), enable_reference=True)))
+
+
 def test_pretrain_fills_model_paths_of_policy_roles():
     values = with_(base(), pretrain="/models/policy")
     values["actor_infer"]["model_args"] = {}
