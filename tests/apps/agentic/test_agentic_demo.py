@@ -25,9 +25,10 @@ from apps.common.yaml_config import load_config
 from rl_engines.role_worker import RoleWorker
 from rl_engines.worker_group import WorkerBase
 
-STEPS = 8
-"""Steps of the short seeded run; the probability of the shortest walk must grow by the factor 1 + MIN_GAIN."""
-MIN_GAIN = 0.05
+STEPS = 3
+"""Steps of the short seeded run; the probability of the shortest walk must grow by the factor 1 + MIN_GAIN (measured:
+0.269 before, 0.312 / 0.345 / 0.379 after each of the 3 steps, and rising to 0.510 by step 8)."""
+MIN_GAIN = 0.2
 
 
 @pytest.fixture(scope="module")
