@@ -31,7 +31,7 @@ def role_configs(model_dir, infer_devices):
         "actor_infer": worker_config(model_dir, "actor_infer", device_mapping=infer_devices,
                                      strategy_args={"strategy_name": "hf_infer"}, infer_batch_size=4,
                                      generating_args={"max_new_tokens": 6, "num_return_sequences": 2, "seed": 0}),
-        "reference": worker_config(model_dir, "reference", device_mapping=[0, 1],
+        "reference": worker_config(model_dir, "reference", device_mapping=[0],  # one rank: one fewer process
                                    strategy_args={"strategy_name": "hf_infer"}, infer_batch_size=4,
                                    system_envs={"RL_ROLE_FLAG": "reference only"}),
     }  # fmt: skip
@@ -105,9 +105,9 @@ def test_generate_score_train_sync_and_rescore(roles, tiny_model_dir, tmp_path):
 def test_system_envs_reach_every_worker_of_every_role(roles):
     expected = "colocated" if roles.plan.is_colocated("actor_train", "actor_infer") else "separate"
     for role in ("actor_train", "actor_infer", "reference"):
-        assert roles[role].call("get_env", "RL_TEST_FLAG") == [expected, expected]
+        assert roles[role].call("get_env", "RL_TEST_FLAG") == [expected] * roles[role].world_size
     # a role's own system_envs (ROLL's per-worker key) reach that role's workers, and only them
-    assert roles["reference"].call("get_env", "RL_ROLE_FLAG") == ["reference only"] * 2
+    assert roles["reference"].call("get_env", "RL_ROLE_FLAG") == ["reference only"]
     assert roles["actor_train"].call("get_env", "RL_ROLE_FLAG") == [None, None]
 
 
