@@ -30,8 +30,9 @@ def setup(tmp_path_factory):
 def test_a_full_disk_fails_the_save_with_one_clear_error_and_resume_equals_the_uninterrupted_run(setup):
     out = setup / "out_disk_full"
     # entropy_loss_coef: the tiny random model earns no reward, so without it the policy would never move
+    # one inference rank: saving is the training ranks' business, and each rank is a process to start
     base = ["--config_path", str(setup), "--config_name", "rlvr", "eval_steps=0", "max_steps=3", "save_steps=2",
-            "entropy_loss_coef=0.01", f"output_dir={out}"]  # fmt: skip
+            "entropy_loss_coef=0.01", "actor_infer.device_mapping=[0]", f"output_dir={out}"]  # fmt: skip
     with pytest.raises(WorkerCallError) as caught:  # saves checkpoint-1, trains step 2, cannot save checkpoint-2
         main([*base, *file_size_limit_overrides(setup, LIMIT, after=1)])
     error, target = caught.value, out / "checkpoints" / "checkpoint-2" / "actor_train"

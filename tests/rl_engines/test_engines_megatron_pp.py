@@ -21,6 +21,7 @@ from engine_fixtures import (
     rollout_batch,
     worker_config,
 )
+from pipeline_schedule_stages import STAGES, micro_batches, micro_loss, schedule_worker, stage_layers
 
 from rl_engines.config import GeneratingArgs
 from rl_engines.objectives import ActorObjective, CriticObjective
@@ -314,45 +315,6 @@ class TestPipelineAndDataParallel:
 
 
 # ---- the 1F1B schedule alone (no megatron): 3 stages, 5 micro-batches, over gloo ---------------------------------
-STAGES, MICROS = 3, 5
-
-
-def stage_layers():
-    torch.manual_seed(0)
-    return [torch.nn.Linear(4, 4) for _ in range(STAGES)]
-
-
-def micro_batches():
-    return list(torch.randn(MICROS, 2, 4, generator=torch.Generator().manual_seed(1)))
-
-
-def micro_loss(index, out):
-    return (index + 1) * out.pow(2).sum()  # a different weight per micro-batch: an out-of-order bug shows
-
-
-def schedule_worker(rank, port, results):
-    import torch.distributed as dist
-
-    from rl_engines.strategies.megatron_pipeline import PipelineStage, run_schedule
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=STAGES)
-    layer = stage_layers()[rank]
-    stage = PipelineStage(rank, STAGES, tuple(range(STAGES)), dist.group.WORLD)
-    losses = {}
-
-    def forward(micro, hidden):
-        return torch.tanh(layer(micro if hidden is None else hidden))
-
-    def on_output(index, micro, out):
-        losses[index] = micro_loss(index, out)
-        return losses[index]
-
-    run_schedule(stage, micro_batches(), forward, hidden_shape=lambda micro: micro.shape, dtype=torch.float32,
-                 device=torch.device("cpu"), on_output=on_output, train=True)  # fmt: skip
-    results[rank] = ([p.grad.clone() for p in layer.parameters()], {i: float(v) for i, v in losses.items()})
-    dist.destroy_process_group()
-
-
 def test_1f1b_schedule_gives_the_sequential_gradients():
     import socket
 

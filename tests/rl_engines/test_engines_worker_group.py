@@ -71,6 +71,17 @@ class EchoWorker(WorkerBase):
         return value.item()
 
 
+class GatedInitWorker(WorkerBase):
+    """``__init__`` waits (at most 60 s) until the file ``gate`` exists."""
+
+    def __init__(self, role, rank, world_size, master_addr, master_port, env, gate):
+        super().__init__(role, rank, world_size, master_addr, master_port, env)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.opened = os.path.exists(gate)
+
+
 class BrokenInitWorker(WorkerBase):
     def __init__(self, role, rank, world_size, master_addr, master_port, env):
         super().__init__(role, rank, world_size, master_addr, master_port, env)
@@ -224,6 +235,24 @@ def test_exception_in_worker_init_is_a_call_error(pool):
     with pytest.raises(WorkerCallError, match=r"critic: rank \d raised in `__init__ \(worker start-up\)`") as info:
         WorkerGroup("critic", BrokenInitWorker, _placement("critic", [2, 3]), pool, rpc_timeout=60.0)
     assert "cannot load the model on rank" in str(info.value)
+
+
+def test_groups_started_without_waiting_start_side_by_side(pool, tmp_path):
+    """wait=False returns while the workers are still in __init__ (Roles starts every role so); wait_started waits,
+    and a failed start surfaces there, naming start_timeout."""
+    gate = tmp_path / "gate"
+    with WorkerGroup("critic", GatedInitWorker, _placement("critic", [2, 3]), pool, rpc_timeout=60.0,
+                     init_args=(str(gate),), start_timeout=30.0, wait=False) as group:  # fmt: skip
+        gate.touch()  # only now can the workers' __init__ finish: a blocking constructor would have timed out
+        group.wait_started()
+        assert group.call("ping") == [0, 1]
+        opened = ray.get([actor.__ray_call__.remote(lambda worker: worker.opened) for actor in group.actors])
+        assert opened == [True, True]
+    late = WorkerGroup("critic", GatedInitWorker, _placement("critic", [2, 3]), pool, rpc_timeout=60.0,
+                       init_args=(str(tmp_path / "never"),), start_timeout=1.0, wait=False)  # fmt: skip
+    with pytest.raises(WorkerTimeoutError, match="start_timeout"):
+        late.wait_started()
+    late.shutdown()
 
 
 def test_rpc_timeout_names_role_ranks_method_and_fix_and_shutdown_kills_hung_workers(pool):

@@ -60,8 +60,8 @@ def plan_roles(cluster: ClusterSpec, configs: Mapping[str, WorkerConfig]) -> Pla
 class Roles:
     """Worker groups for ``configs`` (role name -> WorkerConfig) on a running Ray (see ``start_ray``).
 
-    Construction plans placement (bad mappings fail here, naming the role), places the workers, and loads
-    every role's model concurrently. ``rpc_timeout`` (seconds, ROLL key) bounds every remote call.
+    Construction plans placement (bad mappings fail here, naming the role), starts every role's workers at once,
+    then loads every role's model concurrently. ``rpc_timeout`` (seconds, ROLL key) bounds every remote call.
     """
 
     def __init__(
@@ -84,8 +84,10 @@ class Roles:
                 self.groups[name] = WorkerGroup(
                     name, RoleWorker, self.plan.roles[name], self.pool,
                     rpc_timeout=rpc_timeout, system_envs={**(system_envs or {}), **config.system_envs},
-                    init_args=(config,),
+                    init_args=(config,), wait=False,
                 )  # fmt: skip
+            for group in self.groups.values():  # processes of all roles start (and import) side by side
+                group.wait_started()
             futures = [group.call_async("initialize", rpc_timeout) for group in self.groups.values()]
             for future in futures:
                 future.get()

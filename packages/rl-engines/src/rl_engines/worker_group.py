@@ -339,7 +339,8 @@ class WorkerGroup:
 
     ``system_envs`` reach every worker twice: in the actor's runtime env (so variables read at import time see
     them) and through ``WorkerBase.__init__``. Starting (processes, imports, ``__init__``) may take
-    ``start_timeout`` seconds; every later call ``rpc_timeout`` seconds.
+    ``start_timeout`` seconds; every later call ``rpc_timeout`` seconds. With ``wait=False`` the constructor returns
+    once the actors are requested, so that several groups start at once; ``wait_started()`` then waits for them.
     """
 
     def __init__(
@@ -354,12 +355,14 @@ class WorkerGroup:
         init_args: tuple[Any, ...] = (),
         init_kwargs: dict[str, Any] | None = None,
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
+        wait: bool = True,
     ) -> None:
         timeouts = {"rpc_timeout": rpc_timeout, "start_timeout": start_timeout}
         envs = _check_group_args(role, worker_cls, timeouts, system_envs)
         self._role, self._worker_cls, self._rpc_timeout = role, worker_cls, float(rpc_timeout)
         self._world_size = placement.world_size
         self._actors: list[Any] = []
+        self._starting: GroupFuture | None = None
         try:
             addr, port = rendezvous_address(pool, placement.workers[0], timeout_s=start_timeout)
             actor_cls = ray.remote(worker_cls)
@@ -369,10 +372,20 @@ class WorkerGroup:
                 self._actors.append(actor_cls.options(**options).remote(*args, **(init_kwargs or {})))
             pings = [actor.ping.remote() for actor in self._actors]
             label = "__init__ (worker start-up)"
-            GroupFuture(pings, list(range(len(pings))), list, role, label, start_timeout, "start_timeout").get()
+            self._starting = GroupFuture(pings, list(range(len(pings))), list, role, label, start_timeout,
+                                         "start_timeout")  # fmt: skip
+            if wait:
+                self.wait_started()
         except BaseException:
             self.shutdown()
             raise
+
+    def wait_started(self) -> None:
+        """Wait until every worker started (imports and ``__init__`` done); raises as a call would, naming
+        ``start_timeout``. A no-op once they have."""
+        starting, self._starting = self._starting, None
+        if starting is not None:
+            starting.get()
 
     @property
     def role(self) -> str:
