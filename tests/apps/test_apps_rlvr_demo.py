@@ -14,10 +14,11 @@ from apps.rlvr.demo_model import demo_model, score_policy
 pytestmark = pytest.mark.usefixtures("ray_session")  # the session's shared Ray (tests/conftest.py)
 
 
-STEPS = 6
-"""GRPO steps of the short seeded run (the warm-up of the learning rate takes 5)."""
-MIN_GAIN = 0.01
-"""How much the mean probability of the right answer must rise over them."""
+STEPS = 3
+"""GRPO steps of the short seeded run (the learning rate still warming up: it takes 5)."""
+MIN_GAIN = 0.03
+"""How much the mean probability of the right answer must rise over them (measured: 0.556 before, 0.581 / 0.596 /
+0.610 after each of the 3 steps; 0.634 after 6)."""
 
 
 def warm_model():

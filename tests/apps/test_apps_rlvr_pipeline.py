@@ -18,6 +18,9 @@ def setup(tmp_path_factory):
 
 
 DUMP = ["+rollout_mock.enable=true", "+rollout_mock.mode=dump"]
+# For the tests about something else than the KL: no KL, so the reference does not start (ROLL's enable_reference),
+# and training on one rank. Each rank is a process that imports torch and transformers (~6 s of CPU).
+LEAN = ["use_kl_loss=false", "kl_loss_coef=0", "init_kl_coef=0", "actor_train.device_mapping=[0]"]
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +76,7 @@ def test_prompts_need_not_divide_over_the_inference_workers(setup):
     """3 prompts plus 2 additional ones (dynamic sampling) on 2 inference workers (ROLL runs 64 on 12): generation
     is padded, the padding dropped, the surplus group dropped; or, with generate_opt_level 1, scheduled prompt by
     prompt."""
-    overrides = ["max_steps=1", "eval_steps=0", "rollout_batch_size=3",
+    overrides = ["max_steps=1", "eval_steps=0", "rollout_batch_size=3", *LEAN,
                  "actor_train.training_args.per_device_train_batch_size=3",
                  "actor_train.training_args.gradient_accumulation_steps=1"]  # fmt: skip
     additional = ["is_use_additional_prompts=true", "max_additional_running_prompts=2",
@@ -123,8 +126,7 @@ def test_async_generation_runs_one_step_ahead_on_separate_devices(setup):
     pauses generation; rollout IS compares the trained policy with the behaviour policy's log-probs. Rewards are
     scored by two reward workers on Ray."""
     overrides = ["max_steps=3", "eval_steps=2", "async_generation_ratio=1", f"output_dir={setup / 'async'}",
-                 "actor_train.device_mapping=[0]", "reference.device_mapping=[0]", "actor_infer.device_mapping=[1]",
-                 "actor_train.training_args.per_device_train_batch_size=4",
+                 *LEAN, "actor_infer.device_mapping=[1]", "actor_train.training_args.per_device_train_batch_size=4",
                  "entropy_loss_coef=0.1",  # a gradient even when every reward is 0: the weights move
                  "+rewards.math_rule.world_size=2"]  # fmt: skip
     assert main(["--config_path", str(setup), "--config_name", "rlvr", *overrides]) == 0
@@ -147,7 +149,7 @@ def test_async_generation_needs_separate_devices(setup, capsys):
 def test_sample_masks_reach_the_loop_and_an_all_masked_step_skips_training(setup):
     """Every tiny-model response runs into response_length, so max_len_mask leaves nothing to train on; the
     weight sync follows actor_infer.model_update_frequency."""
-    overrides = ["max_steps=2", "eval_steps=0", "max_len_mask=true", f"output_dir={setup / 'masked'}",
+    overrides = ["max_steps=2", "eval_steps=0", "max_len_mask=true", f"output_dir={setup / 'masked'}", *LEAN,
                  "actor_infer.model_update_frequency=2"]  # fmt: skip
     assert main(["--config_path", str(setup), "--config_name", "rlvr", *overrides]) == 0
     rows = _rows(setup / "masked")
