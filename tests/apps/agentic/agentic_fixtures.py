@@ -1,5 +1,7 @@
 """The tiny agentic setup shared by the pipeline tests: a local tiny model and a ROLL-style config
-(``agentic.yaml``) with FrozenLake and Sokoban environments on two CPU slots."""
+(``agentic.yaml``) with FrozenLake and Sokoban environments on two CPU slots: actor_infer on both, actor_train on the
+first (each rank is a process that imports torch and transformers; training on several ranks is the shared training
+code of apps/common, tested with the RLVR pipeline)."""
 
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ rollout_is_threshold: 2.0
 reward_normalization: {{grouping: traj_group_id, method: mean_std}}
 pretrain: {model}
 actor_train:
-  device_mapping: [0, 1]
+  device_mapping: [0]
   training_args: {{learning_rate: 1.0e-3, per_device_train_batch_size: 2, gradient_accumulation_steps: 2}}
   infer_batch_size: 4
 actor_infer:
