@@ -97,7 +97,8 @@ def test_bad_configs_exit_2_naming_the_key(setup, capsys):
 
 
 def test_the_sokoban_config_runs(setup):
-    """apps/agentic/configs/agentic_sokoban_cpu.yaml with the tiny model, shortened."""
+    """apps/agentic/configs/agentic_sokoban_cpu.yaml with the tiny model, shortened (one training rank, as the
+    other tests here)."""
     from pathlib import Path
 
     folder = Path(__file__).resolve().parents[3] / "apps" / "agentic" / "configs"
@@ -105,7 +106,8 @@ def test_the_sokoban_config_runs(setup):
     overrides = [f"pretrain={setup / 'model'}", "max_steps=1", "eval_steps=1", f"output_dir={out}",
                  f"render_save_dir={out}/render", "rollout_batch_size=8", "train_env_manager.num_env_groups=2",
                  "val_batch_size=2", "val_env_manager.num_env_groups=2", "max_tokens_per_step=6",
-                 "actor_train.training_args.per_device_train_batch_size=4"]  # fmt: skip
+                 "actor_train.training_args.per_device_train_batch_size=4",
+                 "actor_train.device_mapping=[0]"]  # fmt: skip
     assert main(["--config_path", str(folder), "--config_name", "agentic_sokoban_cpu", *overrides]) == 0
     (row,) = _rows(out)
     assert "env/SimpleSokoban/success_rate" in row and "val/SimpleSokoban/success_rate" in row
