@@ -33,7 +33,7 @@ from rl_engines.strategies.megatron_pipeline import (
 from rl_engines.strategies.megatron_weights import ELSEWHERE, RankLayout, WeightLoader, hf_target
 from rl_engines.strategies.micro_batches import MicroBatchPlanner, in_batch_order
 from rl_engines.strategies.model_io import model_inputs, response_length, widen
-from rl_engines.strategies.packing import PackedBatch
+from rl_engines.strategies.packing import PackedBatch, block_causal_mask
 from rl_engines.strategies.train_utils import gather_batch
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
@@ -190,10 +190,11 @@ class MegatronModel:
         extra = self._padding(length)
         ids, mask = nn.functional.pad(ids, (0, extra)), nn.functional.pad(mask, (0, extra))
         seq = ids.shape[1]
-        allowed = torch.ones(seq, seq, dtype=torch.bool, device=self.device).tril().unsqueeze(0) & mask.unsqueeze(1)
-        if segments is not None:
+        if segments is None:
+            segments = torch.zeros_like(ids, device=self.device)  # one sample per row
+        else:
             segments = nn.functional.pad(segments.to(self.device), (0, extra), value=-1)
-            allowed = allowed & (segments.unsqueeze(2) == segments.unsqueeze(1))
+        allowed = block_causal_mask(segments) & mask.unsqueeze(1)
         # RoPE is relative, so Megatron's 0..S-1 positions equal HF's left-padding-aware position_ids here, and
         # within each sample of a packed row (attention never leaves it) its own restarting ones.
         positions = torch.arange(seq, device=self.device).expand_as(ids)

@@ -51,6 +51,17 @@ class PackedBatch:
         return out
 
 
+def block_causal_mask(segments: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """``segments [B, S]`` (the sample of each token) -> ``[B, S, S]``, True where a query may attend to a key:
+    causal, within its own sample, and fewer than ``window`` positions back when a (sliding) window is given."""
+    index = torch.arange(segments.shape[1], device=segments.device)
+    distance = index.unsqueeze(1) - index.unsqueeze(0)  # query - key
+    allowed = (distance >= 0) & (segments.unsqueeze(2) == segments.unsqueeze(1))
+    if window is not None:
+        allowed &= distance < window
+    return allowed
+
+
 def pack(batch: RolloutBatch, round_to: int = 1) -> PackedBatch:
     """Pack ``batch`` (prompts left-padded, responses right-padded, see model_io) into one row, filled up to a
     multiple of ``round_to`` with a separate run of padding tokens. Raises when a sample has no prompt token (the

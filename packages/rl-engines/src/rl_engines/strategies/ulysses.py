@@ -28,7 +28,7 @@ from torch import nn
 from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfig
 from rl_engines.strategies.model_io import response_log_probs
-from rl_engines.strategies.packing import pack
+from rl_engines.strategies.packing import block_causal_mask, pack
 
 ATTENTION = "ulysses"
 
@@ -172,13 +172,7 @@ class _Row:
         """sdpa: ``[1, 1, S, S]``, True where a token may attend: causal, within its own sample, and within
         ``window`` positions for a sliding-window layer; built once per row and window."""
         if window not in self.masks:
-            index = torch.arange(self.segments.shape[1], device=self.positions.device)
-            distance = index.unsqueeze(1) - index.unsqueeze(0)  # query - key
-            segments = self.segments[0].to(self.positions.device)
-            allowed = (distance >= 0) & (segments.unsqueeze(1) == segments.unsqueeze(0))
-            if window is not None:
-                allowed &= distance < window
-            self.masks[window] = allowed[None, None]
+            self.masks[window] = block_causal_mask(self.segments.to(self.positions.device), window).unsqueeze(1)
         return self.masks[window]
 
 
