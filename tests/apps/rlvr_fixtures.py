@@ -54,6 +54,11 @@ rewards:
 """
 
 
+NO_KL = ["use_kl_loss=false", "kl_loss_coef=0", "init_kl_coef=0"]
+"""Overrides for runs about something else than the KL: no KL term, so the reference does not start (ROLL's
+enable_reference) and each run starts one process fewer."""
+
+
 def make_setup(root: Path, **model: int) -> Path:
     """Model (``model`` overrides build_tiny_causal_lm's sizes), data and ``rlvr.yaml`` under ``root``."""
     corpus = [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)]

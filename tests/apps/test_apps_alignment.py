@@ -19,7 +19,7 @@ import importlib.util
 import json
 
 import pytest
-from rlvr_fixtures import make_setup, megatron_shim_overrides
+from rlvr_fixtures import NO_KL, make_setup, megatron_shim_overrides
 
 from apps.rlvr.alignment import ALIGNED, AlignmentResult, alignment_matrix, parse_variant
 
@@ -31,7 +31,7 @@ from apps.rlvr.alignment import ALIGNED, AlignmentResult, alignment_matrix, pars
 # rl-core arithmetic on the same log-probs the policy loss uses, and the reference's log-probs under every layout
 # are compared with the padded ones in tests/rl_engines/test_engines_micro_batches.py.
 BASE = ["max_steps=2", "prompt_length=24", "adv_estimator=reinforce", "entropy_loss_coef=0.05", "ppo_epochs=2",
-        "+rewards.math_rule.response_length_penalty_coef=0.01", "use_kl_loss=false", "kl_loss_coef=0", "init_kl_coef=0",
+        "+rewards.math_rule.response_length_penalty_coef=0.01", *NO_KL,
         "actor_infer.device_mapping=[0]",
         "actor_train.training_args.per_device_train_batch_size=1",
         "actor_train.training_args.gradient_accumulation_steps=2"]  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from rlvr_fixtures import make_setup
+from rlvr_fixtures import NO_KL, make_setup
 
 from apps.rlvr.__main__ import main
 
@@ -18,9 +18,9 @@ def setup(tmp_path_factory):
 
 
 DUMP = ["+rollout_mock.enable=true", "+rollout_mock.mode=dump"]
-# For the tests about something else than the KL: no KL, so the reference does not start (ROLL's enable_reference),
-# and training on one rank. Each rank is a process that imports torch and transformers (~6 s of CPU).
-LEAN = ["use_kl_loss=false", "kl_loss_coef=0", "init_kl_coef=0", "actor_train.device_mapping=[0]"]
+# For the tests about something else than the KL or data-parallel training: no reference, one training rank. Each
+# rank is a process that imports torch and transformers (~6 s of CPU).
+LEAN = [*NO_KL, "actor_train.device_mapping=[0]"]
 
 
 @pytest.fixture(scope="module")
