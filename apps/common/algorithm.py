@@ -67,16 +67,21 @@ class TargetBuilder:
         self.kl_controller = build_kl_controller(config.init_kl_coef, config.target_kl, config.kl_horizon)
         self.running = RunningMoments()
 
-    def __call__(self, batch: RolloutBatch, scores: torch.Tensor, group_index: list[Any]) -> dict[str, float]:
+    def __call__(
+        self, batch: RolloutBatch, sequence_rewards: torch.Tensor, group_index: list[Any],
+        scores: torch.Tensor | None = None,
+    ) -> dict[str, float]:  # fmt: skip
         """Add ``token_level_rewards``, ``advantages``, ``returns`` (and ``rollout_is_weights``) to ``batch``.
 
         Reads ``response_mask``, ``old_log_probs``, optional ``ref_log_probs``, ``values``, ``rollout_log_probs``.
-        ``scores`` ``[B]`` are the verifiable rewards; ``group_index`` ``[B]`` the prompt id of each sample.
-        Returns the step's algorithm metrics.
+        ``sequence_rewards`` ``[B]`` are the rewards to train on (ROLL's ``response_level_rewards``);
+        ``group_index`` ``[B]`` the prompt id of each sample; ``scores`` ``[B]`` how right each response is, for
+        ``critic/score/mean`` (the rewards when not given). Returns the step's algorithm metrics.
         """
         settings, tensors = self.settings, batch.batch
         mask = tensors["response_mask"]
-        rewards = process_sequence_rewards(scores, mask, config=settings.reward, group_index=group_index,
+        scores = sequence_rewards if scores is None else scores
+        rewards = process_sequence_rewards(sequence_rewards, mask, config=settings.reward, group_index=group_index,
                                            running=self.running)  # fmt: skip
         token_rewards, batch_kl = build_token_level_rewards(
             rewards, mask, config=settings.reward, kl_coef=self.kl_controller.value,

@@ -26,11 +26,11 @@ class RewardSpec:
     worker_cls: str | None = None
     """ROLL reward worker class path; its last component picks the registered reward (e.g. MathRuleRewardWorker)."""
     reward_type: str | None = None
-    """Reward flavour passed to the reward function (e.g. ``soft`` / ``hard``)."""
+    """Reward flavour passed to the reward function (CrossThinkQA: ``loose`` / ``soft`` / ``strict``)."""
     tag_included: list[str] = field(default_factory=list)
     """Data tags this reward scores; samples are routed by their ``tag`` column."""
     response_length_penalty_coef: float = 0.0
-    """Penalty per response token subtracted from the reward."""
+    """Penalty per response token subtracted from the reward (not from the score)."""
     use_local: bool = False
     """Code sandbox: run locally (accepted for ROLL compatibility)."""
     judge_prompt: str | None = None

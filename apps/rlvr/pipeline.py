@@ -187,7 +187,7 @@ class RLVRPipeline:
         return rollout
 
     def _scored(self, rollout: RolloutBatch) -> RolloutBatch:
-        rollout.batch["scores"] = self.prompts.scores(rollout, self.router)
+        self.prompts.grade(rollout, self.router)
         if self.shaping.difficulty_loss_weight:
             rollout.non_tensor_batch["difficulty"] = self.prompts.column(rollout, "difficulty")
         return rollout
@@ -235,12 +235,13 @@ class RLVRPipeline:
         with timer("rollout"):
             rollout = self.get_rollout(step=step)
         scores = rollout.batch["scores"]
+        rewards = rollout.batch.get("response_level_rewards", scores)  # a dump from before rewards had their own key
         with timer("logprobs"):
             self._score_with_roles(rollout)
         with timer("advantages"):
             groups = list(rollout.non_tensor_batch["prompt_uid"])
             scores, metrics = apply_sample_masks(rollout, scores, groups, self.shaping)
-            metrics.update(self.targets(rollout, scores, groups))
+            metrics.update(self.targets(rollout, rewards, groups, scores=scores))
             metrics.update(apply_sample_weights(rollout, self.shaping))
         with timer("train"):
             if metrics.get("mask/final_mask_sum_eq_0"):  # every sample masked: nothing to learn from (ROLL skips)

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from apps.rlvr.config import RewardConfig, RewardSpec
-from apps.rlvr.rewards import RewardFn, penalized_reward, worker_counts
+from apps.rlvr.rewards import Grade, RewardFn, graded, worker_counts
 from rl_engines.worker_group import GroupFuture, WorkerError
 
 SCORE_METHOD = "score"
@@ -35,9 +35,9 @@ class RewardActor:
         """Answer with this actor's rank (start-up and liveness check)."""
         return self.rank
 
-    def score(self, texts: list[str], records: list[dict[str, Any]], lengths: list[int]) -> list[float]:
-        """The penalised reward of every response; ``lengths`` are response tokens."""
-        return [penalized_reward(self.function, t, r, self.spec, n) for t, r, n in zip(texts, records, lengths)]
+    def score(self, texts: list[str], records: list[dict[str, Any]], lengths: list[int]) -> list[Grade]:
+        """The grade of every response (its reward less the length penalty); ``lengths`` are response tokens."""
+        return [graded(self.function, t, r, self.spec, n) for t, r, n in zip(texts, records, lengths)]
 
 
 def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:
@@ -55,8 +55,8 @@ def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _concat(chunks: list[list[float]]) -> list[float]:
-    return [score for chunk in chunks for score in chunk]
+def _concat(chunks: list[list[Grade]]) -> list[Grade]:
+    return [grade for chunk in chunks for grade in chunk]
 
 
 class RewardWorkers:
@@ -125,7 +125,7 @@ class RewardWorkers:
     def score_async(
         self, section_name: str, texts: list[str], records: list[dict[str, Any]], lengths: list[int]
     ) -> GroupFuture:
-        """Start scoring on the section's actors, contiguous chunks in rank order; ``get()`` gives the scores."""
+        """Start scoring on the section's actors, contiguous chunks in rank order; ``get()`` gives the grades."""
         role = f"rewards.{section_name}"
         if section_name not in self._world_sizes:
             raise ValueError(

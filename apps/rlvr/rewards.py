@@ -1,6 +1,8 @@
 """Verifiable rewards: one registry of reward functions, chosen per ``rewards.<name>`` section, routed by tag.
 
-A reward function maps ``(response_text, record, spec)`` to a float. The section's ``worker_cls`` picks it by its
+A reward function maps ``(response_text, record, spec)`` to a float, or to a ``Grade`` when what the response
+scores (right or wrong) differs from what the policy is rewarded (ROLL's ``scores`` and ``response_level_rewards``:
+CrossThinkQA's soft reward, the repetition penalty). The section's ``worker_cls`` picks it by its
 last component (ROLL's ``...MathRuleRewardWorker``), else the section's name (``math_rule``); users add their own
 with ``@REWARD_FUNCTIONS.register("my_reward")``. Each sample goes to the reward whose ``tag_included`` lists the
 record's ``tag`` (a section without tags takes every sample no other section claims).
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from apps.rlvr.config import RewardConfig, RewardSpec
@@ -21,7 +24,18 @@ from rl_core.registry import Registry
 if TYPE_CHECKING:
     from apps.rlvr.reward_workers import RewardWorkers
 
-RewardFn = Callable[[str, dict[str, Any], RewardSpec], float]
+
+@dataclass(frozen=True)
+class Grade:
+    """One response's grade: ``score`` says how right it is (ROLL's ``scores``: the score metrics, dynamic
+    sampling's query filters, the difficulty mask); ``reward`` is what the policy is trained on (ROLL's
+    ``response_level_rewards``: reward normalisation and advantages)."""
+
+    score: float
+    reward: float
+
+
+RewardFn = Callable[[str, dict[str, Any], RewardSpec], "float | Grade"]
 REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function", "rewards.<name>.worker_cls")
 
 T = TypeVar("T")
@@ -35,7 +49,7 @@ def extract_answer(response: str) -> str:
     return tagged[-1].strip() if tagged else response
 
 
-def _ground_truth(record: dict[str, Any]) -> str:
+def ground_truth(record: dict[str, Any]) -> str:
     for key in ("ground_truth", "answer", "label"):
         if key in record and record[key] is not None:
             return str(record[key])
@@ -52,9 +66,9 @@ def math_rule_reward(response: str, record: dict[str, Any], spec: RewardSpec) ->
     """
     from math_verify import parse, verify
 
-    gold = parse(_ground_truth(record))
+    gold = parse(ground_truth(record))
     if not gold:
-        gold = parse(f"${_ground_truth(record)}$")
+        gold = parse(f"${ground_truth(record)}$")
     answer = parse(extract_answer(response))
     return 1.0 if gold and answer and verify(gold, answer) else 0.0
 
@@ -62,7 +76,7 @@ def math_rule_reward(response: str, record: dict[str, Any], spec: RewardSpec) ->
 @REWARD_FUNCTIONS.register("exact_match", "ExactMatchRewardWorker")
 def exact_match_reward(response: str, record: dict[str, Any], spec: RewardSpec) -> float:
     """1.0 when the extracted answer equals the ground truth after stripping whitespace, else 0.0."""
-    return 1.0 if extract_answer(response).strip() == _ground_truth(record).strip() else 0.0
+    return 1.0 if extract_answer(response).strip() == ground_truth(record).strip() else 0.0
 
 
 @REWARD_FUNCTIONS.register("format", "FormatRewardWorker")
@@ -82,11 +96,12 @@ def reward_function(name: str, section: RewardConfig) -> RewardFn:
     return REWARD_FUNCTIONS.get(wanted)
 
 
-def penalized_reward(
-    function: RewardFn, response: str, record: dict[str, Any], spec: RewardSpec, response_tokens: int
-) -> float:
-    """``function``'s reward of one response minus ``spec.response_length_penalty_coef`` per response token."""
-    return function(response, record, spec) - spec.response_length_penalty_coef * response_tokens
+def graded(function: RewardFn, response: str, record: dict[str, Any], spec: RewardSpec, response_tokens: int) -> Grade:
+    """``function``'s grade of one response, its reward less ``spec.response_length_penalty_coef`` per response
+    token (the score is left as it is)."""
+    value = function(response, record, spec)
+    grade = value if isinstance(value, Grade) else Grade(float(value), float(value))
+    return Grade(grade.score, grade.reward - spec.response_length_penalty_coef * response_tokens)
 
 
 def worker_counts(sections: dict[str, RewardConfig]) -> dict[str, int]:
@@ -112,7 +127,7 @@ class RewardRouter:
     """Scores samples with the reward section their tag belongs to, adding the response-length penalty.
 
     Sections with ``world_size`` are scored by Ray actors after ``start_workers``; until then (and for the other
-    sections) ``score_many`` scores in the driver. Call ``shutdown`` to stop the actors.
+    sections) ``grade_many`` grades in the driver. Call ``shutdown`` to stop the actors.
     """
 
     def __init__(self, sections: dict[str, RewardConfig]) -> None:
@@ -160,21 +175,21 @@ class RewardRouter:
             "without tag_included to take every other sample."
         )
 
-    def score(self, response: str, record: dict[str, Any], response_tokens: int) -> float:
-        """The reward of one response, scored in the driver."""
+    def grade(self, response: str, record: dict[str, Any], response_tokens: int) -> Grade:
+        """The grade of one response, in the driver."""
         name = self.section_for(record)
-        return penalized_reward(self.functions[name], response, record, self.sections[name].spec, response_tokens)
+        return graded(self.functions[name], response, record, self.sections[name].spec, response_tokens)
 
-    def score_many(self, texts: list[str], records: list[dict[str, Any]], lengths: list[int]) -> list[float]:
-        """The reward of every response, in order; ``lengths`` are response tokens.
+    def grade_many(self, texts: list[str], records: list[dict[str, Any]], lengths: list[int]) -> list[Grade]:
+        """The grade of every response, in order; ``lengths`` are response tokens.
 
         Every worker-backed section's share is sent to its actors first (all sections run in parallel), the
-        driver scores the other sections meanwhile, then the actors' scores are gathered. Raises the worker
+        driver scores the other sections meanwhile, then the actors' grades are gathered. Raises the worker
         errors of ``rl_engines.worker_group`` naming ``rewards.<name>``.
         """
         if not len(texts) == len(records) == len(lengths):
             raise ValueError(
-                f"score_many needs one record and one length per text, got {len(texts)} texts, "
+                f"grade_many needs one record and one length per text, got {len(texts)} texts, "
                 f"{len(records)} records and {len(lengths)} lengths."
             )
         rows_of: dict[str, list[int]] = {}
@@ -186,17 +201,21 @@ class RewardRouter:
             for name, rows in rows_of.items()
             if workers is not None and name in workers
         }
-        scores = [0.0] * len(texts)
+        grades = [Grade(0.0, 0.0)] * len(texts)
         for name, rows in rows_of.items():
             if name not in futures:
                 function, spec = self.functions[name], self.sections[name].spec
                 for i in rows:
-                    scores[i] = penalized_reward(function, texts[i], records[i], spec, lengths[i])
+                    grades[i] = graded(function, texts[i], records[i], spec, lengths[i])
         for name, future in futures.items():
-            for i, score in zip(rows_of[name], future.get()):
-                scores[i] = score
-        return scores
+            for i, grade in zip(rows_of[name], future.get()):
+                grades[i] = grade
+        return grades
 
 
 def _take(rows: list[int], values: list[T]) -> list[T]:
     return [values[row] for row in rows]
+
+
+# The rule rewards of the other domains register themselves on import (they use this module's registry).
+from apps.rlvr import rule_rewards  # noqa: E402, F401

@@ -33,8 +33,9 @@ class PromptSource:
         tensors = encode_prompts(texts, self.tokenizer, self.prompt_length)
         return RolloutBatch.from_dict(tensors, {"record_index": list(indices), "prompt_uid": list(uids)})
 
-    def scores(self, rollout: RolloutBatch, router: RewardRouter) -> torch.Tensor:
-        """The reward of every generated response ``[B]``: decoded here, scored by ``router.score_many`` at once."""
+    def grade(self, rollout: RolloutBatch, router: RewardRouter) -> None:
+        """Grade every generated response: decoded here, graded by ``router.grade_many`` at once, into the batch's
+        ``scores`` ``[B]`` (how right) and ``response_level_rewards`` ``[B]`` (what the policy is trained on)."""
         responses, mask = rollout.batch["responses"], rollout.batch["response_mask"]  # [B, R]
         lengths = [int(length) for length in mask.sum(dim=-1).tolist()]  # [B]
         texts = [
@@ -42,7 +43,9 @@ class PromptSource:
             for row, length in enumerate(lengths)
         ]
         records = [self.records[int(index)] for index in rollout.non_tensor_batch["record_index"]]
-        return torch.tensor(router.score_many(texts, records, lengths), dtype=torch.float32)
+        grades = router.grade_many(texts, records, lengths)
+        rollout.batch["scores"] = torch.tensor([g.score for g in grades], dtype=torch.float32)
+        rollout.batch["response_level_rewards"] = torch.tensor([g.reward for g in grades], dtype=torch.float32)
 
     def column(self, rollout: RolloutBatch, key: str) -> np.ndarray:
         """Each sample's record value of ``key`` (a data column such as ``difficulty``); names the key if absent."""

@@ -72,7 +72,7 @@ class Validator:
             rollout = roles["actor_infer"].call("generate", batch, self.generating, dispatch="dp_split")
             parts.append(rollout.slice(0, len(indices) * self.generating.num_return_sequences))  # padding is last
         rollout = RolloutBatch.concat(parts)
-        rollout.batch["scores"] = self.prompts.scores(rollout, self.router)
+        self.prompts.grade(rollout, self.router)
         return rollout
 
     def metrics(self, rollout: RolloutBatch) -> dict[str, float]:

@@ -15,7 +15,7 @@ import ray
 
 from apps.rlvr.config import RewardConfig
 from apps.rlvr.reward_workers import RewardWorkers, chunk_bounds
-from apps.rlvr.rewards import REWARD_FUNCTIONS, RewardRouter, extract_answer
+from apps.rlvr.rewards import REWARD_FUNCTIONS, Grade, RewardRouter, extract_answer
 from rl_engines.worker_group import WorkerCallError, WorkerError
 
 RPC_TIMEOUT = 60.0
@@ -109,26 +109,28 @@ def test_ray_scores_equal_driver_scores_in_order(router):
         {"tag": "math", "ground_truth": "7"},
     ]
     lengths = [10, 20, 30, 40, 50, 60]
-    scores = router.score_many(texts, records, lengths)
-    assert scores == [router.score(t, r, n) for t, r, n in zip(texts, records, lengths)]
-    assert scores == pytest.approx([0.9, 0.98, -0.3, -0.04, 0.5, 0.4], abs=1e-12)  # 1/0 minus 0.01 or 0.001 x len
+    grades = router.grade_many(texts, records, lengths)
+    assert grades == [router.grade(t, r, n) for t, r, n in zip(texts, records, lengths)]
+    rewards = [grade.reward for grade in grades]
+    assert rewards == pytest.approx([0.9, 0.98, -0.3, -0.04, 0.5, 0.4], abs=1e-12)  # 1/0 minus 0.01 or 0.001 x len
+    assert [grade.score for grade in grades] == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]  # the penalty is the reward's
     # more workers than samples: the one sample goes to one actor
-    assert router.score_many(texts[:1], records[:1], lengths[:1]) == [pytest.approx(0.9)]
+    assert router.grade_many(texts[:1], records[:1], lengths[:1]) == [Grade(1.0, pytest.approx(0.9))]
     assert router.workers.score_async("math", texts[:1], records[:1], lengths[:1]).ranks == [0]
-    assert router.score_many([], [], []) == []
+    assert router.grade_many([], [], []) == []
 
 
 def test_user_function_and_system_envs_reach_the_actors(router):
     texts = ["<answer>abc</answer>", "<answer>4</answer>"]
     records = [{"tag": "user"}, {"tag": "math", "ground_truth": "4"}]
-    assert router.score_many(texts, records, [1, 1]) == [pytest.approx(30.0), pytest.approx(0.99)]
-    assert router.score(texts[0], records[0], 1) == 3.0  # the driver lacks the system_envs variable
+    assert [grade.reward for grade in router.grade_many(texts, records, [1, 1])] == [30.0, pytest.approx(0.99)]
+    assert router.grade(texts[0], records[0], 1) == Grade(3.0, 3.0)  # the driver lacks the system_envs variable
 
 
 def test_a_raising_reward_names_the_section_rank_and_error(router):
     records = [{"tag": "math", "ground_truth": "1"}, {"tag": "boom"}]
     with pytest.raises(WorkerCallError, match=r"rewards\.boom: rank 0 raised in `score`") as caught:
-        router.score_many(["<answer>1</answer>", "oops"], records, [1, 1])
+        router.grade_many(["<answer>1</answer>", "oops"], records, [1, 1])
     assert caught.value.role == "rewards.boom"
     assert "ArithmeticError: cannot grade 'oops'" in str(caught.value)
     assert "failing_reward" in caught.value.remote_traceback
@@ -143,7 +145,7 @@ def test_shutdown_kills_the_actors_and_scoring_falls_back_to_the_driver(ray_sess
     workers = router.workers
     assert workers is not None
     (actor,) = workers.actors["solo"]
-    assert router.score_many(["<answer>2</answer>"], [{"ground_truth": "2"}], [0]) == [1.0]
+    assert router.grade_many(["<answer>2</answer>"], [{"ground_truth": "2"}], [0]) == [Grade(1.0, 1.0)]
     router.shutdown()
     router.shutdown()  # idempotent
     assert router.workers is None
@@ -151,4 +153,4 @@ def test_shutdown_kills_the_actors_and_scoring_falls_back_to_the_driver(ray_sess
     assert _dies_within(actor, seconds=30.0)
     with pytest.raises(WorkerError, match=r"rewards\.solo: the reward workers are shut down"):
         workers.score_async("solo", ["x"], [{"ground_truth": "x"}], [0])
-    assert router.score_many(["<answer>2</answer>"], [{"ground_truth": "2"}], [0]) == [1.0]  # in the driver now
+    assert router.grade_many(["<answer>2</answer>"], [{"ground_truth": "2"}], [0]) == [Grade(1.0, 1.0)]  # driver

@@ -17,7 +17,7 @@ from apps.rlvr.data import (
     prompt_text,
     read_records,
 )
-from apps.rlvr.rewards import REWARD_FUNCTIONS, RewardRouter, extract_answer
+from apps.rlvr.rewards import REWARD_FUNCTIONS, Grade, RewardRouter, extract_answer
 
 
 def test_json_jsonl_and_csv_give_the_same_records(tmp_path):
@@ -112,8 +112,10 @@ def test_router_picks_the_reward_by_tag_and_applies_the_length_penalty():
         "exact": RewardConfig.from_dict({"worker_cls": "x.ExactMatchRewardWorker"}, "rewards.exact"),
     }  # fmt: skip
     router = RewardRouter(sections)
-    assert router.score("<answer>4</answer>", {"tag": "gsm8k", "ground_truth": "4.0"}, 10) == pytest.approx(0.9)
-    assert router.score("<answer>4.0</answer>", {"tag": "other", "ground_truth": "4"}, 10) == 0.0  # exact match
+    # the penalty comes off the reward the policy is trained on; the score (right or wrong) stays 1
+    right = router.grade("<answer>4</answer>", {"tag": "gsm8k", "ground_truth": "4.0"}, 10)
+    assert right == Grade(1.0, pytest.approx(0.9))
+    assert router.grade("<answer>4.0</answer>", {"tag": "other", "ground_truth": "4"}, 10) == Grade(0.0, 0.0)  # exact
     assert extract_answer("a <answer>1</answer> b <answer>2</answer>") == "2"
     with pytest.raises(ValueError, match=r"rewards\.judge: no reward function 'LLMJudgeRewardWorker'"):
         RewardRouter({"judge": RewardConfig.from_dict({"worker_cls": "a.LLMJudgeRewardWorker"}, "rewards.judge")})
