@@ -31,8 +31,8 @@ class RewardSpec:
     """Data tags this reward scores; samples are routed by their ``tag`` column."""
     response_length_penalty_coef: float = 0.0
     """Penalty per response token subtracted from the reward (not from the score)."""
-    use_local: bool = False
-    """Code sandbox: run locally (accepted for ROLL compatibility)."""
+    use_local: bool = True
+    """Code sandbox: grade in local sandboxed processes (ROLL's remote HTTP sandbox, ``false``, is not built)."""
     judge_prompt: str | None = None
     """LLM-judge prompt template name."""
     judge_model_type: str | None = None

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from apps.rlvr.config import RewardConfig, RewardSpec
-from apps.rlvr.rewards import Grade, RewardFn, graded, worker_counts
+from apps.rlvr.rewards import Grade, RewardFn, graded_rows, worker_counts
 from rl_engines.worker_group import GroupFuture, WorkerError
 
 SCORE_METHOD = "score"
@@ -37,7 +37,7 @@ class RewardActor:
 
     def score(self, texts: list[str], records: list[dict[str, Any]], lengths: list[int]) -> list[Grade]:
         """The grade of every response (its reward less the length penalty); ``lengths`` are response tokens."""
-        return [graded(self.function, t, r, self.spec, n) for t, r, n in zip(texts, records, lengths)]
+        return graded_rows(self.function, texts, records, self.spec, lengths)
 
 
 def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:

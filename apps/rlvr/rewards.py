@@ -99,7 +99,20 @@ def reward_function(name: str, section: RewardConfig) -> RewardFn:
 def graded(function: RewardFn, response: str, record: dict[str, Any], spec: RewardSpec, response_tokens: int) -> Grade:
     """``function``'s grade of one response, its reward less ``spec.response_length_penalty_coef`` per response
     token (the score is left as it is)."""
-    value = function(response, record, spec)
+    return _penalized(function(response, record, spec), spec, response_tokens)
+
+
+def graded_rows(
+    function: RewardFn, texts: list[str], records: list[dict[str, Any]], spec: RewardSpec, lengths: list[int]
+) -> list[Grade]:
+    """``graded`` for every row; a function with a ``many(responses, records, spec)`` attribute (the code sandbox:
+    one pool for the batch) grades them in one call."""
+    many = getattr(function, "many", None)
+    values = many(texts, records, spec) if many is not None else [function(t, r, spec) for t, r in zip(texts, records)]
+    return [_penalized(value, spec, tokens) for value, tokens in zip(values, lengths)]
+
+
+def _penalized(value: float | Grade, spec: RewardSpec, response_tokens: int) -> Grade:
     grade = value if isinstance(value, Grade) else Grade(float(value), float(value))
     return Grade(grade.score, grade.reward - spec.response_length_penalty_coef * response_tokens)
 
@@ -205,8 +218,9 @@ class RewardRouter:
         for name, rows in rows_of.items():
             if name not in futures:
                 function, spec = self.functions[name], self.sections[name].spec
-                for i in rows:
-                    grades[i] = graded(function, texts[i], records[i], spec, lengths[i])
+                in_driver = graded_rows(function, _take(rows, texts), _take(rows, records), spec, _take(rows, lengths))
+                for i, grade in zip(rows, in_driver):
+                    grades[i] = grade
         for name, future in futures.items():
             for i, grade in zip(rows_of[name], future.get()):
                 grades[i] = grade
@@ -218,4 +232,4 @@ def _take(rows: list[int], values: list[T]) -> list[T]:
 
 
 # The rule rewards of the other domains register themselves on import (they use this module's registry).
-from apps.rlvr import rule_rewards  # noqa: E402, F401
+from apps.rlvr import code_reward, rule_rewards  # noqa: E402, F401

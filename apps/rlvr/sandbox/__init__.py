@@ -1,0 +1,151 @@
+"""Run untrusted Python in isolated processes: the code sandbox behind ROLL's ``CodeSandboxRewardWorker``.
+
+Each run gets a fresh temporary work dir (removed after), an empty environment, and a process that isolates itself
+before the program's first line (``boot.py``): CPU-time, address-space, file-size and open-file limits; Landlock
+(read-only access to the interpreter's files, the work dir and nothing else, no TCP); no capabilities; seccomp (no
+sockets, no new processes, no exec, no signals to others). The parent enforces the wall-clock limit by killing the
+process group. A timeout, a crash or a limit hit is a ``RunResult``, never a hang or an exception; only a sandbox that
+could not isolate itself raises ``SandboxError`` (then nothing ran). ``Sandbox.run_many`` grades a batch on a pool
+of ``workers`` processes at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BOOT = Path(__file__).with_name("boot.py")
+SYSTEM_READABLE = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/share/zoneinfo", "/dev/null", "/dev/urandom")
+"""Read-only besides the interpreter's own prefix: shared libraries of extension modules, time zones, devices."""
+
+
+class SandboxError(RuntimeError):
+    """The sandbox could not isolate a process (nothing ran); the message says which layer and why."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one sandboxed run may use."""
+
+    cpu_seconds: int = 10
+    wall_seconds: float = 20.0
+    memory_bytes: int = 1 << 30
+    file_bytes: int = 16 << 20
+    """Largest file it may write, stdout and stderr included (beyond: SIGXFSZ)."""
+    open_files: int = 64
+    output_bytes: int = 1 << 20
+    """stdout / stderr read back at most."""
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """How a run ended: ``exit_code`` (negative: killed by that signal), ``timed_out`` (wall clock), output."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        """Exited 0 within the time."""
+        return self.exit_code == 0 and not self.timed_out
+
+
+class Sandbox:
+    """A pool of ``workers`` concurrent sandboxed runs under ``limits``; ``python`` runs them (this interpreter)."""
+
+    def __init__(self, limits: Limits | None = None, workers: int = 4, python: str | None = None) -> None:
+        if workers < 1:
+            raise ValueError(f"a sandbox needs at least one worker, got {workers}")
+        self.limits = limits or Limits()
+        self.workers = workers
+        self.python = python or sys.executable
+        self.readable = sorted({sys.base_prefix, sys.base_exec_prefix, *SYSTEM_READABLE})
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="sandbox")
+
+    def run(self, source: str, stdin: str = "") -> RunResult:
+        """Run ``source`` as ``__main__`` with ``stdin``; returns how it ended."""
+        workdir = Path(tempfile.mkdtemp(prefix="rl_sandbox_"))
+        try:
+            return self._run_in(workdir, source, stdin)
+        finally:
+            _remove(workdir)
+
+    def run_many(self, jobs: list[tuple[str, str]]) -> list[RunResult]:
+        """``run`` every ``(source, stdin)`` on the pool; results in order."""
+        return list(self._pool.map(lambda job: self.run(*job), jobs))
+
+    def close(self) -> None:
+        """Stop the pool (runs in progress finish)."""
+        self._pool.shutdown(wait=True)
+
+    def _run_in(self, workdir: Path, source: str, stdin: str) -> RunResult:
+        program = workdir / "solution.py"
+        program.write_text(source)
+        (workdir / "stdin.txt").write_text(stdin)
+        ready_read, ready_write = os.pipe()
+        spec = {"program": str(program), "readable": self.readable, "limits": asdict(self.limits),
+                "ready_fd": ready_write}  # fmt: skip
+        (workdir / "spec.json").write_text(json.dumps(spec))
+        start = time.monotonic()
+        with (
+            open(workdir / "stdin.txt", "rb") as stdin_file,
+            open(workdir / "stdout.txt", "wb") as stdout_file,
+            open(workdir / "stderr.txt", "wb") as stderr_file,
+        ):
+            try:
+                process = subprocess.Popen(
+                    [self.python, "-I", "-S", str(BOOT), str(workdir / "spec.json")],
+                    stdin=stdin_file, stdout=stdout_file, stderr=stderr_file, cwd=workdir,
+                    env={"PATH": os.defpath, "LANG": "C.UTF-8"}, start_new_session=True, pass_fds=(ready_write,),
+                )  # fmt: skip
+            finally:
+                os.close(ready_write)
+            timed_out = _wait(process, self.limits.wall_seconds)
+        with os.fdopen(ready_read, "rb") as ready:
+            isolated = ready.read() == b"ready\n"
+        stdout, stderr = _read(workdir / "stdout.txt", self.limits), _read(workdir / "stderr.txt", self.limits)
+        if not isolated and not timed_out:
+            raise SandboxError(f"the sandbox could not isolate the process, so nothing ran: {stderr.strip()[-2000:]}")
+        return RunResult(process.returncode, stdout, stderr, timed_out, time.monotonic() - start)
+
+
+def _wait(process: subprocess.Popen[bytes], seconds: float) -> bool:
+    """Wait up to ``seconds``; past that, kill the process group. Returns whether it was killed for time."""
+    try:
+        process.wait(timeout=seconds)
+        return False
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return True
+
+
+def _read(path: Path, limits: Limits) -> str:
+    with open(path, "rb") as file:
+        return file.read(limits.output_bytes).decode("utf-8", errors="replace")
+
+
+def _remove(workdir: Path) -> None:
+    """Remove the work dir, whatever modes the program left on what it made."""
+
+    def writable_then_retry(function, path, _error):  # type: ignore[no-untyped-def]
+        os.chmod(os.path.dirname(path), 0o700)
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, 0o700)
+        function(path)
+
+    shutil.rmtree(workdir, onerror=writable_then_retry)
