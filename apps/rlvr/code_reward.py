@@ -25,7 +25,7 @@ import math
 import re
 from typing import Any
 
-from apps.rlvr.config import RewardSpec
+from apps.rlvr.config import RewardConfig, RewardSpec
 from apps.rlvr.rewards import REWARD_FUNCTIONS
 from apps.rlvr.sandbox import Limits, RunResult, Sandbox
 
@@ -170,9 +170,9 @@ def passed(result: RunResult, expected: str | None, as_json: bool) -> bool:
 
 
 # ---- the reward ---------------------------------------------------------------------------------------------------
-def check_section(name: str, spec: RewardSpec) -> None:
+def check_section(name: str, section: RewardConfig) -> None:
     """Pre-flight: ROLL's remote sandbox is not built."""
-    if not spec.use_local:
+    if not section.spec.use_local:
         raise ValueError(
             f"rewards.{name}: use_local is false, which asks for ROLL's remote HTTP sandbox (code_url); only the "
             f"local sandbox is built here. Set rewards.{name}.use_local: true to grade in local sandboxed processes."

@@ -109,9 +109,11 @@ class RLVRPipeline:
         else:
             self._started_ray = start_ray()
         sections = role_sections(self.config)  # a reference that enable_reference leaves off does not start
+        sections.update(self.router.role_sections())  # LLM judges: a model role each (rewards.<name>)
         self.roles = Roles(cluster, sections, rpc_timeout=self.config.rpc_timeout, system_envs=self.config.system_envs)
         self.updater = self.roles.model_updater()
         self.router.start_workers(self.config.rpc_timeout, self.config.system_envs)
+        self.router.attach_judges(self.roles, self.prompt_key, self.messages_key)
 
     def stop(self) -> None:
         """Stop every worker, and Ray when start() started it."""

@@ -2,10 +2,10 @@
 sentences).
 
 ``preflight(config)`` runs the shared checks of ``apps.common.preflight`` (model paths from ``pretrain``, the roles
-the algorithm needs, async generation, the batch arithmetic of each training role) and RLVR's own: a reward section,
-placement of every role and reward worker on the cluster, generation lengths and group size, and the reference
-role's share of the samples. It returns what the pipeline needs to start (the placement plan and each training
-role's batch plan).
+the algorithm needs, async generation, the batch arithmetic of each training role) and RLVR's own: reward sections
+that resolve to registered reward functions (and pass their own checks), placement of every role and reward worker
+on the cluster, generation lengths and group size, and the reference role's share of the samples. It returns what
+the pipeline needs to start (the placement plan and each training role's batch plan).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from apps.common.preflight import (
     role_sections,
 )
 from apps.rlvr.config import RLVRConfig
+from apps.rlvr.rewards import check_reward_sections
 from rl_core.batch import BatchSizeError
 from rl_engines.config import WorkerConfig
 from rl_engines.placement import ClusterSpec, PlacementPlan
@@ -42,6 +43,7 @@ def preflight(config: RLVRConfig) -> PreflightReport:
     check_algorithm_roles(config)
     if not config.rewards:
         raise PreflightError("no `rewards` section: RLVR needs at least one reward (e.g. rewards.math_rule).")
+    check_reward_sections(config.rewards)
     sections = worker_sections(config)
     placement = plan_roles(ClusterSpec(config.num_nodes, config.num_gpus_per_node), sections)
     check_async(config, placement)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from apps.rlvr.config import RewardConfig, RewardSpec
 from rl_core.registry import Registry
+from rl_engines.config import WorkerConfig
 
 if TYPE_CHECKING:
     from apps.rlvr.reward_workers import RewardWorkers
@@ -117,6 +118,17 @@ def _penalized(value: float | Grade, spec: RewardSpec, response_tokens: int) -> 
     return Grade(grade.score, grade.reward - spec.response_length_penalty_coef * response_tokens)
 
 
+def check_reward_sections(sections: dict[str, RewardConfig]) -> None:
+    """Pre-flight: every section resolves to a registered reward function, tags go to one section each (a
+    ``RewardRouter`` can be built), and each function's own ``check_section`` passes. Raises ``ValueError`` naming
+    ``rewards.<name>``; starts nothing."""
+    router = RewardRouter(sections)
+    for name, function in router.functions.items():
+        check = getattr(function, "check_section", None)
+        if check is not None:
+            check(name, sections[name])
+
+
 def worker_counts(sections: dict[str, RewardConfig]) -> dict[str, int]:
     """``worker.world_size`` of every section that sets it (those are scored by Ray actors).
 
@@ -140,7 +152,9 @@ class RewardRouter:
     """Scores samples with the reward section their tag belongs to, adding the response-length penalty.
 
     Sections with ``world_size`` are scored by Ray actors after ``start_workers``; until then (and for the other
-    sections) ``grade_many`` grades in the driver. Call ``shutdown`` to stop the actors.
+    sections) ``grade_many`` grades in the driver. Sections whose function ``needs_role`` (the LLM judge) run a
+    model as the role ``rewards.<name>``: the pipeline starts ``role_sections()`` with its roles, then
+    ``attach_judges``. Call ``shutdown`` to stop the actors.
     """
 
     def __init__(self, sections: dict[str, RewardConfig]) -> None:
@@ -148,8 +162,11 @@ class RewardRouter:
             raise ValueError("no reward sections configured")
         self.sections = sections
         self.functions = {name: reward_function(name, section) for name, section in sections.items()}
-        self.worker_counts = worker_counts(sections)
+        self.role_based = {name for name, function in self.functions.items() if getattr(function, "needs_role", False)}
+        self.cpu_sections = {name: s for name, s in sections.items() if name not in self.role_based}
+        self.worker_counts = worker_counts(self.cpu_sections)
         self.workers: RewardWorkers | None = None
+        self.judges: dict[str, Any] = {}
         self.by_tag: dict[str, str] = {}
         for name, section in sections.items():
             for tag in section.spec.tag_included:
@@ -168,11 +185,24 @@ class RewardRouter:
             return
         from apps.rlvr.reward_workers import RewardWorkers  # here, not at the top: that module imports this one
 
-        self.workers = RewardWorkers(self.sections, self.functions, rpc_timeout=rpc_timeout, system_envs=system_envs)
+        functions = {name: self.functions[name] for name in self.cpu_sections}
+        self.workers = RewardWorkers(self.cpu_sections, functions, rpc_timeout=rpc_timeout, system_envs=system_envs)
+
+    def role_sections(self) -> dict[str, WorkerConfig]:
+        """The roles the model-based rewards run as (``rewards.<name>``), to start with the pipeline's roles."""
+        return {f"rewards.{name}": self.sections[name].worker for name in sorted(self.role_based)}
+
+    def attach_judges(self, roles: Any, prompt_key: str | None, messages_key: str | None) -> None:
+        """Grade the model-based sections with their started roles (``roles`` holds ``role_sections()``)."""
+        from apps.rlvr.judge import Judge
+
+        self.judges = {name: Judge(name, self.sections[name], roles, prompt_key, messages_key)
+                       for name in sorted(self.role_based)}  # fmt: skip
 
     def shutdown(self) -> None:
-        """Kill the reward actors (idempotent); later calls score every section in the driver."""
+        """Kill the reward actors and drop the judges (idempotent); later calls score in the driver."""
         workers, self.workers = self.workers, None
+        self.judges = {}
         if workers is not None:
             workers.shutdown()
 
@@ -216,7 +246,11 @@ class RewardRouter:
         }
         grades = [Grade(0.0, 0.0)] * len(texts)
         for name, rows in rows_of.items():
-            if name not in futures:
+            if name in self.role_based:
+                values = self._judge(name).grade(_take(rows, texts), _take(rows, records))
+                for i, value in zip(rows, values):
+                    grades[i] = _penalized(value, self.sections[name].spec, lengths[i])
+            elif name not in futures:
                 function, spec = self.functions[name], self.sections[name].spec
                 in_driver = graded_rows(function, _take(rows, texts), _take(rows, records), spec, _take(rows, lengths))
                 for i, grade in zip(rows, in_driver):
@@ -226,10 +260,18 @@ class RewardRouter:
                 grades[i] = grade
         return grades
 
+    def _judge(self, name: str) -> Any:
+        if name not in self.judges:
+            raise RuntimeError(
+                f"rewards.{name} is graded by a model running as the role rewards.{name}, which is not attached: "
+                "start role_sections() with the pipeline's roles and call attach_judges first."
+            )
+        return self.judges[name]
+
 
 def _take(rows: list[int], values: list[T]) -> list[T]:
     return [values[row] for row in rows]
 
 
 # The rule rewards of the other domains register themselves on import (they use this module's registry).
-from apps.rlvr import code_reward, rule_rewards  # noqa: E402, F401
+from apps.rlvr import code_reward, judge, rule_rewards  # noqa: E402, F401

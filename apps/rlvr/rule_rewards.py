@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from apps.rlvr import ifeval
-from apps.rlvr.config import RewardSpec
+from apps.rlvr.config import RewardConfig, RewardSpec
 from apps.rlvr.rewards import REWARD_FUNCTIONS, Grade, ground_truth
 
 REPETITION_NGRAM, REPETITION_MAX_PENALTY = 3, -0.5
@@ -56,6 +56,15 @@ def chosen_letter(answer: str) -> str | None:
     return next((char for char in answer if char.isupper()), None)
 
 
+def check_choice_section(name: str, section: RewardConfig) -> None:
+    """Pre-flight: the multiple-choice reward needs its reward_type."""
+    if section.spec.reward_type not in CHOICE_REWARDS:
+        raise ValueError(
+            f"rewards.{name}.reward_type={section.spec.reward_type!r}: the multiple-choice reward (ROLL's "
+            f"CrossThinkQA) needs one of {sorted(CHOICE_REWARDS)}."
+        )
+
+
 @REWARD_FUNCTIONS.register("crossthinkqa", "CrossThinkQARuleRewardWorker", "multiple_choice")
 def multiple_choice_reward(response: str, record: dict[str, Any], spec: RewardSpec) -> Grade:
     """Multiple choice graded by its letter: right when the first capital letter of the answer part is the ground
@@ -81,3 +90,6 @@ def instruction_following_reward(response: str, record: dict[str, Any], spec: Re
     else 0; the reward adds the repetition penalty."""
     followed = 1.0 if ifeval.follows(after_thinking(response), record.get("ground_truth", "")) else 0.0
     return Grade(followed, followed + repetition_penalty(response))
+
+
+multiple_choice_reward.check_section = check_choice_section  # type: ignore[attr-defined]

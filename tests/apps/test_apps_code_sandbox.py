@@ -165,7 +165,7 @@ def test_the_router_grades_a_code_section_in_one_batch_and_refuses_the_remote_sa
     router = RewardRouter({"code_sandbox": RewardConfig.from_dict(section, "rewards.code_sandbox")})
     records = [{"tag": "KodCode", "test_cases": IO_CASES}] * 2
     assert router.grade_many([SUM_RIGHT, SUM_WRONG], records, [5, 5]) == [Grade(1.0, 1.0), Grade(0.0, 0.0)]
-    spec = RewardConfig.from_dict({**section, "use_local": False}, "rewards.code_sandbox").spec
+    remote = RewardConfig.from_dict({**section, "use_local": False}, "rewards.code_sandbox")
     refused = r"rewards\.code_sandbox: use_local is false.*Set rewards\.code_sandbox\.use_local: true"
     with pytest.raises(ValueError, match=refused):
-        code_reward.check_section("code_sandbox", spec)
+        code_reward.check_section("code_sandbox", remote)

@@ -166,6 +166,16 @@ def test_the_small_config_passes():
          r"lr_decay_steps would be 0 .*lower gradient_accumulation_steps to 2"),
         ({"reference": {"device_mapping": [0, 1, 2], "strategy_args": {"strategy_name": "hf_infer"}}}, BatchSizeError,
          r"reference: rollout_batch_size x num_return_sequences_in_group = 8 samples must split evenly over its 3"),
+        # reward sections resolve before any worker starts (issue 16), each with its own checks
+        ({"rewards__vision": {"worker_cls": "roll.pipeline.rlvr.rewards.detection.DetectionRewardWorker"}},
+         ValueError, r"rewards\.vision: no reward function 'DetectionRewardWorker' .*registered: \["),
+        ({"rewards__math_rule__tag_included": ["a"], "rewards__mc": {"worker_cls": "x.CrossThinkQARuleRewardWorker",
+                                                                  "tag_included": ["a"]}},
+         ValueError, r"tag 'a' is in tag_included of both rewards\.math_rule and rewards\.mc"),
+        ({"rewards__mc": {"worker_cls": "x.CrossThinkQARuleRewardWorker", "tag_included": ["mc"]}}, ValueError,
+         r"rewards\.mc\.reward_type=None: the multiple-choice reward \(ROLL's CrossThinkQA\) needs one of"),
+        ({"rewards__code": {"worker_cls": "x.CodeSandboxRewardWorker", "use_local": False, "tag_included": ["c"]}},
+         ValueError, r"rewards\.code: use_local is false, which asks for ROLL's remote HTTP sandbox"),
     ],
 )  # fmt: skip
 def test_bad_configs_fail_before_anything_starts_naming_the_key(changes, error, message):
