@@ -60,29 +60,61 @@ class AlgorithmSettings:
 
 
 class TargetBuilder:
-    """Stateful across steps (KL controller, running reward moments); one call per rollout batch."""
+    """Stateful across steps (KL controller, running reward moments); one call per rollout batch.
 
-    def __init__(self, settings: AlgorithmSettings, config: Any) -> None:
+    With ``domains`` (RLVR's ``domain_interleave_probs``) each domain's samples get their rewards processed, their
+    KL and their advantages computed apart, with running reward moments of their own, as ROLL does per domain.
+    """
+
+    def __init__(self, settings: AlgorithmSettings, config: Any, domains: list[str] | None = None) -> None:
         self.settings = settings
         self.kl_controller = build_kl_controller(config.init_kl_coef, config.target_kl, config.kl_horizon)
         self.running = RunningMoments()
+        self.domain_running = {domain: RunningMoments() for domain in domains or []}
 
     def __call__(
         self, batch: RolloutBatch, sequence_rewards: torch.Tensor, group_index: list[Any],
-        scores: torch.Tensor | None = None,
+        scores: torch.Tensor | None = None, domains: list[str] | None = None,
     ) -> dict[str, float]:  # fmt: skip
         """Add ``token_level_rewards``, ``advantages``, ``returns`` (and ``rollout_is_weights``) to ``batch``.
 
         Reads ``response_mask``, ``old_log_probs``, optional ``ref_log_probs``, ``values``, ``rollout_log_probs``.
         ``sequence_rewards`` ``[B]`` are the rewards to train on (ROLL's ``response_level_rewards``);
         ``group_index`` ``[B]`` the prompt id of each sample; ``scores`` ``[B]`` how right each response is, for
-        ``critic/score/mean`` (the rewards when not given). Returns the step's algorithm metrics.
+        ``critic/score/mean`` (the rewards when not given); ``domains`` ``[B]`` each sample's domain when the
+        builder has domains (their metrics come prefixed ``<domain>/``). Returns the step's algorithm metrics.
         """
-        settings, tensors = self.settings, batch.batch
-        mask = tensors["response_mask"]
         scores = sequence_rewards if scores is None else scores
+        tensors = batch.batch
+        if not self.domain_running:
+            rewards, metrics = self._targets(tensors, sequence_rewards, group_index, self.running)
+        else:
+            rewards, metrics = self._by_domain(tensors, sequence_rewards, scores, group_index, domains)
+        metrics.update(_is_weights(batch, self.settings.rollout_is))
+        metrics.update(_summary(tensors, scores, rewards))
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running moments (every domain's too) and the KL controller, for a checkpoint."""
+        return {"kl_controller": self.kl_controller.state_dict(), "running_moments": self.running.state_dict(),
+                "domain_running_moments": {d: m.state_dict() for d, m in self.domain_running.items()}}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()``'s output."""
+        self.kl_controller.load_state_dict(state["kl_controller"])
+        self.running.load_state_dict(state["running_moments"])
+        for domain, moments in state.get("domain_running_moments", {}).items():
+            self.domain_running[domain].load_state_dict(moments)
+
+    def _targets(
+        self, tensors: dict[str, torch.Tensor], sequence_rewards: torch.Tensor, group_index: list[Any],
+        running: RunningMoments,
+    ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+        """Rewards -> token rewards (+KL, updating the controller) -> advantages of one set of samples, into
+        ``tensors``; returns the processed sequence rewards and the KL metrics."""
+        settings, mask = self.settings, tensors["response_mask"]
         rewards = process_sequence_rewards(sequence_rewards, mask, config=settings.reward, group_index=group_index,
-                                           running=self.running)  # fmt: skip
+                                           running=running)  # fmt: skip
         token_rewards, batch_kl = build_token_level_rewards(
             rewards, mask, config=settings.reward, kl_coef=self.kl_controller.value,
             log_prob=tensors["old_log_probs"] if "ref_log_probs" in tensors else None,
@@ -90,20 +122,56 @@ class TargetBuilder:
         )  # fmt: skip
         metrics = {"critic/kl_coef": self.kl_controller.value}
         if batch_kl is not None:
-            self.kl_controller.update(batch_kl, n_steps=len(batch))
+            self.kl_controller.update(batch_kl, n_steps=len(sequence_rewards))
             metrics["critic/kl"] = batch_kl
         advantages, returns = compute_advantages(settings.adv_estimator, token_rewards, mask,
                                                  config=settings.advantage, values=tensors.get("values"),
                                                  group_index=group_index)  # fmt: skip
         tensors.update(token_level_rewards=token_rewards, advantages=advantages, returns=returns)
-        metrics.update(_is_weights(batch, settings.rollout_is))
-        valid = mask.to(torch.bool)
-        metrics.update({
-            "critic/score/mean": float(scores.mean()), "critic/rewards/mean": float(rewards.mean()),
-            "critic/advantages/mean": float(advantages[valid].mean()) if valid.any() else 0.0,
-            "critic/returns/mean": float(returns[valid].mean()) if valid.any() else 0.0,
-        })  # fmt: skip
-        return metrics
+        return rewards, metrics
+
+    def _by_domain(
+        self, tensors: dict[str, torch.Tensor], sequence_rewards: torch.Tensor, scores: torch.Tensor,
+        group_index: list[Any], domains: list[str] | None,
+    ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
+        if domains is None or len(domains) != len(sequence_rewards):
+            raise ValueError("a TargetBuilder with domains needs each sample's domain")
+        inputs: list[str] = [k for k in ("response_mask", "old_log_probs", "ref_log_probs", "values") if k in tensors]
+        outputs = {key: torch.zeros_like(tensors["response_mask"], dtype=torch.float32)
+                   for key in ("token_level_rewards", "advantages", "returns")}  # fmt: skip
+        rewards = torch.zeros_like(sequence_rewards, dtype=torch.float32)
+        metrics: dict[str, float] = {}
+        kl_sum, kl_tokens = 0.0, 0.0
+        for domain in dict.fromkeys(domains):
+            rows = torch.tensor([i for i, d in enumerate(domains) if d == domain])
+            part: dict[str, torch.Tensor] = {key: tensors[key][rows] for key in inputs}
+            part_rewards, part_metrics = self._targets(
+                part, sequence_rewards[rows], [group_index[i] for i in rows.tolist()], self.domain_running[domain]
+            )
+            for key in outputs:
+                outputs[key][rows] = part[key].to(outputs[key].dtype)
+            rewards[rows] = part_rewards.to(rewards.dtype)
+            part_metrics.update(_summary(part, scores[rows], part_rewards))
+            metrics.update({f"{domain}/{key}": value for key, value in part_metrics.items()})
+            if "critic/kl" in part_metrics:
+                tokens = float(part["response_mask"].sum())
+                kl_sum, kl_tokens = kl_sum + part_metrics["critic/kl"] * tokens, kl_tokens + tokens
+        tensors.update(outputs)
+        metrics["critic/kl_coef"] = self.kl_controller.value
+        if kl_tokens:
+            metrics["critic/kl"] = kl_sum / kl_tokens
+        return rewards, metrics
+
+
+def _summary(tensors: dict[str, torch.Tensor], scores: torch.Tensor, rewards: torch.Tensor) -> dict[str, float]:
+    """Score, processed reward, advantage and return means (the last two over response tokens)."""
+    valid = tensors["response_mask"].to(torch.bool)
+    advantages, returns = tensors["advantages"], tensors["returns"]
+    return {
+        "critic/score/mean": float(scores.mean()), "critic/rewards/mean": float(rewards.mean()),
+        "critic/advantages/mean": float(advantages[valid].mean()) if valid.any() else 0.0,
+        "critic/returns/mean": float(returns[valid].mean()) if valid.any() else 0.0,
+    }  # fmt: skip
 
 
 def _is_weights(batch: RolloutBatch, config: RolloutISConfig) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -11,3 +11,5 @@ class SamplerState:
 
     epoch: int = 0
     position: int = 0
+    streams: dict[str, list[int]] = field(default_factory=dict)
+    """A sampler of several streams (RLVR's domains): each one's ``[epoch, position]``."""

@@ -25,6 +25,13 @@ class Timeline:
         """A context-manager factory for one step's phases."""
         return PhaseTimer(self, timings, step)
 
+    def span(self, name: str, start: float, end: float, step: int, track: int = 0) -> None:
+        """Record a phase timed elsewhere (``time.perf_counter()`` values) on ``track`` (a row of its own)."""
+        self.events.append({
+            "name": name, "cat": "step", "ph": "X", "pid": 0, "tid": track,
+            "ts": (start - self.origin) * 1e6, "dur": (end - start) * 1e6, "args": {"step": step},
+        })  # fmt: skip
+
     def write(self, path: Path) -> Path:
         """Save the trace (``{"traceEvents": [...]}``); atomically, so a killed run leaves the previous file."""
         partial = path.with_name(path.name + ".partial")

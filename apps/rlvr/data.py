@@ -132,6 +132,11 @@ class PromptSampler:
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng(self.seed + epoch).permutation(self.size)
 
+    def draw(self, count: int) -> tuple[list[int], list[str]]:
+        """``next_batch(count)`` and a group id for each index (the epoch, then the index)."""
+        indices = self.next_batch(count)
+        return indices, [f"{self.state.epoch}:{index}" for index in indices]
+
     def next_batch(self, batch_size: int) -> list[int]:
         """The next ``batch_size`` indices; crosses into the next epoch (new order) when one runs out."""
         picked: list[int] = []

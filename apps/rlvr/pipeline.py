@@ -31,6 +31,7 @@ from apps.common.timeline import Timeline
 from apps.common.training import checkpoint_dir, load_roles, save_checkpoint, score_with_roles, train_roles
 from apps.rlvr.config import RLVRConfig
 from apps.rlvr.data import PromptSampler, load_records
+from apps.rlvr.domains import DomainSampler, domain_probs, record_domain
 from apps.rlvr.dynamic_sampling import DynamicSampler
 from apps.rlvr.preflight import preflight
 from apps.rlvr.rewards import RewardRouter
@@ -75,8 +76,12 @@ class RLVRPipeline:
         template = str(config.global_template or data_args.get("template", "native"))
         self.prompts = PromptSource(records, self.tokenizer, template, self.prompt_key, self.messages_key,
                                     config.prompt_length)  # fmt: skip
-        self.sampler = PromptSampler(len(records), config.seed)
         self.router = RewardRouter(config.rewards)
+        probs = domain_probs(config)  # ROLL's domain_interleave_probs: each domain's share of every batch
+        self.sampler: PromptSampler | DomainSampler = (
+            PromptSampler(len(records), config.seed) if probs is None
+            else DomainSampler(probs, [record_domain(r, self.router.section_for) for r in records], config.seed)
+        )  # fmt: skip
         # rollout_mock (rl-replay) at the scheduler layer: everything after the rollout does not know.
         self.replay = RolloutReplay.from_config(config.rollout_mock)
         self.get_rollout = self._rollout if self.replay is None else self.replay.wrap(self._rollout, step="step")
@@ -91,13 +96,14 @@ class RLVRPipeline:
         )
         generating = config.actor_infer.generating_args
         self.settings = AlgorithmSettings.from_config(config, temperature=generating.temperature or 1.0)
-        self.targets = TargetBuilder(self.settings, config)
+        self.targets = TargetBuilder(self.settings, config, domains=None if probs is None else list(probs))
         self.shaping = SampleShaping.from_config(config)
         self.output_dir = Path(config.output_dir)
         self.roles: Roles | None = None
         self._started_ray = False
         self.timeline = Timeline()
         self._waits: dict[str, float] = {}
+        self._reward_spans: list[tuple[str, tuple[float, float]]] = []
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -151,8 +157,7 @@ class RLVRPipeline:
         state = json.loads((folder / "pipeline_state.json").read_text())
         load_roles(self.roles, folder)
         self.sampler.state = SamplerState(**state["sampler"])
-        self.targets.kl_controller.load_state_dict(state["kl_controller"])
-        self.targets.running.load_state_dict(state["running_moments"])
+        self.targets.load_state_dict(state)
         self.updater.sync()
         self.log(f"[rlvr] resumed from {folder} (step {state['step']})")
         return int(state["step"])
@@ -169,8 +174,7 @@ class RLVRPipeline:
         state = {
             "step": step,
             "sampler": dataclasses.asdict(self.queue.resume_state() or self.sampler.state),
-            "kl_controller": self.targets.kl_controller.state_dict(),
-            "running_moments": self.targets.running.state_dict(),
+            **self.targets.state_dict(),
         }
         save_checkpoint(self.roles, folder, state)
         self.log(f"[rlvr] saved checkpoint {folder} (HF model: {folder / 'actor_hf'})")
@@ -190,6 +194,7 @@ class RLVRPipeline:
 
     def _scored(self, rollout: RolloutBatch) -> RolloutBatch:
         self.prompts.grade(rollout, self.router)
+        self._reward_spans += list(self.router.spans.items())
         if self.shaping.difficulty_loss_weight:
             rollout.non_tensor_batch["difficulty"] = self.prompts.column(rollout, "difficulty")
         return rollout
@@ -221,8 +226,7 @@ class RLVRPipeline:
         return generating
 
     def _prompt_batch(self, count: int) -> RolloutBatch:
-        indices = self.sampler.next_batch(count)
-        uids = [f"{self.sampler.state.epoch}:{index}" for index in indices]
+        indices, uids = self.sampler.draw(count)
         batch = self.prompts.batch(indices, uids)
         if self.config.is_num_return_sequences_expand:
             batch = batch.repeat(self.config.num_return_sequences_in_group, interleave=True)
@@ -234,8 +238,13 @@ class RLVRPipeline:
         timings: Timer = {}
         timer = self.timeline.timer(timings, step)
         self._waits = {}
+        self._reward_spans = []
         with timer("rollout"):
             rollout = self.get_rollout(step=step)
+        grading: dict[str, float] = {}  # per reward section, inside the rollout phase (so not in time/step)
+        for name, (start, end) in self._reward_spans:
+            grading[f"time/reward/{name}"] = grading.get(f"time/reward/{name}", 0.0) + end - start
+            self.timeline.span(f"reward/{name}", start, end, step, track=1)
         scores = rollout.batch["scores"]
         rewards = rollout.batch.get("response_level_rewards", scores)  # a dump from before rewards had their own key
         with timer("logprobs"):
@@ -243,7 +252,7 @@ class RLVRPipeline:
         with timer("advantages"):
             groups = list(rollout.non_tensor_batch["prompt_uid"])
             scores, metrics = apply_sample_masks(rollout, scores, groups, self.shaping)
-            metrics.update(self.targets(rollout, rewards, groups, scores=scores))
+            metrics.update(self.targets(rollout, rewards, groups, scores=scores, domains=self._domains(rollout)))
             metrics.update(apply_sample_weights(rollout, self.shaping))
         with timer("train"):
             if metrics.get("mask/final_mask_sum_eq_0"):  # every sample masked: nothing to learn from (ROLL skips)
@@ -255,10 +264,20 @@ class RLVRPipeline:
                 metrics.update(self.updater.sync())
         timings["time/step"] = sum(timings.values())
         metrics.update(timings)
+        metrics.update(grading)
         metrics.update(self._waits)
         metrics.update(_response_metrics(rollout))
         metrics.update(staleness_metrics(rollout, step))
         return metrics
+
+    def _domains(self, rollout: RolloutBatch) -> list[str] | None:
+        """Each sample's domain when the batches are drawn by domain (``domain_interleave_probs``), else None."""
+        if not isinstance(self.sampler, DomainSampler):
+            return None
+        records = self.prompts.records
+        return [
+            record_domain(records[int(i)], self.router.section_for) for i in rollout.non_tensor_batch["record_index"]
+        ]
 
     def _score_with_roles(self, rollout: RolloutBatch) -> None:
         assert self.roles is not None

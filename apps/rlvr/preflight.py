@@ -21,6 +21,7 @@ from apps.common.preflight import (
     role_sections,
 )
 from apps.rlvr.config import RLVRConfig
+from apps.rlvr.domains import domain_probs
 from apps.rlvr.rewards import check_reward_sections
 from rl_core.batch import BatchSizeError
 from rl_engines.config import WorkerConfig
@@ -44,6 +45,7 @@ def preflight(config: RLVRConfig) -> PreflightReport:
     if not config.rewards:
         raise PreflightError("no `rewards` section: RLVR needs at least one reward (e.g. rewards.math_rule).")
     check_reward_sections(config.rewards)
+    domain_probs(config)
     sections = worker_sections(config)
     placement = plan_roles(ClusterSpec(config.num_nodes, config.num_gpus_per_node), sections)
     check_async(config, placement)

@@ -14,6 +14,7 @@ A section whose ``world_size`` is set is scored by that many CPU Ray actors (``a
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -167,6 +168,8 @@ class RewardRouter:
         self.worker_counts = worker_counts(self.cpu_sections)
         self.workers: RewardWorkers | None = None
         self.judges: dict[str, Any] = {}
+        self.spans: dict[str, tuple[float, float]] = {}
+        """Each section's (start, end) ``time.perf_counter()`` in the last ``grade_many`` call."""
         self.by_tag: dict[str, str] = {}
         for name, section in sections.items():
             for tag in section.spec.tag_included:
@@ -238,6 +241,8 @@ class RewardRouter:
         rows_of: dict[str, list[int]] = {}
         for row, record in enumerate(records):
             rows_of.setdefault(self.section_for(record), []).append(row)
+        start = time.perf_counter()
+        self.spans = {}
         workers = self.workers
         futures = {
             name: workers.score_async(name, _take(rows, texts), _take(rows, records), _take(rows, lengths))
@@ -246,6 +251,7 @@ class RewardRouter:
         }
         grades = [Grade(0.0, 0.0)] * len(texts)
         for name, rows in rows_of.items():
+            begun = time.perf_counter()
             if name in self.role_based:
                 values = self._judge(name).grade(_take(rows, texts), _take(rows, records))
                 for i, value in zip(rows, values):
@@ -255,9 +261,12 @@ class RewardRouter:
                 in_driver = graded_rows(function, _take(rows, texts), _take(rows, records), spec, _take(rows, lengths))
                 for i, grade in zip(rows, in_driver):
                     grades[i] = grade
+            if name not in futures:
+                self.spans[name] = (begun, time.perf_counter())
         for name, future in futures.items():
             for i, grade in zip(rows_of[name], future.get()):
                 grades[i] = grade
+            self.spans[name] = (start, time.perf_counter())
         return grades
 
     def _judge(self, name: str) -> Any:
