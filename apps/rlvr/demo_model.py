@@ -40,30 +40,37 @@ def problems() -> list[tuple[str, str]]:
     return [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
 
 
-def demo_model(cache_dir: Path, log: Callable[[str], None] = print) -> Path:
-    """The warmed-up model folder (built and cached on first use)."""
+def demo_model(
+    cache_dir: Path,
+    log: Callable[[str], None] = print,
+    rows: Callable[[], list[tuple[str, str]]] = problems,
+    recipe: Recipe = RECIPE,
+) -> Path:
+    """The model folder warmed up by ``recipe`` on ``rows()`` (prompt, answer) pairs; built and cached on first
+    use, rebuilt when either changes."""
     folder = cache_dir / "warm"
     stamp = folder / "recipe.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == asdict(RECIPE):
+    made_of = asdict(recipe) if rows is problems else json.loads(json.dumps({**asdict(recipe), "rows": rows()}))
+    if stamp.exists() and json.loads(stamp.read_text()) == made_of:
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    corpus = [f"{p}{a}" for p, a in problems()] + ["<answer></answer> the answer is"]
+    corpus = [f"{p}{a}" for p, a in rows()] + ["<answer></answer> the answer is"]
     build_tiny_tokenizer(folder, corpus, vocab_size=300)
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(str(folder)))
-    build_tiny_causal_lm(folder, vocab_size=vocab, hidden_size=RECIPE.hidden, intermediate_size=4 * RECIPE.hidden,
-                         num_hidden_layers=RECIPE.layers, num_attention_heads=RECIPE.heads,
-                         num_key_value_heads=RECIPE.kv_heads, seed=RECIPE.seed)  # fmt: skip
-    _warm_up(folder, log)
-    stamp.write_text(json.dumps(asdict(RECIPE)))
+    build_tiny_causal_lm(folder, vocab_size=vocab, hidden_size=recipe.hidden, intermediate_size=4 * recipe.hidden,
+                         num_hidden_layers=recipe.layers, num_attention_heads=recipe.heads,
+                         num_key_value_heads=recipe.kv_heads, seed=recipe.seed)  # fmt: skip
+    _warm_up(folder, log, rows(), recipe)
+    stamp.write_text(json.dumps(made_of))
     return folder
 
 
-def _examples(tokenizer: Any) -> list[tuple[list[int], int]]:
+def _examples(tokenizer: Any, pairs: list[tuple[str, str]] | None = None) -> list[tuple[list[int], int]]:
     """Token ids of prompt + answer + end-of-turn, and where the answer starts."""
     rows = []
-    for prompt, answer in problems():
+    for prompt, answer in pairs or problems():
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
@@ -73,17 +80,17 @@ def _examples(tokenizer: Any) -> list[tuple[list[int], int]]:
     return rows
 
 
-def _warm_up(folder: Path, log: Callable[[str], None]) -> None:
+def _warm_up(folder: Path, log: Callable[[str], None], pairs: list[tuple[str, str]], recipe: Recipe) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     model = AutoModelForCausalLM.from_pretrained(str(folder))
-    rows = _examples(tokenizer)
-    rng = random.Random(RECIPE.seed)
-    torch.manual_seed(RECIPE.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=RECIPE.lr)
+    rows = _examples(tokenizer, pairs)
+    rng = random.Random(recipe.seed)
+    torch.manual_seed(recipe.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr)
     model.train()
-    for step in range(RECIPE.sft_steps):
+    for step in range(recipe.sft_steps):
         batch = rng.sample(rows, 32)
         width = max(len(ids) for ids, _ in batch)
         ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)

@@ -139,6 +139,7 @@ SUM_WRONG = "```python\na, b = map(int, input().split())\nprint(a - b)\n```"
         ("The capital of France is Paris.",
          {"case_type": "text", "test_cases": [{"assert_code": "assert 'Paris' in {response}"}]}, 1.0),
         ("```python\nwhile True:\n    pass\n```", {"test_cases": IO_CASES}, 0.0),  # a time-out is a score
+        ("```python\nprint(1\n```", {"test_cases": IO_CASES}, 0.0),  # so is a syntax error
         ("```python\nimport os\nos.kill(os.getppid(), 9)\n```", {"test_cases": IO_CASES}, 0.0),
     ],
 )  # fmt: skip

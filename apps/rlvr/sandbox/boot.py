@@ -153,7 +153,6 @@ def main() -> None:
     workdir = os.getcwd()
     with open(spec["program"]) as file:
         source = file.read()
-    code = compile(source, spec["program"], "exec")
     limit_resources(spec["limits"])
     landlock(spec["readable"], workdir)
     drop_capabilities()
@@ -162,6 +161,7 @@ def main() -> None:
     os.close(spec["ready_fd"])
     sys.argv = [spec["program"]]
     sys.path.insert(0, workdir)
+    code = compile(source, spec["program"], "exec")  # isolated already: a syntax error is the program's failure
     exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
 
 
