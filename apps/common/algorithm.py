@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from apps.common.policy_args import policy_loss_name
 from rl_core.advantages import AdvantageConfig, compute_advantages
 from rl_core.batch import RolloutBatch
 from rl_core.kl_control import build_kl_controller
@@ -47,12 +48,19 @@ class AlgorithmSettings:
             rollout_is_mode=config.rollout_is_mode, rollout_is_veto_threshold=config.rollout_is_veto_threshold,
         )  # fmt: skip
         rollout_is.validate()
-        policy = PolicyLossConfig(clip_ratio=config.pg_clip, clip_ratio_low=config.pg_clip_low,
-                                  clip_ratio_high=config.pg_clip_high,
-                                  clip_ratio_c=3.0 if config.dual_clip_loss else None)  # fmt: skip
+        knobs = config.actor_policy
+        policy = PolicyLossConfig(
+            clip_ratio=config.pg_clip, clip_ratio_low=config.pg_clip_low, clip_ratio_high=config.pg_clip_high,
+            clip_ratio_c=1.0 + 2.0 * config.pg_clip if config.dual_clip_loss else None,  # ROLL's dual clip
+            tis_lower_bound=knobs.tis_lower_bound, tis_upper_bound=knobs.tis_upper_bound,
+            topr_positive_weight=knobs.topr_positive_weight, topr_negative_weight=knobs.topr_negative_weight,
+            cispo_epsilon_low=knobs.cispo_epsilon_low, cispo_epsilon_high=knobs.cispo_epsilon_high,
+            cispo_use_unified_mask=knobs.cispo_use_unified_mask, kimi15_tau=knobs.kimi15_tau,
+        )  # fmt: skip
+        policy.validate()
         coefficients = LossCoefficients(rl_loss_coef=config.rl_loss_coef, kl_loss_coef=config.kl_loss_coef,
                                         entropy_loss_coef=config.entropy_loss_coef)  # fmt: skip
-        actor = ActorObjective(policy_loss=config.pg_variant, loss_agg_mode=config.loss_agg_mode,
+        actor = ActorObjective(policy_loss=policy_loss_name(config), loss_agg_mode=config.loss_agg_mode,
                                policy_loss_config=policy, coefficients=coefficients, use_kl_loss=config.use_kl_loss,
                                kl_loss_type=config.kl_loss_type, temperature=temperature)  # fmt: skip
         critic = CriticObjective(value_clip=config.value_clip, loss_agg_mode=config.loss_agg_mode)

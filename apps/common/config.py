@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from apps.common.policy_args import ActorPolicyArgs, pop_policy_args
 from rl_engines.config import WorkerConfig, WorkerConfigError, build_dataclass
 
 ROLE_KEYS = ("actor_train", "actor_infer", "reference", "critic")
@@ -87,7 +88,10 @@ class SharedConfig:
     advantage_clip: float | None = None
     """Clip advantages to [-advantage_clip, advantage_clip]."""
     pg_variant: str = "vanilla"
-    """rl-core policy loss (ROLL pg_variant / verl loss_mode)."""
+    """rl-core policy loss (verl loss_mode names) of ROLL's ActorWorker runs; with actor_train.worker_cls
+    ActorPGWorker, actor_train.pg_variant decides (apps.common.policy_args)."""
+    importance_sampling: str = "token"
+    """ROLL's ActorWorker PPO ratio: token, or seq (one ratio per sequence: exp of the mean token log-ratio)."""
     pg_clip: float = 0.2
     """PPO clip epsilon."""
     pg_clip_low: float | None = None
@@ -95,7 +99,7 @@ class SharedConfig:
     pg_clip_high: float | None = None
     """Upper clip epsilon (DAPO clip-higher; default pg_clip)."""
     dual_clip_loss: bool = False
-    """Dual-clip PPO (constant 3)."""
+    """Dual-clip PPO as ROLL: a negative-advantage token's loss is capped at (1 + 2 pg_clip) |A|."""
     value_clip: float | None = 0.5
     """Critic value clipping range; null disables."""
     loss_agg_mode: str = "seq-mean-token-mean"
@@ -180,6 +184,8 @@ class SharedConfig:
     """Value model (needed for gae)."""
     rollout_mock: dict[str, Any] | None = None
     """rl-replay dump / mock (enable, mode, dump_dir)."""
+    actor_policy: ActorPolicyArgs = field(default_factory=ActorPolicyArgs)
+    """The policy-loss keys of the actor_train section (worker_cls, pg_variant, tis_* ...), parsed apart."""
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SharedConfig:
@@ -197,12 +203,32 @@ def reference_enabled(config: SharedConfig) -> bool:
     return config.enable_reference or kl
 
 
+DEAD_ROLL_KEYS = {
+    key: f"{key} is declared in ROLL's config but read by none of its losses, so it changes nothing there; TOPR's "
+    "weights are actor_train.topr_positive_weight / topr_negative_weight with actor_train.worker_cls "
+    "roll.pipeline.rlvr.actor_pg_worker.ActorPGWorker and actor_train.pg_variant: topr. Remove it."
+    for key in ("use_topr_neg_loss_coef", "positive_loss_coef", "postive_loss_coef", "use_topr_loss",
+                "use_policy_loss_type")
+}  # fmt: skip
+"""Top-level keys of ROLL's config that no ROLL code reads: refused with where the setting really lives."""
+
+
 def pop_shared_sections(values: dict[str, Any]) -> dict[str, Any]:
     """Remove the worker sections and ``rollout_mock`` from ``values``; return them parsed, by key."""
+    for key in DEAD_ROLL_KEYS:
+        if key in values:
+            raise WorkerConfigError(DEAD_ROLL_KEYS[key])
     sections: dict[str, Any] = {}
+    if "actor_policy" in values:
+        raise WorkerConfigError("unknown key(s) ['actor_policy']: the policy keys (worker_cls, pg_variant, tis_*, "
+                                "...) go in the actor_train section.")  # fmt: skip
     for role in ROLE_KEYS:
         if role in values:
             section = values.pop(role)
+            if role == "actor_train" and isinstance(section, dict):
+                section = dict(section)
+                policy = pop_policy_args(section)
+                sections["actor_policy"] = build_dataclass(ActorPolicyArgs, policy, "actor_train")
             sections[role] = None if section is None else WorkerConfig.from_dict(section, role)
     if "rollout_mock" in values:
         sections["rollout_mock"] = _rollout_mock(values.pop("rollout_mock"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
+from apps.common.policy_args import policy_loss_name
 from apps.common.trackers import TRACKERS
 from rl_core.advantages import ADV_ESTIMATORS
 from rl_core.kl import KL_ESTIMATORS
@@ -73,6 +74,10 @@ def check_choices(config: Any) -> None:
     """Every named choice exists in its rl-core registry (so a typo fails here, not mid-run)."""
     _check_registry(ADV_ESTIMATORS, "adv_estimator", config.adv_estimator)
     _check_registry(POLICY_LOSSES, "pg_variant", config.pg_variant)
+    try:
+        policy_loss_name(config)  # actor_train's worker_cls / pg_variant and importance_sampling agree with it
+    except ValueError as err:
+        fail(str(err))
     _check_registry(LOSS_AGGREGATIONS, "loss_agg_mode", config.loss_agg_mode)
     _check_registry(KL_ESTIMATORS, "kl_penalty", config.kl_penalty)
     _check_registry(KL_ESTIMATORS, "kl_loss_type", config.kl_loss_type)

@@ -67,6 +67,9 @@ class ValidationConfig:
     """template, file_name (list) of the validation set."""
     generating_args: GeneratingArgs = field(default_factory=GeneratingArgs)
     """Sampling for validation (usually lower temperature, one sample per prompt)."""
+    eval_steps: int | None = None
+    """Found in ROLL's files but read nowhere by ROLL (the top-level eval_steps schedules validation): accepted
+    when it equals eval_steps, refused otherwise."""
 
 
 @dataclass

@@ -28,6 +28,13 @@ def check_rlvr_ranges(config: Any) -> None:
             f"global_template={config.global_template!r} is not supported; use one of {list(KNOWN_TEMPLATES)} (each "
             "applies the tokenizer's own chat template)."
         )
+    validation = config.validation
+    if validation is not None and validation.eval_steps is not None and validation.eval_steps != config.eval_steps:
+        fail(
+            f"validation.eval_steps ({validation.eval_steps}) differs from eval_steps ({config.eval_steps}): ROLL "
+            "validates every top-level eval_steps and reads validation.eval_steps nowhere; set eval_steps and drop "
+            "validation.eval_steps."
+        )
     if config.generate_opt_level not in (0, 1):
         fail(
             f"generate_opt_level must be 0 (batch generate) or 1 (request scheduler), got {config.generate_opt_level}."

@@ -12,6 +12,7 @@ import sys
 
 from apps.common.config import SharedConfig
 from apps.common.config_reference import render
+from apps.common.policy_args import ActorPolicyArgs
 from apps.rlvr.config import RewardSpec, RLVRConfig, ValidationConfig
 from rl_engines.config import (
     GeneratingArgs,
@@ -36,7 +37,7 @@ def reference() -> str:
     return render(
         HEADER,
         [
-            (SharedConfig, "Top-level keys shared with the agentic pipeline", ()),
+            (SharedConfig, "Top-level keys shared with the agentic pipeline", ("actor_policy",)),
             (RLVRConfig, "RLVR-only top-level keys", shared),
             (WorkerConfig, "Worker sections: actor_train, actor_infer, reference, critic, rewards.<name>", ()),
             (ModelArgs, "<worker>.model_args", ()),
@@ -44,6 +45,7 @@ def reference() -> str:
             (GeneratingArgs, "<worker>.generating_args and validation.generating_args", ()),
             (StrategyArgs, "<worker>.strategy_args", ()),
             (SequencePackingArgs, "<worker>.sequence_packing_args", ()),
+            (ActorPolicyArgs, "actor_train policy-loss keys (ROLL's ActorPGWorker; apps.common.policy_args)", ()),
             (RewardSpec, "rewards.<name> (besides the worker keys)", ()),
             (ValidationConfig, "validation", ()),
         ],

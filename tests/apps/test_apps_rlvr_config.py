@@ -20,7 +20,11 @@ RLVR_FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/*.yaml", "docs_example
     "qwen2.5-7B-rlvr_megatron/rlvr_config_dynamic_batching.yaml",  # dynamic batching (issue 15)
     "qwen2.5-7B-rlvr_megatron/rlvr_config_sequence_packing.yaml",  # sequence packing (issue 15)
     "qwen2.5-7B-rlvr_megatron/rlvr_fsdp2_sp2.yaml",  # Ulysses in fsdp2, fsdp2_infer (issue 15)
+    "qwen2.5-7B-rlvr_megatron/rlvr_config_8gpus_llm_as_judge.yaml",  # LLM-as-judge reward (issue 16)
+    "docs_examples/example_gspo.yaml",  # importance_sampling: seq (issue 16)
+    "qwen2.5-7B-rlvr-offpolicy/rlvr_config.yaml",  # ActorPGWorker's per-role pg_variant (issue 16)
 )
+PG_WORKER = "roll.pipeline.rlvr.actor_pg_worker.ActorPGWorker"
 TORCH_NATIVE = {"megatron_train": "fsdp2_train", "deepspeed_train": "fsdp2_train", "vllm": "hf_infer",
                 "sglang": "hf_infer", "megatron_infer": "hf_infer"}  # fmt: skip
 
@@ -176,6 +180,23 @@ def test_the_small_config_passes():
          r"rewards\.mc\.reward_type=None: the multiple-choice reward \(ROLL's CrossThinkQA\) needs one of"),
         ({"rewards__code": {"worker_cls": "x.CodeSandboxRewardWorker", "use_local": False, "tag_included": ["c"]}},
          ValueError, r"rewards\.code: use_local is false, which asks for ROLL's remote HTTP sandbox"),
+        # ROLL's policy keys of actor_train (issue 16)
+        ({"actor_train__pg_variant": "tis"}, WorkerConfigError,
+         r"actor_train\.pg_variant='tis' is read only by ROLL's ActorPGWorker; set actor_train\.worker_cls"),
+        ({"actor_train__worker_cls": "my.CustomWorker"}, WorkerConfigError,
+         r"actor_train\.worker_cls='my\.CustomWorker' is not one of ROLL's actor workers"),
+        ({"actor_train__worker_cls": PG_WORKER, "actor_train__pg_variant": "topr", "pg_variant": "tis"},
+         WorkerConfigError, r"pg_variant='tis' and actor_train\.pg_variant='topr' \(ActorPGWorker\) name different"),
+        ({"actor_train__worker_cls": PG_WORKER, "actor_train__pg_variant": "a2c"}, WorkerConfigError,
+         r"actor_train\.pg_variant='a2c' is not one of ActorPGWorker's"),
+        ({"importance_sampling": "seq", "pg_variant": "tis"}, WorkerConfigError,
+         r"importance_sampling: seq is ROLL's PPO on a sequence ratio, but pg_variant is 'tis'"),
+        ({"importance_sampling": "sequence"}, WorkerConfigError, r"importance_sampling must be 'token' or 'seq'"),
+        ({"actor_train__tis_upper_bound": "high"}, WorkerConfigError, r"actor_train\.tis_upper_bound"),
+        ({"use_topr_neg_loss_coef": 0.5}, WorkerConfigError,
+         r"use_topr_neg_loss_coef is declared in ROLL's config but read by none of its losses.*topr_negative_weight"),
+        ({"eval_steps": 5, "validation": {"data_args": {"file_name": "v.jsonl"}, "eval_steps": 10}},
+         WorkerConfigError, r"validation\.eval_steps \(10\) differs from eval_steps \(5\)"),
     ],
 )  # fmt: skip
 def test_bad_configs_fail_before_anything_starts_naming_the_key(changes, error, message):
@@ -228,3 +249,40 @@ def test_pretrain_fills_model_paths_of_policy_roles():
     preflight(config)
     assert config.actor_infer.model_args.model_name_or_path == "/models/policy"
     assert config.actor_train.model_args.model_name_or_path == "/models/tiny"  # an explicit path stays
+
+
+@pytest.mark.parametrize(
+    ("changes", "loss"),
+    [
+        ({}, "vanilla"),  # ROLL's ActorWorker: PPO on token ratios
+        ({"importance_sampling": "seq"}, "sequence_ppo"),  # ...on one ratio per sequence
+        ({"pg_variant": "gspo"}, "gspo"),  # the top-level loss (rl-core names) of an ActorWorker run
+        ({"actor_train__worker_cls": PG_WORKER}, "gpg"),  # ActorPGWorker's default vanilla: -A log pi
+        ({"actor_train__worker_cls": PG_WORKER, "actor_train__pg_variant": "ppo"}, "vanilla"),
+        ({"actor_train__worker_cls": PG_WORKER, "actor_train__pg_variant": "topr", "pg_variant": "topr"}, "topr"),
+    ],
+)
+def test_the_policy_loss_follows_rolls_actor_worker_and_its_pg_variant(changes, loss):
+    from apps.common.algorithm import AlgorithmSettings
+
+    settings = AlgorithmSettings.from_config(RLVRConfig.from_dict(with_(base(), **changes)))
+    assert settings.actor.policy_loss == loss
+
+
+def test_the_roles_loss_knobs_and_rolls_dual_clip_reach_rl_core():
+    from apps.common.algorithm import AlgorithmSettings
+
+    changes = {"actor_train__worker_cls": PG_WORKER, "actor_train__pg_variant": "tis",
+               "actor_train__tis_upper_bound": 2.0, "actor_train__topr_negative_weight": 0.5,
+               "actor_train__kimi15_tau": 0.3, "dual_clip_loss": True, "pg_clip": 0.25}  # fmt: skip
+    config = RLVRConfig.from_dict(with_(base(), **changes))
+    policy = AlgorithmSettings.from_config(config).actor.policy_loss_config
+    assert (policy.tis_upper_bound, policy.topr_negative_weight, policy.kimi15_tau) == (2.0, 0.5, 0.3)
+    assert policy.clip_ratio_c == pytest.approx(1.5)  # ROLL caps a negative-advantage loss at (1 + 2 pg_clip) |A|
+    assert config.actor_train.device_mapping == [0, 1]  # the rest of the section is the WorkerConfig
+
+
+def test_rolls_topr_example_is_refused_naming_the_key_no_roll_loss_reads():
+    raw = load_config(require_shared(roll_target_files("docs_examples/example_topr.yaml")[0]))
+    with pytest.raises(WorkerConfigError, match=r"use_topr_neg_loss_coef is declared in ROLL's config but read by"):
+        RLVRConfig.from_dict(adapt(raw))

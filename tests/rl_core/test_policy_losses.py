@@ -60,6 +60,23 @@ def test_gspo_sequence_ratio():
     assert grad.flatten().tolist() == pytest.approx([s / 2, s / 2], abs=1e-12)
 
 
+def test_sequence_ppo_clips_one_ratio_per_sequence_as_rolls_importance_sampling_seq():
+    # log ratios 0.1 and 0.3: one ratio exp(0.2) = 1.2214 for both tokens; A=+1 clipped to 1.2 (no gradient)
+    loss, grad, m = run("sequence_ppo", [[0.0, 0.0]], [[0.1, 0.3]], [[1.0, 1.0]])
+    assert loss == pytest.approx(-1.2)
+    assert m["pg_clipfrac"] == 1.0 and grad.abs().max().item() == 0.0
+    # A=-1 (unclipped): the gradient of s = exp(mean log ratio) reaches each token as s / T, averaged over T tokens
+    loss, grad, _ = run("sequence_ppo", [[0.0, 0.0]], [[0.1, 0.3]], [[-1.0, -1.0]])
+    s = math.exp(0.2)
+    assert loss == pytest.approx(s)
+    assert grad.flatten().tolist() == pytest.approx([s / 2, s / 2], abs=1e-12)
+    # advantages that vary over the sequence: every token's loss moves both tokens (gspo's do not)
+    _, grad, _ = run("sequence_ppo", [[0.0, 0.0]], [[0.0, 0.0]], [[-1.0, 0.0]])
+    assert grad.flatten().tolist() == pytest.approx([0.25, 0.25], abs=1e-12)
+    _, grad, _ = run("gspo", [[0.0, 0.0]], [[0.0, 0.0]], [[-1.0, 0.0]], loss_agg_mode="token-mean")
+    assert grad.flatten().tolist() == pytest.approx([0.5, 0.0], abs=1e-12)
+
+
 def test_gpg_is_plain_policy_gradient():
     loss, grad, _ = run("gpg", [[0.0, 0.0]], [[-1.0, -2.0]], [[2.0, -1.0]])
     assert loss == pytest.approx((2.0 * 1.0 + (-1.0) * 2.0) / 2)
@@ -133,7 +150,19 @@ def test_kimi15():
 
 
 def test_every_loss_has_a_hand_test():
-    tested = {"vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "tis", "topr", "cispo", "kimi15"}
+    tested = {
+        "vanilla",
+        "sequence_ppo",
+        "gspo",
+        "gpg",
+        "clip_cov",
+        "kl_cov",
+        "geo_mean",
+        "tis",
+        "topr",
+        "cispo",
+        "kimi15",
+    }
     assert set(POLICY_LOSSES.names()) == tested
 
 

@@ -162,10 +162,38 @@ def compute_policy_loss_vanilla(
     For A < 0 the clipped loss is additionally capped at ``-clip_ratio_c * A`` so a huge ratio on a bad token
     cannot blow up the update. Metrics: pg_clipfrac, pg_clipfrac_lower (dual clip active), ppo_kl.
     """
-    cfg = _config(config)
     x = LossInputs(old_log_prob, log_prob, advantages, response_mask)
     log_ratio = x.log_ratio()
-    ratio = torch.exp(log_ratio)
+    return _ppo(x, _config(config), torch.exp(log_ratio), log_ratio, loss_agg_mode, rollout_is_weights, global_batch)
+
+
+@POLICY_LOSSES.register("sequence_ppo", "seq_ppo")
+def compute_policy_loss_sequence_ppo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    config: PolicyLossConfig | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch: GlobalBatchInfo | None = None,
+    sample_scores: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """``vanilla`` PPO on one ratio per sequence: ``exp`` of the mean token log-ratio, the gradient flowing through
+    that mean (ROLL's ``importance_sampling: seq``). With advantages constant over a sequence (GRPO) its gradient is
+    GSPO's; ``gspo`` is the GSPO-token form (Zheng et al. 2025), which differs when advantages vary by token."""
+    x = LossInputs(old_log_prob, log_prob, advantages, response_mask)
+    log_ratio = x.log_ratio()
+    per_sequence = masked_mean(log_ratio, x.mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
+    ratio = torch.exp(per_sequence)
+    return _ppo(x, _config(config), ratio, log_ratio, loss_agg_mode, rollout_is_weights, global_batch)
+
+
+def _ppo(
+    x: LossInputs, cfg: PolicyLossConfig, ratio: torch.Tensor, log_ratio: torch.Tensor, loss_agg_mode: str,
+    rollout_is_weights: torch.Tensor | None, global_batch: GlobalBatchInfo | None,
+) -> tuple[torch.Tensor, Metrics]:  # fmt: skip
     pg_losses, clipped = _clipped_surrogate(x.advantages, ratio, cfg.low, cfg.high)
     dual_active = torch.zeros_like(clipped)
     if cfg.clip_ratio_c is not None:
