@@ -109,6 +109,22 @@ def test_fsdp2_mesh_and_wrap_policy_errors_name_the_fix(tiny_model_dir):
     create_strategy(worker_config(tiny_model_dir, strategy_args={"strategy_config": good}), "actor_train").initialize()
 
 
+def test_fsdp2_options_that_change_nothing_here_are_accepted_with_a_note(tiny_model_dir):
+    """ROLL's use_batched_model_update (and offload_policy on a CPU) are accepted, each with a line saying what it
+    does in ROLL and what happens here; false says nothing."""
+    options = {"use_batched_model_update": True, "offload_policy": True}
+    config = worker_config(tiny_model_dir, strategy_args={"strategy_name": "fsdp2_train", "strategy_config": options})
+    notes = create_strategy(config, "actor_train").notes()
+    assert [note.split(":")[0] for note in notes] == [
+        "actor_train.strategy_args.strategy_config.offload_policy",
+        "actor_train.strategy_args.strategy_config.use_batched_model_update",
+    ]
+    assert "each weight is gathered on its own" in notes[1]
+    quiet = {"use_batched_model_update": False}
+    config = worker_config(tiny_model_dir, strategy_args={"strategy_name": "fsdp2_train", "strategy_config": quiet})
+    assert create_strategy(config, "actor_train").notes() == []
+
+
 def test_an_unknown_strategy_name_lists_the_registered_ones(tiny_model_dir):
     config = worker_config(tiny_model_dir, "reference", strategy_args={"strategy_name": "megatron_inference"})
     with pytest.raises(ValueError, match=r"reference\.strategy_args\.strategy_name='megatron_inference' is not a"):

@@ -16,6 +16,7 @@ ranks / ulysses_size, and mini-batches are formed from the pooled batch as from 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -71,7 +72,16 @@ FSDP2_KEYS: dict[str, tuple[type, ...]] = {
     "reshard_after_forward": (bool,),
     "offload_policy": (bool,),
     "wrap_policy": (dict,),
+    "use_batched_model_update": (bool,),
 }
+HERE_ONLY_NOTES = {
+    "offload_policy": "FSDP2's CPUOffloadPolicy keeps parameters, gradients and optimizer state in host memory "
+    "between uses; on a CPU device they are in host memory already, so nothing changes",
+    "use_batched_model_update": "ROLL gathers several weights per all-gather when syncing into actor_infer; here "
+    "each weight is gathered on its own (the same weights arrive, in the same buckets)",
+}
+"""Accepted ROLL options that change no result here, with what they do and what happens here instead."""
+logger = logging.getLogger(__name__)
 DTYPE_ALIASES = {**TORCH_DTYPES, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -111,9 +121,19 @@ class Fsdp2TrainStrategy:
         self._offloaded = False
 
     # ---- setup ---------------------------------------------------------------------------------------------
+    def notes(self) -> list[str]:
+        """One line per accepted option that changes nothing here (logged at start-up)."""
+        prefix = f"{self.role}.strategy_args.strategy_config"
+        active = [key for key in HERE_ONLY_NOTES if self.options.get(key)]
+        if self.options.get("offload_policy") and torch.cuda.is_available():
+            active.remove("offload_policy")  # on CUDA it offloads
+        return [f"{prefix}.{key}: true - {HERE_ONLY_NOTES[key]}." for key in active]
+
     def initialize(self) -> None:
         """Load fp32 master weights, shard them, and build AdamW and the LR schedule."""
         ensure_process_group()
+        for note in self.notes():
+            logger.warning(note)
         self.device = worker_device()
         args = self.config.model_args
         torch.manual_seed(self.config.training_args.seed)
