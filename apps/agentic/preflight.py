@@ -11,6 +11,7 @@ from apps.common.preflight import (
     check_algorithm_roles,
     check_async,
     check_token_budgets,
+    device_only_notes,
     fill_model_paths,
     plan_training,
     role_sections,
@@ -39,7 +40,7 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
             f"sequence_length ({base.sequence_length}) leaves no room for a prompt before a turn of "
             f"max_tokens_per_step={longest} tokens; raise sequence_length or lower max_tokens_per_step."
         )
-    notes = check_token_budgets(sections, config.sequence_length, "sequence_length")
+    notes = check_token_budgets(sections, config.sequence_length, "sequence_length") + device_only_notes(sections)
     report = plan_training(base, placement, sections)
     report.notes.extend(notes)
     return report

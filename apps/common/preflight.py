@@ -109,6 +109,17 @@ def train_plan(
     )
 
 
+def device_only_notes(sections: dict[str, WorkerConfig]) -> list[str]:
+    """The pre-flight line of each accepted option that acts only on GPU hardware (what it does there, and here)."""
+    return [
+        f"[preflight] {role}.offload_nccl: true frees NCCL communicator buffers while the role is offloaded (on "
+        "GPUs; ROLL's current release forces it off); the gloo groups here hold no device buffers, so it changes "
+        "nothing."
+        for role, section in sections.items()
+        if section.offload_nccl
+    ]
+
+
 def check_token_budgets(sections: dict[str, WorkerConfig], longest: int, what: str) -> list[str]:
     """Dynamic batching: the longest sample the pipeline can build (``longest`` tokens, ``what`` says whence),
     rounded up to ``sequence_length_round_in_*``, must fit in one pass of ``max_tokens_per_microbatch_in_*``; with

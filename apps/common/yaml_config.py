@@ -4,7 +4,8 @@ ROLL runs on Hydra / OmegaConf; we read the same files without them:
 - ``defaults: [../config/envs@_here_, _self_]`` merges the listed files (relative to the including file, ``.yaml``
   implied) into the root, in order; the file's own keys go where ``_self_`` stands (last when absent, as Hydra).
 - ``${key}`` / ``${a.b}`` as a whole value is replaced by the referenced value (any type); inside a longer string it is
-  substituted as text. References resolve against the merged root, recursively; cycles and missing keys fail
+  substituted as text. Hydra's ``${now:%Y%m%d-%H%M%S}`` is the load's start time in that strftime pattern (one time
+  for the whole load). References resolve against the merged root, recursively; cycles and missing keys fail
   naming the key that refers.
 - the ``hydra:`` section (Hydra's own run settings) is dropped.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import copy
 import re
 from collections.abc import Iterable
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +205,7 @@ class _Resolver:
         self.source = source
         self.values = 0  # values copied in by references so far
         self.chars = 0  # characters copied in by references (strings inside them, text substituted) so far
+        self.now = datetime.now()  # one time for every ${now:...} of this load, so the names it builds agree
 
     def spend(self, values: int, chars: int, chain: tuple[str, ...]) -> None:
         """Count what references copy in; fail once references of references multiplied it past the limits."""
@@ -246,9 +249,12 @@ class _Resolver:
     def lookup(self, ref: str, where: str, active: tuple[str, ...]) -> Any:
         if ref in active:
             raise ConfigFileError(f"{where}: interpolation cycle {' -> '.join((*active, ref))}.")
+        if ref.startswith("now:"):  # Hydra's resolver: the load's start time in a strftime pattern
+            return self.now.strftime(ref[len("now:") :])
         if ":" in ref:
             raise ConfigFileError(
-                f"{where}: resolver interpolation ${{{ref}}} is not supported; write the value or a plain ${{key}}."
+                f"{where}: resolver interpolation ${{{ref}}} is not supported (only Hydra's ${{now:<strftime>}}); "
+                "write the value or a plain ${key}."
             )
         node: Any = self.root
         for part in ref.split("."):

@@ -16,6 +16,7 @@ from apps.common.preflight import (
     check_algorithm_roles,
     check_async,
     check_token_budgets,
+    device_only_notes,
     fill_model_paths,
     plan_training,
     role_sections,
@@ -51,7 +52,7 @@ def preflight(config: RLVRConfig) -> PreflightReport:
     check_async(config, placement)
     _check_generation(config, placement)
     longest = config.prompt_length + config.response_length
-    notes = check_token_budgets(sections, longest, "prompt_length + response_length")
+    notes = check_token_budgets(sections, longest, "prompt_length + response_length") + device_only_notes(sections)
     report = plan_training(config, placement, sections, config.num_return_sequences_in_group)
     report.notes.extend(notes)
     return report

@@ -287,3 +287,10 @@ def test_rolls_topr_example_is_refused_naming_the_key_no_roll_loss_reads():
     raw = load_config(require_shared(roll_target_files("docs_examples/example_topr.yaml")[0]))
     with pytest.raises(WorkerConfigError, match=r"use_topr_neg_loss_coef is declared in ROLL's config but read by"):
         RLVRConfig.from_dict(adapt(raw))
+
+
+def test_offload_nccl_is_accepted_with_a_note_saying_it_changes_nothing_here():
+    report = preflight(RLVRConfig.from_dict(with_(base(), actor_train__offload_nccl=True)))
+    assert any(note.startswith("[preflight] actor_train.offload_nccl: true frees NCCL") and "changes nothing" in note
+               for note in report.notes)  # fmt: skip
+    assert not any("offload_nccl" in note for note in preflight(RLVRConfig.from_dict(base())).notes)

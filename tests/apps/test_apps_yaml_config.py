@@ -52,12 +52,24 @@ def test_interpolation_keeps_types_substitutes_text_and_nests(tmp_path):
     assert config["chain"] == 4
 
 
+def test_hydras_now_resolver_gives_one_time_to_the_whole_load(tmp_path):
+    from datetime import datetime
+
+    text = "stamp: ${now:%Y%m%d-%H%M%S}\nexp_name: run-${stamp}\nout: ./out/${now:%Y%m%d-%H%M%S}/x\n"
+    before = datetime.now().replace(microsecond=0)
+    config = load_config(write(tmp_path, "c.yaml", text))
+    after = datetime.now()
+    stamp = config["stamp"]
+    assert before <= datetime.strptime(stamp, "%Y%m%d-%H%M%S") <= after
+    assert config["exp_name"] == f"run-{stamp}" and config["out"] == f"./out/{stamp}/x"
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("a: ${b}\nb: ${a}\n", r"interpolation cycle"),
         ("a: ${missing.key}\n", r"a: \$\{missing\.key\} refers to a key the config does not have \('missing'\)"),
-        ("a: ${oc.env:HOME}\n", r"resolver interpolation"),
+        ("a: ${oc.env:HOME}\n", r"resolver interpolation \$\{oc\.env:HOME\} is not supported \(only Hydra's"),
         ("defaults: [../x/nope@_here_]\n", r"nope\.yaml does not exist"),
         ("defaults: [{db: mysql}]\n", r"defaults entry \{'db': 'mysql'\} is not supported"),
         ("defaults: [other@pkg]\n", r"only @_here_"),

@@ -262,6 +262,9 @@ class WorkerConfig:
     use_remove_padding: bool = False
     """Run each micro-batch packed without padding, micro-batches formed as without it (verl's and ROLL's fsdp2
     key; ``use_sequence_packing`` implies it)."""
+    offload_nccl: bool = False
+    """ROLL: free the role's NCCL communicator buffers while it is offloaded (GPU memory only; ROLL's current
+    release forces it off). Accepted with a pre-flight note: the gloo groups used here hold no device buffers."""
 
     @classmethod
     def from_dict(cls, values: dict[str, Any], role: str) -> WorkerConfig:
