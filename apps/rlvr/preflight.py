@@ -22,6 +22,7 @@ from apps.common.preflight import (
     role_sections,
 )
 from apps.rlvr.config import RLVRConfig
+from apps.rlvr.data_args import check_data_args
 from apps.rlvr.domains import domain_probs
 from apps.rlvr.rewards import check_reward_sections
 from rl_core.batch import BatchSizeError
@@ -55,6 +56,9 @@ def preflight(config: RLVRConfig) -> PreflightReport:
     notes = check_token_budgets(sections, longest, "prompt_length + response_length") + device_only_notes(sections)
     report = plan_training(config, placement, sections, config.num_return_sequences_in_group)
     report.notes.extend(notes)
+    report.notes.extend(check_data_args(config.actor_train.data_args, "actor_train"))
+    if config.validation is not None:
+        report.notes.extend(check_data_args(config.validation.data_args, "validation"))
     return report
 
 

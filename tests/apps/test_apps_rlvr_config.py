@@ -198,6 +198,13 @@ def test_the_small_config_passes():
          r"use_topr_neg_loss_coef is declared in ROLL's config but read by none of its losses.*topr_negative_weight"),
         ({"eval_steps": 5, "validation": {"data_args": {"file_name": "v.jsonl"}, "eval_steps": 10}},
          WorkerConfigError, r"validation\.eval_steps \(10\) differs from eval_steps \(5\)"),
+        # data_args against ROLL's DataArguments (issue 16)
+        ({"actor_train__data_args": {"promt": "question"}}, PreflightError,
+         r"actor_train\.data_args\.promt is not a data_args key the RLVR pipeline knows; known: \["),
+        ({"actor_train__data_args": {"tag": "source"}}, PreflightError,
+         r"actor_train\.data_args\.tag='source': only ROLL's default 'tag' is supported"),
+        ({"validation": {"data_args": {"domain_interleave_probs": {"math_rule": 1.0}}}}, PreflightError,
+         r"validation\.data_args\.domain_interleave_probs: domains mix training batches only"),
     ],
 )  # fmt: skip
 def test_bad_configs_fail_before_anything_starts_naming_the_key(changes, error, message):
@@ -294,3 +301,13 @@ def test_offload_nccl_is_accepted_with_a_note_saying_it_changes_nothing_here():
     assert any(note.startswith("[preflight] actor_train.offload_nccl: true frees NCCL") and "changes nothing" in note
                for note in report.notes)  # fmt: skip
     assert not any("offload_nccl" in note for note in preflight(RLVRConfig.from_dict(base())).notes)
+
+
+def test_data_args_that_change_nothing_here_pass_with_a_note():
+    data_args = {"template": "qwen2_5", "preprocessing_num_workers": 16, "dataset_dir": "data",
+                 "interleave_probs": "1.0", "tag": "tag"}  # fmt: skip
+    report = preflight(RLVRConfig.from_dict(with_(base(), actor_train__data_args=data_args)))
+    noted = sorted(note.split(":")[0] for note in report.notes if ".data_args." in note)
+    assert noted == ["[preflight] actor_train.data_args.dataset_dir",
+                     "[preflight] actor_train.data_args.interleave_probs",
+                     "[preflight] actor_train.data_args.preprocessing_num_workers"]  # fmt: skip

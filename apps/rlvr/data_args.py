@@ -1,0 +1,46 @@
+"""The ``data_args`` keys of RLVR's ``actor_train`` and ``validation`` sections, checked against ROLL's
+DataArguments: each is read with ROLL's meaning, accepted with a pre-flight note where it changes no result, or
+refused naming it (a misspelt key never passes silently)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from apps.common.preflight import PreflightError
+
+READ = ("template", "file_name", "prompt", "messages", "domain_interleave_probs")
+"""Keys the pipeline reads (``domain_interleave_probs`` only on actor_train)."""
+DEFAULTS_ONLY = {"tag": "tag", "id": "id", "response": "solution", "dataset_type": "json"}
+"""ROLL keys accepted at ROLL's default only: the pipeline reads the ``tag`` column and json / jsonl / csv files."""
+NOTES = {
+    "preprocessing_num_workers": "processes ROLL tokenizes the data set with before training; here prompts are "
+    "tokenized as batches are drawn, so it changes nothing",
+    "dataset_dir": "not a field of ROLL's DataArguments, so ROLL's parser keeps no value for it (its get_dataset "
+    "then joins file_name to '.'); file_name is read as written here too",
+    "interleave_probs": "not a field of ROLL's DataArguments (domain_interleave_probs mixes the domains); ROLL reads "
+    "it nowhere, and neither does this pipeline",
+}
+"""Accepted keys that change no result, and why."""
+
+
+def check_data_args(data_args: dict[str, Any], section: str) -> list[str]:
+    """Refuse unknown keys and non-default values of the defaults-only keys (naming ``<section>.data_args.<key>``);
+    return a pre-flight note for each key that changes nothing here."""
+    notes = []
+    for key, value in data_args.items():
+        name = f"{section}.data_args.{key}"
+        if key in READ:
+            if key == "domain_interleave_probs" and section != "actor_train":
+                raise PreflightError(f"{name}: domains mix training batches only; set actor_train.data_args.{key}.")
+        elif key in DEFAULTS_ONLY:
+            if value != DEFAULTS_ONLY[key]:
+                raise PreflightError(
+                    f"{name}={value!r}: only ROLL's default {DEFAULTS_ONLY[key]!r} is supported (the pipeline reads "
+                    "the tag column and .json / .jsonl / .csv files); rename the column or drop the key."
+                )
+        elif key in NOTES:
+            notes.append(f"[preflight] {name}: {NOTES[key]}.")
+        else:
+            known = sorted([*READ, *DEFAULTS_ONLY, *NOTES])
+            raise PreflightError(f"{name} is not a data_args key the RLVR pipeline knows; known: {known}.")
+    return notes
