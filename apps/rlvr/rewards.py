@@ -251,17 +251,11 @@ class RewardRouter:
         }
         grades = [Grade(0.0, 0.0)] * len(texts)
         for name, rows in rows_of.items():
-            begun = time.perf_counter()
-            if name in self.role_based:
-                values = self._judge(name).grade(_take(rows, texts), _take(rows, records))
-                for i, value in zip(rows, values):
-                    grades[i] = _penalized(value, self.sections[name].spec, lengths[i])
-            elif name not in futures:
-                function, spec = self.functions[name], self.sections[name].spec
-                in_driver = graded_rows(function, _take(rows, texts), _take(rows, records), spec, _take(rows, lengths))
-                for i, grade in zip(rows, in_driver):
-                    grades[i] = grade
             if name not in futures:
+                begun = time.perf_counter()
+                here = self._grade_here(name, _take(rows, texts), _take(rows, records), _take(rows, lengths))
+                for i, grade in zip(rows, here):
+                    grades[i] = grade
                 self.spans[name] = (begun, time.perf_counter())
         for name, future in futures.items():
             for i, grade in zip(rows_of[name], future.get()):
@@ -269,13 +263,20 @@ class RewardRouter:
             self.spans[name] = (start, time.perf_counter())
         return grades
 
-    def _judge(self, name: str) -> Any:
+    def _grade_here(
+        self, name: str, texts: list[str], records: list[dict[str, Any]], lengths: list[int]
+    ) -> list[Grade]:
+        """One section's rows graded in the driver, or by its judge role."""
+        spec = self.sections[name].spec
+        if name not in self.role_based:
+            return graded_rows(self.functions[name], texts, records, spec, lengths)
         if name not in self.judges:
             raise RuntimeError(
                 f"rewards.{name} is graded by a model running as the role rewards.{name}, which is not attached: "
                 "start role_sections() with the pipeline's roles and call attach_judges first."
             )
-        return self.judges[name]
+        values = self.judges[name].grade(texts, records)
+        return [_penalized(value, spec, tokens) for value, tokens in zip(values, lengths)]
 
 
 def _take(rows: list[int], values: list[T]) -> list[T]:
