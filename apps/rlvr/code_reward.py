@@ -27,7 +27,7 @@ from typing import Any
 
 from apps.rlvr.config import RewardConfig, RewardSpec
 from apps.rlvr.rewards import REWARD_FUNCTIONS
-from apps.rlvr.sandbox import Limits, RunResult, Sandbox
+from apps.rlvr.sandbox import Limits, RunResult, Sandbox, missing_isolation
 
 PRELUDE = """import sys, os, re, math, json, string, itertools, functools, collections, heapq, bisect, copy, random
 from typing import *
@@ -171,7 +171,13 @@ def passed(result: RunResult, expected: str | None, as_json: bool) -> bool:
 
 # ---- the reward ---------------------------------------------------------------------------------------------------
 def check_section(name: str, section: RewardConfig) -> None:
-    """Pre-flight: ROLL's remote sandbox is not built."""
+    """Pre-flight: ROLL's remote sandbox is not built, and this machine can isolate the local one."""
+    missing = missing_isolation()
+    if missing:
+        raise ValueError(
+            f"rewards.{name}: the code sandbox runs responses only in isolated processes, and this machine lacks "
+            f"{' and '.join(missing)}; grade code on a machine that has them."
+        )
     if not section.spec.use_local:
         raise ValueError(
             f"rewards.{name}: use_local is false, which asks for ROLL's remote HTTP sandbox (code_url); only the "

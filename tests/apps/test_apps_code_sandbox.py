@@ -87,6 +87,17 @@ def test_run_many_keeps_the_order(sandbox):
     assert [r.stdout.strip() for r in results] == [str(i) for i in range(6)]
 
 
+def test_preflight_refuses_code_rewards_on_a_machine_that_cannot_isolate(monkeypatch):
+    from apps.rlvr.sandbox import missing_isolation
+
+    assert missing_isolation() == []  # this machine (and CI's) has Landlock and seccomp
+    section = RewardConfig.from_dict({"worker_cls": "x.CodeSandboxRewardWorker"}, "rewards.code")
+    code_reward.check_section("code", section)
+    monkeypatch.setattr(code_reward, "missing_isolation", lambda: ["Landlock (Linux 5.13+ ...)"])
+    with pytest.raises(ValueError, match=r"rewards\.code: the code sandbox runs responses only in isolated processes"):
+        code_reward.check_section("code", section)
+
+
 def test_a_sandbox_that_cannot_isolate_runs_nothing_and_says_why(tmp_path, monkeypatch):
     broken = tmp_path / "boot.py"
     broken.write_text("import sys\nsys.stderr.write('sandbox: Landlock failed: not on this kernel')\nsys.exit(1)\n")

@@ -33,6 +33,29 @@ class SandboxError(RuntimeError):
     """The sandbox could not isolate a process (nothing ran); the message says which layer and why."""
 
 
+SECCOMP_MACHINES = ("x86_64", "aarch64")
+
+
+def missing_isolation() -> list[str]:
+    """What this machine lacks for the sandbox's isolation (empty when every layer is available): probed in this
+    process without changing it (Landlock's ABI version, seccomp mode, the machine's syscall table)."""
+    import ctypes
+    import platform
+
+    missing = []
+    if sys.platform != "linux":
+        return [f"Linux (this is {sys.platform})"]
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    if libc.syscall(444, None, 0, 1) < 1:  # landlock_create_ruleset(NULL, 0, LANDLOCK_CREATE_RULESET_VERSION)
+        missing.append("Landlock (Linux 5.13+ with Landlock enabled in the kernel's LSM list)")
+    if libc.prctl(21, 0, 0, 0, 0) < 0:  # PR_GET_SECCOMP
+        missing.append("seccomp")
+    if platform.machine() not in SECCOMP_MACHINES:
+        missing.append(f"a seccomp table for {platform.machine()!r} (x86_64 and aarch64 have one)")
+    return missing
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one sandboxed run may use."""
