@@ -85,5 +85,8 @@ def test_rolls_multi_domain_example_runs_two_steps_with_every_reward(tmp_path, r
         for section in SECTIONS:
             assert f"{section}/critic/score/mean" in step and step[f"time/reward/{section}"] > 0, section
         assert "actor/pg_loss" in step  # trained (nothing masked it all)
+    events = json.loads((out / "timeline.json").read_text())["traceEvents"]
+    graded = {(e["name"], e["args"]["step"]) for e in events if e["name"].startswith("reward/")}
+    assert graded == {(f"reward/{section}", step) for section in SECTIONS for step in (0, 1)}  # one track per section
     # step 0: every reward 0 (whitened advantages 0, no gradient); step 1: some right, so the policy moves
     assert steps[-1]["critic/score/mean"] > 0 and steps[-1]["actor/grad_norm"] > 0
