@@ -66,14 +66,28 @@ def hf_scorer(tiny_model_dir):
         ({"load_format": "npz"}, r"actor_infer\.strategy_args\.strategy_config\.load_format='npz'"),
         ({"block_size": "16"}, r"actor_infer\.strategy_args\.strategy_config\.block_size must be int"),
         ({"sleep_level": 3}, r"actor_infer\.strategy_args\.strategy_config\.sleep_level must be 1 or 2"),
+        ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 but actor_infer\.num_gpus_per_worker=1"),
     ],
-    ids=["unknown", "range", "load_format", "type", "sleep_level"],
+    ids=["unknown", "range", "load_format", "type", "sleep_level", "tensor_parallel_size"],
 )
 def test_strategy_config_errors_name_the_key(tiny_model_dir, strategy_config, message):
     config = worker_config(tiny_model_dir, "actor_infer",
                            strategy_args={"strategy_name": "vllm", "strategy_config": strategy_config})  # fmt: skip
     with pytest.raises(WorkerConfigError, match=message):
         create_strategy(config, "actor_infer")
+
+
+def test_rolls_pass_through_engine_options_reach_the_engine(tiny_model_dir):
+    """ROLL hands its vLLM strategy_config to vLLM: these reach vllm.LLM's arguments (the engine tests below build
+    engines with them)."""
+    from rl_engines.strategies.vllm_config import engine_kwargs, parse_vllm_config
+
+    options = {"tensor_parallel_size": 1, "disable_log_stats": False, "disable_custom_all_reduce": True}
+    config = worker_config(tiny_model_dir, "actor_infer",
+                           strategy_args={"strategy_name": "vllm", "strategy_config": options})  # fmt: skip
+    kwargs = engine_kwargs(config, parse_vllm_config(config, "actor_infer"), on_cpu=True, seed=0)
+    assert (kwargs["tensor_parallel_size"], kwargs["disable_log_stats"], kwargs["disable_custom_all_reduce"]) == (
+        1, False, True)  # fmt: skip
 
 
 # ---- agreement with hf_infer --------------------------------------------------------------------------------

@@ -48,6 +48,13 @@ class VllmStrategyConfig:
     sleep_level: int = 1
     """What ``offload`` frees on GPU: 1 moves weights to host memory, 2 discards them (the next weight sync must
     bring every weight back). Sleep is a no-op on CPU."""
+    tensor_parallel_size: int | None = None
+    """ROLL passes it to vLLM: one engine over this many devices. Here it is the worker's ``num_gpus_per_worker``;
+    given, it must equal it."""
+    disable_log_stats: bool = True
+    """vLLM's periodic throughput log lines off (vllm.LLM's own default)."""
+    disable_custom_all_reduce: bool = True
+    """vLLM's custom all-reduce kernel off for tensor parallel engines (ROLL's default: it can hang with TP > 1)."""
     cache_dir: str | None = None
     """Where vLLM and torch inductor keep caches, compile artifacts and IPC sockets; null = a per-user folder in
     the system temp dir, shared by runs so later engines start warm."""
@@ -73,6 +80,13 @@ def parse_vllm_config(config: WorkerConfig, role: str) -> VllmStrategyConfig:
     prefix = f"{role}.strategy_args.strategy_config"
     parsed = build_dataclass(VllmStrategyConfig, config.strategy_args.strategy_config, prefix)
     parsed.validate(prefix)
+    tp = parsed.tensor_parallel_size
+    if tp is not None and tp != config.num_gpus_per_worker:
+        raise WorkerConfigError(
+            f"{prefix}.tensor_parallel_size={tp} but {role}.num_gpus_per_worker={config.num_gpus_per_worker}: each "
+            f"{role} worker runs one vLLM engine over its own devices; set num_gpus_per_worker: {tp} (and a "
+            "device_mapping that it divides) or drop tensor_parallel_size."
+        )
     return parsed
 
 
@@ -115,6 +129,8 @@ def engine_kwargs(config: WorkerConfig, options: VllmStrategyConfig, *, on_cpu: 
         "enable_prefix_caching": options.enable_prefix_caching,
         "enable_sleep_mode": not on_cpu,
         "kv_cache_memory_bytes": options.kv_cache_memory_bytes or (CPU_KV_CACHE_BYTES if on_cpu else None),
+        "disable_log_stats": options.disable_log_stats,
+        "disable_custom_all_reduce": options.disable_custom_all_reduce,
     }
     optional = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
     kwargs.update({name: getattr(options, name) for name in optional if getattr(options, name) is not None})
