@@ -65,30 +65,31 @@ def templates():
 
 @pytest.fixture(scope="module")
 def judged(tmp_path_factory, ray_session, templates):
-    """One judge role, started as the RLVR pipeline starts it (router.role_sections() with Roles), attached."""
+    """A judge role on its own CPU slot, started as the RLVR pipeline starts it (router.role_sections() with Roles),
+    attached; and the model it runs."""
     model = echo_judge(tmp_path_factory.mktemp("judge"))
-    sections = {"llm_judge": section(model), "echo_answer": section(model, "echo_response", tag_included=["echo"])}
-    router = RewardRouter(sections)
-    assert set(router.role_sections()) == {"rewards.llm_judge", "rewards.echo_answer"}
-    configs = router.role_sections()
-    configs["rewards.echo_answer"].device_mapping = [0]
-    with Roles(ClusterSpec(1, 2), configs, rpc_timeout=120) as roles:
+    router = RewardRouter({"llm_judge": section(model), "math": RewardConfig.from_dict(
+        {"worker_cls": "x.MathRuleRewardWorker", "tag_included": ["math"]}, "rewards.math")})  # fmt: skip
+    assert set(router.role_sections()) == {"rewards.llm_judge"}  # the rule reward needs no model
+    with Roles(ClusterSpec(1, 2), router.role_sections(), rpc_timeout=120) as roles:
         router.attach_judges(roles, "prompt", None)
-        yield router
+        yield router, roles, model
 
 
 def test_the_judges_verdict_is_the_score(judged):
+    router, roles, model = judged
     records = [{"tag": "RLVR", "prompt": "2+2=", "ground_truth": "yes"},
                {"tag": "RLVR", "prompt": "capital?", "ground_truth": "no"},
-               {"tag": "echo", "prompt": "2+2=", "ground_truth": "no"},
-               {"tag": "echo", "prompt": "2+2=", "ground_truth": "yes"},
+               {"tag": "math", "prompt": "2+2=", "ground_truth": "4"},
                {"tag": "RLVR", "prompt": "capital?", "ground_truth": "yes"}]  # fmt: skip
-    texts = ["no", "yes", "yes", "no", "no"]
-    # rewards.llm_judge's template ends with the reference, rewards.echo_answer's with the response
-    assert judged.grade_many(texts, records, [1] * 5) == [Grade(1.0, 1.0), Grade(0.0, 0.0), Grade(1.0, 1.0),
-                                                          Grade(0.0, 0.0), Grade(1.0, 1.0)]  # fmt: skip
-    answers = judged.judges["llm_judge"].answers(["no"], [records[0]])
-    assert answers[0].split() == ["yes"] * 3  # the echo, three new tokens
+    texts = ["no", "yes", "\\boxed{4}", "no"]
+    # the template ends with the reference: the echo says it, so the verdict follows the reference
+    assert router.grade_many(texts, records, [1] * 4) == [Grade(1.0, 1.0), Grade(0.0, 0.0), Grade(1.0, 1.0),
+                                                          Grade(1.0, 1.0)]  # fmt: skip
+    assert router.judges["llm_judge"].answers(["no"], [records[0]])[0].split() == ["yes"] * 3  # 3 new tokens
+    # the same role with a template that ends with the response: now the response decides
+    by_response = judge_module.Judge("llm_judge", section(model, "echo_response"), roles, "prompt", None)
+    assert by_response.grade(["yes", "no"], [records[1], records[0]]) == [1.0, 0.0]
 
 
 def test_the_judge_prompt_holds_question_response_and_reference(tmp_path, templates):

@@ -54,7 +54,7 @@ def on_cpu(raw: dict, model: str, data: str, out: str) -> dict:
                   # filters.py checks them)
                   max_len_mask=False, difficulty_mask=False)  # fmt: skip
     train, infer = config["actor_train"], config["actor_infer"]
-    train["device_mapping"], infer["device_mapping"] = [0], [0, 1]
+    train["device_mapping"], infer["device_mapping"] = [0], [0]  # the judge has slot 1
     train["training_args"].update(per_device_train_batch_size=4, gradient_accumulation_steps=5, warmup_steps=0)
     train["data_args"]["file_name"] = [data]
     infer["generating_args"].update(max_new_tokens=8, num_return_sequences=2)
