@@ -125,6 +125,16 @@ def test_fsdp2_options_that_change_nothing_here_are_accepted_with_a_note(tiny_mo
     assert create_strategy(config, "actor_train").notes() == []
 
 
+def test_an_fsdp_size_that_does_not_divide_the_ranks_fails_before_any_worker_starts(tiny_model_dir):
+    config = worker_config(
+        tiny_model_dir,
+        device_mapping=[0, 1],
+        strategy_args={"strategy_name": "fsdp2_train", "strategy_config": {"fsdp_size": 16}},
+    )
+    with pytest.raises(ValueError, match=r"strategy_config\.fsdp_size=16 must divide the role's world size 2"):
+        create_strategy(config, "actor_train")  # what pre-flight calls
+
+
 def test_an_unknown_strategy_name_lists_the_registered_ones(tiny_model_dir):
     config = worker_config(tiny_model_dir, "reference", strategy_args={"strategy_name": "megatron_inference"})
     with pytest.raises(ValueError, match=r"reference\.strategy_args\.strategy_name='megatron_inference' is not a"):

@@ -104,6 +104,8 @@ class Fsdp2TrainStrategy:
             if value is not None and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
                 wanted = " or ".join(t.__name__ for t in types)
                 raise ValueError(f"{prefix}.{key} must be {wanted}, got {type(value).__name__} {value!r}.")
+        if isinstance(config.device_mapping, list) and config.device_mapping:  # checked before any worker starts
+            self._fsdp_size(max(len(config.device_mapping) // config.num_gpus_per_worker, 1))
         self.planners = {phase: planner(config, role, phase) for phase in self.phases}
         self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
         self.ulysses: UlyssesGroups | None = None
@@ -200,15 +202,22 @@ class Fsdp2TrainStrategy:
         from torch.distributed.device_mesh import init_device_mesh
 
         world = dist.get_world_size()
-        size = self.options.get("fsdp_size") or world
-        if size in (-1, world):
+        size = self._fsdp_size(world)
+        if size == world:
             return init_device_mesh(self.device.type, (world,))
-        if not isinstance(size, int) or size < 1 or world % size:
+        return init_device_mesh(self.device.type, (world // size, size), mesh_dim_names=("replicate", "shard"))
+
+    def _fsdp_size(self, world: int) -> int:
+        """Ranks one model copy is sharded over (``fsdp_size``; unset or -1: all); must divide the world size."""
+        size = self.options.get("fsdp_size") or world
+        if size == -1:
+            return world
+        if size < 1 or world % size:
             raise ValueError(
                 f"{self.role}.strategy_args.strategy_config.fsdp_size={size} must divide the role's world size "
                 f"{world} (len({self.role}.device_mapping)); use -1 to shard over all ranks."
             )
-        return init_device_mesh(self.device.type, (world // size, size), mesh_dim_names=("replicate", "shard"))
+        return int(size)
 
     def _wrap_targets(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """Modules sharded as their own unit: wrap_policy's layer classes, else the model's ``_no_split_modules``."""
