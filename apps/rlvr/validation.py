@@ -8,6 +8,7 @@ validation rollout of each evaluated step as split ``val``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -76,12 +77,24 @@ class Validator:
         return rollout
 
     def metrics(self, rollout: RolloutBatch) -> dict[str, float]:
-        """Mean score overall and per reward section."""
-        scores = rollout.batch["scores"].tolist()
-        per_section: dict[str, list[float]] = {}
-        for row, score in enumerate(scores):
-            record = self.prompts.records[int(rollout.non_tensor_batch["record_index"][row])]
-            per_section.setdefault(self.router.section_for(record), []).append(score)
-        metrics = {"val/score/mean": sum(scores) / max(len(scores), 1), "val/samples": float(len(scores))}
-        metrics.update({f"val/score/{name}": sum(v) / len(v) for name, v in per_section.items()})
-        return metrics
+        """``validation_metrics`` of the scored rollout."""
+        records = [self.prompts.records[int(i)] for i in rollout.non_tensor_batch["record_index"]]
+        return validation_metrics(rollout.batch["scores"].tolist(), records, self.router.section_for)
+
+
+def validation_metrics(
+    scores: list[float], records: list[dict[str, Any]], section_for: Callable[[dict[str, Any]], str]
+) -> dict[str, float]:
+    """Mean score overall and per reward section (``val/score/...``), and ROLL's names: the fraction of fully right
+    answers (score 1) overall and per data tag (``val_correct/all/mean``, ``val_correct/<tag>/mean``)."""
+    per_section: dict[str, list[float]] = {}
+    per_tag: dict[str, list[float]] = {}
+    for score, record in zip(scores, records):
+        per_section.setdefault(section_for(record), []).append(score)
+        if record.get("tag") is not None:
+            per_tag.setdefault(str(record["tag"]), []).append(float(score == 1.0))
+    metrics = {"val/score/mean": sum(scores) / max(len(scores), 1), "val/samples": float(len(scores)),
+               "val_correct/all/mean": sum(score == 1.0 for score in scores) / max(len(scores), 1)}  # fmt: skip
+    metrics.update({f"val/score/{name}": sum(v) / len(v) for name, v in per_section.items()})
+    metrics.update({f"val_correct/{tag}/mean": sum(v) / len(v) for tag, v in per_tag.items()})
+    return metrics

@@ -39,6 +39,7 @@ def test_two_grpo_steps_run_and_log_metrics(setup, dumped):
     for metrics in steps:
         assert metrics["val/samples"] == 16  # every validation prompt once, the padded batches trimmed
         assert 0.0 <= metrics["val/score/mean"] <= 1.0 and "val/score/math_rule" in metrics
+        assert metrics["val_correct/all/mean"] == metrics["val/score/mean"]  # math scores are 0 or 1 (ROLL's name)
         for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean", "time/rollout",
                     "time/model_update", "mismatch/mismatch_kl", "response_length/mean"):  # fmt: skip
             assert key in metrics, key

@@ -178,3 +178,14 @@ def test_advantages_follow_the_rewards_and_the_score_metric_follows_the_scores()
     assert advantages[1] > advantages[0] > advantages[2]
     assert metrics["critic/score/mean"] == pytest.approx(2 / 3)
     assert metrics["critic/rewards/mean"] == pytest.approx(float(rewards.mean()))
+
+
+def test_validation_reports_rolls_val_correct_per_tag_beside_the_mean_scores():
+    from apps.rlvr.validation import validation_metrics
+
+    records = [{"tag": "mc"}, {"tag": "mc"}, {"tag": "gsm8k"}, {}]
+    section_for = lambda record: "math" if record.get("tag") == "gsm8k" else "mc"  # noqa: E731
+    metrics = validation_metrics([1.0, 0.5, 1.0, 0.0], records, section_for)
+    assert metrics["val/score/mean"] == pytest.approx(0.625) and metrics["val/score/mc"] == pytest.approx(0.5)
+    assert metrics["val_correct/all/mean"] == 0.5  # only a score of 1 is correct, as ROLL counts it
+    assert (metrics["val_correct/mc/mean"], metrics["val_correct/gsm8k/mean"]) == (0.5, 1.0)
