@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
+from dataclasses import dataclass
 from typing import Any
 
 from apps.rlvr.config import RewardConfig, RewardSpec
@@ -98,17 +100,37 @@ def _test_runner(assert_code: str) -> str:
     return "".join(f"\n{name}()" for name in names)
 
 
-def jobs(response: str, record: dict[str, Any]) -> tuple[list[tuple[str, str]], list[str | None], bool]:
-    """The sandbox runs grading ``response`` needs: ``(source, stdin)`` pairs, the stdout each must print (None:
-    exiting 0 is passing), and whether outputs are JSON values (call-based) rather than text."""
+@dataclass(frozen=True)
+class Finished:
+    """A test program passes when it gets to its end: its last stdout line is this run's secret token (so that
+    ``sys.exit(0)`` or ``os._exit(0)`` in the response cannot pass the asserts after it)."""
+
+    token: str
+
+
+def _to_the_end(source: str) -> tuple[str, Finished]:
+    token = secrets.token_hex(16)
+    return f"{source}\nprint({token!r})\n", Finished(token)
+
+
+def _run_to_the_end(sources: list[str]) -> tuple[list[tuple[str, str]], list[str | Finished | None], bool]:
+    planned = [_to_the_end(source) for source in sources]
+    return [(source, "") for source, _ in planned], [end for _, end in planned], False
+
+
+def jobs(response: str, record: dict[str, Any]) -> tuple[list[tuple[str, str]], list[str | Finished | None], bool]:
+    """The sandbox runs grading ``response`` needs: ``(source, stdin)`` pairs, what each must print (the expected
+    stdout, or a ``Finished`` token for test programs that pass by running to their end), and whether outputs are
+    JSON values (call-based) rather than text."""
     case_type = str(record.get("case_type") or "input")
     cases = test_cases(record)
     if case_type == "text":
-        return [(_assert_code(c).replace("{response}", repr(response)), "") for c in cases], [None] * len(cases), False
+        return _run_to_the_end([_assert_code(c).replace("{response}", repr(response)) for c in cases])
     code = extract_code(response)
     if case_type in ("assert", "pytest"):
-        sources = [f"{PRELUDE}\n{code}\n{_assert_code(c)}\n{_test_runner(_assert_code(c))}" for c in cases]
-        return [(source, "") for source in sources], [None] * len(cases), False
+        return _run_to_the_end(
+            [f"{PRELUDE}\n{code}\n{_assert_code(c)}\n{_test_runner(_assert_code(c))}" for c in cases]
+        )
     if case_type == "check_based":
         return _check_based(code, cases)
     if case_type != "input":
@@ -120,7 +142,7 @@ def jobs(response: str, record: dict[str, Any]) -> tuple[list[tuple[str, str]], 
     return [(f"{PRELUDE}\n{code}", str(c["stdin"])) for c in cases], [str(c["expected_stdout"]) for c in cases], False
 
 
-def _check_based(code: str, cases: list[Any]) -> tuple[list[tuple[str, str]], list[str | None], bool]:
+def _check_based(code: str, cases: list[Any]) -> tuple[list[tuple[str, str]], list[str | Finished | None], bool]:
     if not cases:
         return [], [], False
     case = cases[0]
@@ -128,7 +150,7 @@ def _check_based(code: str, cases: list[Any]) -> tuple[list[tuple[str, str]], li
     solution = f"{PRELUDE}\n{case.get('import_prefix', '')}{code}"
     entry = case.get("entry_point", "candidate")
     checks = [f"{lines[0]}\n{line}" for line in lines[1:]] or lines[:1]
-    return [(f"{solution}\n{check}\ncheck({entry})", "") for check in checks], [None] * len(checks), False
+    return _run_to_the_end([f"{solution}\n{check}\ncheck({entry})" for check in checks])
 
 
 # ---- comparing outputs --------------------------------------------------------------------------------------------
@@ -160,12 +182,15 @@ def same_value(actual: str, expected: str) -> bool:
         return False
 
 
-def passed(result: RunResult, expected: str | None, as_json: bool) -> bool:
+def passed(result: RunResult, expected: str | Finished | None, as_json: bool) -> bool:
     """Whether one run passed its case."""
     if not result.ok:
         return False
     if expected is None:
         return True
+    if isinstance(expected, Finished):
+        lines = result.stdout.strip().splitlines()
+        return bool(lines) and lines[-1].strip() == expected.token
     return same_value(result.stdout, expected) if as_json else same_output(result.stdout, expected)
 
 

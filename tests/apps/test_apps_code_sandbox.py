@@ -37,6 +37,16 @@ def test_a_plain_program_reads_stdin_imports_the_stdlib_and_runs_threads(sandbox
     assert result.stdout.split("\n")[:2] == ["thread", '[["a", 2]] da39a3']
 
 
+SYSCALL = (
+    "import ctypes, platform\n"
+    "NUMBERS = {'x86_64': {'rt_sigqueueinfo': 129, 'io_uring_setup': 425},\n"
+    "           'aarch64': {'rt_sigqueueinfo': 138, 'io_uring_setup': 425}}[platform.machine()]\n"
+    "def syscall(name, *args):\n"
+    "    return ctypes.CDLL(None).syscall(NUMBERS[name], *args)\n"
+)
+"""A raw system call by name, for the calls Python does not wrap."""
+
+
 def hostile(tmp_path, monkeypatch):
     """Each hostile program, and what shows it was contained."""
     secret = tmp_path / "secret.txt"
@@ -57,8 +67,24 @@ def hostile(tmp_path, monkeypatch):
         "a socket": ("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)",
                      lambda r: "PermissionError" in r.stderr),
         "killing its parent": ("import os\nos.kill(os.getppid(), 9)", lambda r: "PermissionError" in r.stderr),
-        "raising its limits": ("import resource\nresource.setrlimit(resource.RLIMIT_CPU, (100, 100))",
-                               lambda r: not r.ok),
+        "raising its limits": ("import resource\nhard = resource.getrlimit(resource.RLIMIT_CPU)[1]\n"
+                               "resource.setrlimit(resource.RLIMIT_CPU, (hard, hard))",  # allowed but for seccomp
+                               lambda r: "PermissionError" in r.stderr),
+        "queueing a signal to its parent": (SYSCALL + "import os\nprint(syscall('rt_sigqueueinfo', os.getppid(), 9, "
+                                            "ctypes.create_string_buffer(128)))", lambda r: r.stdout.strip() == "-1"),
+        "SIGIO to its parent": ("import fcntl, os\nr, w = os.pipe()\nfcntl.fcntl(r, fcntl.F_SETOWN, os.getppid())",
+                                lambda r: "PermissionError" in r.stderr),
+        "a socket through io_uring": (SYSCALL + "print(syscall('io_uring_setup', 8, ctypes.create_string_buffer(120)))",
+                                      lambda r: r.stdout.strip() == "-1"),
+        "chmod outside its dir": (f"import os\nos.chmod({str(secret)!r}, 0o777)",
+                                  lambda r: "PermissionError" in r.stderr and secret.stat().st_mode & 0o777 != 0o777),
+        "truncating outside its dir": (f"import os\nos.truncate({str(secret)!r}, 0)",
+                                       lambda r: not r.ok and secret.read_text() == "the secret"),
+        "removing its stdout": ("import os\nos.remove('stdout.txt')\nprint('gone')", lambda r: r.stdout == "gone\n"),
+        "a fifo for its stdout": ("import os\nos.remove('stdout.txt')\nos.mkfifo('stdout.txt')\nprint('fifo')",
+                                  lambda r: r.stdout == "fifo\n"),
+        "filling the disk": ("for i in range(1000):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))",
+                             lambda r: not r.ok and r.exit_code == -9),
         "fork through ctypes": ("import ctypes\nprint(ctypes.CDLL(None).fork())", lambda r: r.stdout.strip() == "-1"),
         "a huge file": ("open('big', 'wb').write(b'x' * (8 << 20))", lambda r: "File too large" in r.stderr),
         "an output flood": ("while True: print('x' * 1000)", lambda r: not r.ok and len(r.stdout) <= 4096),
@@ -151,6 +177,10 @@ SUM_WRONG = "```python\na, b = map(int, input().split())\nprint(a - b)\n```"
          {"case_type": "text", "test_cases": [{"assert_code": "assert 'Paris' in {response}"}]}, 1.0),
         ("```python\nwhile True:\n    pass\n```", {"test_cases": IO_CASES}, 0.0),  # a time-out is a score
         ("```python\nprint(1\n```", {"test_cases": IO_CASES}, 0.0),  # so is a syntax error
+        # exiting 0 before the asserts run passes nothing: a test program passes by printing its run's token last
+        ("```python\nimport sys\nsys.exit(0)\n```", {"case_type": "assert", "test_cases": ["assert f() == 1"]}, 0.0),
+        ("```python\nimport os\nos._exit(0)\n```",
+         {"case_type": "pytest", "test_cases": [{"assert_code": "def test_f():\n    assert 0"}]}, 0.0),
         ("```python\nimport os\nos.kill(os.getppid(), 9)\n```", {"test_cases": IO_CASES}, 0.0),
     ],
 )  # fmt: skip

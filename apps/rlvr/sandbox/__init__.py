@@ -2,11 +2,13 @@
 
 Each run gets a fresh temporary work dir (removed after), an empty environment, and a process that isolates itself
 before the program's first line (``boot.py``): CPU-time, address-space, file-size and open-file limits; Landlock
-(read-only access to the interpreter's files, the work dir and nothing else, no TCP); no capabilities; seccomp (no
-sockets, no new processes, no exec, no signals to others). The parent enforces the wall-clock limit by killing the
-process group. A timeout, a crash or a limit hit is a ``RunResult``, never a hang or an exception; only a sandbox that
-could not isolate itself raises ``SandboxError`` (then nothing ran). ``Sandbox.run_many`` grades a batch on a pool
-of ``workers`` processes at once.
+(read-only access to the interpreter's files, the work dir and nothing else; TCP refused from Landlock ABI 4);
+no capabilities; seccomp (no sockets or io_uring, no new processes, no exec, no signals or scheduling changes to
+other processes, no metadata changes or truncation by path: the full list is in ``boot.py``). The parent enforces
+the wall-clock limit and a disk quota for the work dir by killing the process group, and reads the output through
+the files it opened (whatever the program does to their names). A timeout, a crash or a limit hit is a
+``RunResult``, never a hang or an exception; only a sandbox that could not isolate itself raises ``SandboxError``
+(then nothing ran). ``Sandbox.run_many`` grades a batch on a pool of ``workers`` processes at once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 BOOT = Path(__file__).with_name("boot.py")
 SYSTEM_READABLE = ("/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/share/zoneinfo", "/dev/null", "/dev/urandom")
@@ -68,6 +71,9 @@ class Limits:
     open_files: int = 64
     output_bytes: int = 1 << 20
     """stdout / stderr read back at most."""
+    disk_bytes: int = 64 << 20
+    """All the work dir may hold (checked every ``poll_seconds``; past it, the run is killed)."""
+    poll_seconds: float = 0.05
 
 
 @dataclass(frozen=True)
@@ -125,8 +131,8 @@ class Sandbox:
         start = time.monotonic()
         with (
             open(workdir / "stdin.txt", "rb") as stdin_file,
-            open(workdir / "stdout.txt", "wb") as stdout_file,
-            open(workdir / "stderr.txt", "wb") as stderr_file,
+            open(workdir / "stdout.txt", "w+b") as stdout_file,
+            open(workdir / "stderr.txt", "w+b") as stderr_file,
         ):
             try:
                 process = subprocess.Popen(
@@ -136,39 +142,57 @@ class Sandbox:
                 )  # fmt: skip
             finally:
                 os.close(ready_write)
-            timed_out = _wait(process, self.limits.wall_seconds)
+            timed_out = _wait(process, workdir, self.limits)
+            stdout, stderr = _read(stdout_file, self.limits), _read(stderr_file, self.limits)
         with os.fdopen(ready_read, "rb") as ready:
             isolated = ready.read() == b"ready\n"
-        stdout, stderr = _read(workdir / "stdout.txt", self.limits), _read(workdir / "stderr.txt", self.limits)
         if not isolated and not timed_out:
             raise SandboxError(f"the sandbox could not isolate the process, so nothing ran: {stderr.strip()[-2000:]}")
         return RunResult(process.returncode, stdout, stderr, timed_out, time.monotonic() - start)
 
 
-def _wait(process: subprocess.Popen[bytes], seconds: float) -> bool:
-    """Wait up to ``seconds``; past that, kill the process group. Returns whether it was killed for time."""
-    try:
-        process.wait(timeout=seconds)
-        return False
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        return True
+def _wait(process: subprocess.Popen[bytes], workdir: Path, limits: Limits) -> bool:
+    """Wait up to ``limits.wall_seconds``, killing the process group past it or once the work dir holds more than
+    ``limits.disk_bytes``. Returns whether it was killed for time."""
+    deadline = time.monotonic() + limits.wall_seconds
+    while True:
+        try:
+            process.wait(timeout=limits.poll_seconds)
+            return False
+        except subprocess.TimeoutExpired:
+            pass
+        late = time.monotonic() > deadline
+        if late or _tree_bytes(workdir) > limits.disk_bytes:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            return late
 
 
-def _read(path: Path, limits: Limits) -> str:
-    with open(path, "rb") as file:
-        return file.read(limits.output_bytes).decode("utf-8", errors="replace")
+def _tree_bytes(folder: Path) -> int:
+    """Bytes of the regular files under ``folder`` (links not followed; unreadable entries skipped)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total
+
+
+def _read(file: Any, limits: Limits) -> str:
+    """What the program wrote to a file the parent opened (its name in the work dir may have changed)."""
+    file.seek(0)
+    return str(file.read(limits.output_bytes).decode("utf-8", errors="replace"))
 
 
 def _remove(workdir: Path) -> None:
-    """Remove the work dir, whatever modes the program left on what it made."""
-
-    def writable_then_retry(function, path, _error):  # type: ignore[no-untyped-def]
-        os.chmod(os.path.dirname(path), 0o700)
-        if os.path.isdir(path) and not os.path.islink(path):
-            os.chmod(path, 0o700)
-        function(path)
-
-    shutil.rmtree(workdir, onerror=writable_then_retry)
+    """Remove the work dir, whatever modes the program left inside it (its parent is never touched)."""
+    with contextlib.suppress(OSError):
+        os.chmod(workdir, 0o700)
+    for root, dirs, _ in os.walk(workdir):
+        for name in dirs:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                with contextlib.suppress(OSError):
+                    os.chmod(path, 0o700)
+    shutil.rmtree(workdir, ignore_errors=True)

@@ -7,8 +7,11 @@ stdout / stderr already on files there, an empty environment, and a pipe on ``sp
 2. Landlock: read-only access to the interpreter's files (``spec["readable"]``), full access to the work dir, nothing
    else on the filesystem; TCP bind / connect denied; no signals to, or abstract sockets of, processes outside;
 3. no capabilities (a sandbox started by root keeps none of root's privileges);
-4. seccomp: no sockets, no new processes (fork / vfork / clone without CLONE_THREAD), no exec, no ptrace, no signals
-   by pid, no raising of limits;
+4. seccomp: no sockets (nor io_uring, whose operations would bypass the filter), no new processes (fork / vfork /
+   clone without CLONE_THREAD), no exec, no ptrace or reading other processes' memory, no signals by pid (kill,
+   sigqueue, fcntl F_SETOWN / F_SETSIG), no changing other processes' scheduling, no raising of limits, no chmod /
+   chown / utime / xattr changes or truncation by path (Landlock does not cover those everywhere), no namespaces,
+   mounts, bpf, perf or keyrings;
 5. "ready" on the pipe, which is closed; then the program runs.
 
 If a layer cannot be put in place the program does not run: the reason goes to stderr and the pipe stays silent, so
@@ -24,6 +27,7 @@ import platform
 import resource
 import struct
 import sys
+from typing import Any
 
 LIBC = ctypes.CDLL(None, use_errno=True)
 LIBC.syscall.restype = ctypes.c_long
@@ -95,21 +99,35 @@ def drop_capabilities() -> None:
 # ---- seccomp ------------------------------------------------------------------------------------------------------
 EPERM, EAGAIN, ENOSYS = 1, 11, 38
 CLONE_THREAD = 0x10000
-# audit arch, clone, clone3, and (number, errno) of the denied syscalls, per machine
-SECCOMP_TABLES = {
-    "x86_64": (0xC000003E, 56, 435, [
-        (41, EPERM), (53, EPERM),  # socket, socketpair
+# audit arch, clone, clone3, fcntl, and the denied syscalls, per machine (errno EPERM unless given)
+SECCOMP_TABLES: dict[str, tuple[int, int, int, int, list[Any]]] = {
+    "x86_64": (0xC000003E, 56, 435, 72, [
+        41, 53,  # socket, socketpair
         (57, EAGAIN), (58, EAGAIN),  # fork, vfork
-        (59, EPERM), (322, EPERM),  # execve, execveat
-        (101, EPERM),  # ptrace
-        (62, EPERM), (200, EPERM), (234, EPERM), (424, EPERM),  # kill, tkill, tgkill, pidfd_send_signal
-        (160, EPERM), (302, EPERM),  # setrlimit, prlimit64
+        59, 322,  # execve, execveat
+        101, 310, 311, 312, 438,  # ptrace, process_vm_readv / writev, kcmp, pidfd_getfd
+        62, 200, 234, 424, 129, 297,  # kill, tkill, tgkill, pidfd_send_signal, rt_(tg)sigqueueinfo
+        160, 302,  # setrlimit, prlimit64
+        141, 142, 144, 203, 314, 251,  # setpriority, sched_setparam / setscheduler / setaffinity / setattr, ioprio_set
+        90, 91, 268, 452, 92, 93, 94, 260,  # chmod, fchmod, fchmodat(2), chown, fchown, lchown, fchownat
+        132, 235, 261, 280,  # utime, utimes, futimesat, utimensat
+        188, 189, 190, 197, 198, 199,  # set / remove xattr
+        76,  # truncate (by path)
+        425, 426, 427,  # io_uring: its ops would bypass this filter
+        272, 308, 165, 166, 155, 161, 169,  # unshare, setns, mount, umount2, pivot_root, chroot, reboot
+        321, 298, 323, 250, 248, 249,  # bpf, perf_event_open, userfaultfd, keyctl, add_key, request_key
     ]),
-    "aarch64": (0xC00000B7, 220, 435, [
-        (198, EPERM), (199, EPERM), (221, EPERM), (281, EPERM), (117, EPERM),
-        (129, EPERM), (130, EPERM), (131, EPERM), (424, EPERM), (164, EPERM), (261, EPERM),
+    "aarch64": (0xC00000B7, 220, 435, 25, [
+        198, 199, 221, 281, 117, 270, 271, 272, 438,
+        129, 130, 131, 424, 138, 240, 164, 261,
+        140, 118, 119, 122, 274, 30,
+        52, 53, 452, 54, 55, 88, 5, 6, 7, 14, 15, 16, 45,
+        425, 426, 427, 97, 268, 40, 39, 41, 51, 142,
+        280, 241, 282, 219, 217, 218,
     ]),
 }  # fmt: skip
+F_SETOWN, F_SETSIG, F_SETOWN_EX = 8, 10, 15
+"""fcntl commands that would make the kernel signal another process (fcntl itself stays allowed)."""
 RET_ALLOW, RET_KILL, RET_ERRNO = 0x7FFF0000, 0x80000000, 0x00050000
 LD_ABS_W, JEQ_K, JGE_K, JSET_K, RET_K = 0x20, 0x15, 0x35, 0x45, 0x06
 
@@ -119,12 +137,17 @@ def seccomp() -> None:
     machine = platform.machine()
     if machine not in SECCOMP_TABLES:
         raise OSError(f"sandbox: no seccomp table for {machine!r} (x86_64 and aarch64 are supported)")
-    arch, clone, clone3, denied = SECCOMP_TABLES[machine]
+    arch, clone, clone3, fcntl, denied = SECCOMP_TABLES[machine]
     program = [(LD_ABS_W, 0, 0, 4), (JEQ_K, 1, 0, arch), (RET_K, 0, 0, RET_KILL), (LD_ABS_W, 0, 0, 0)]
     if machine == "x86_64":  # the x32 ABI's numbers
         program += [(JGE_K, 0, 1, 0x40000000), (RET_K, 0, 0, RET_ERRNO | EPERM)]
-    for number, errno in [*denied, (clone3, ENOSYS)]:  # clone3: glibc falls back to clone, checked below
+    for entry in [*denied, (clone3, ENOSYS)]:  # clone3: glibc falls back to clone, checked below
+        number, errno = entry if isinstance(entry, tuple) else (entry, EPERM)
         program += [(JEQ_K, 0, 1, number), (RET_K, 0, 0, RET_ERRNO | errno)]
+    program += [  # fcntl: no F_SETOWN / F_SETSIG / F_SETOWN_EX (the command is args[1], at offset 24)
+        (JEQ_K, 0, 6, fcntl), (LD_ABS_W, 0, 0, 24), (JEQ_K, 3, 0, F_SETOWN), (JEQ_K, 2, 0, F_SETSIG),
+        (JEQ_K, 1, 0, F_SETOWN_EX), (RET_K, 0, 0, RET_ALLOW), (RET_K, 0, 0, RET_ERRNO | EPERM),
+    ]  # fmt: skip
     program += [
         (JEQ_K, 0, 4, clone), (LD_ABS_W, 0, 0, 16), (JSET_K, 0, 1, CLONE_THREAD),  # clone: threads only
         (RET_K, 0, 0, RET_ALLOW), (RET_K, 0, 0, RET_ERRNO | EAGAIN), (RET_K, 0, 0, RET_ALLOW),
@@ -153,6 +176,8 @@ def main() -> None:
     workdir = os.getcwd()
     with open(spec["program"]) as file:
         source = file.read()
+    os.remove(spec["program"])  # what the program can read of itself is its code object, not this file
+    os.remove(sys.argv[1])
     limit_resources(spec["limits"])
     landlock(spec["readable"], workdir)
     drop_capabilities()
