@@ -95,7 +95,7 @@ class TargetBuilder:
         scores = sequence_rewards if scores is None else scores
         tensors = batch.batch
         if not self.domain_running:
-            rewards, metrics = self._targets(tensors, sequence_rewards, group_index, self.running)
+            rewards, metrics = self._targets(tensors, sequence_rewards, scores, group_index, self.running)
         else:
             rewards, metrics = self._by_domain(tensors, sequence_rewards, scores, group_index, domains)
         metrics.update(_is_weights(batch, self.settings.rollout_is))
@@ -115,14 +115,15 @@ class TargetBuilder:
             self.domain_running[domain].load_state_dict(moments)
 
     def _targets(
-        self, tensors: dict[str, torch.Tensor], sequence_rewards: torch.Tensor, group_index: list[Any],
-        running: RunningMoments,
+        self, tensors: dict[str, torch.Tensor], sequence_rewards: torch.Tensor, scores: torch.Tensor,
+        group_index: list[Any], running: RunningMoments,
     ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
         """Rewards -> token rewards (+KL, updating the controller) -> advantages of one set of samples, into
-        ``tensors``; returns the processed sequence rewards and the KL metrics."""
+        ``tensors``; returns the processed sequence rewards and the KL metrics. ``scores`` say which responses are
+        right (the length reward's ``correct``)."""
         settings, mask = self.settings, tensors["response_mask"]
         rewards = process_sequence_rewards(sequence_rewards, mask, config=settings.reward, group_index=group_index,
-                                           running=running)  # fmt: skip
+                                           running=running, correct=scores > 0)  # fmt: skip
         token_rewards, batch_kl = build_token_level_rewards(
             rewards, mask, config=settings.reward, kl_coef=self.kl_controller.value,
             log_prob=tensors["old_log_probs"] if "ref_log_probs" in tensors else None,
@@ -154,8 +155,9 @@ class TargetBuilder:
             rows = torch.tensor([i for i, d in enumerate(domains) if d == domain])
             part: dict[str, torch.Tensor] = {key: tensors[key][rows] for key in inputs}
             part_rewards, part_metrics = self._targets(
-                part, sequence_rewards[rows], [group_index[i] for i in rows.tolist()], self.domain_running[domain]
-            )
+                part, sequence_rewards[rows], scores[rows], [group_index[i] for i in rows.tolist()],
+                self.domain_running[domain],
+            )  # fmt: skip
             for key in outputs:
                 outputs[key][rows] = part[key].to(outputs[key].dtype)
             rewards[rows] = part_rewards.to(rewards.dtype)

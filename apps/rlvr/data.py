@@ -133,17 +133,21 @@ class PromptSampler:
         return np.random.default_rng(self.seed + epoch).permutation(self.size)
 
     def draw(self, count: int) -> tuple[list[int], list[str]]:
-        """``next_batch(count)`` and a group id for each index (the epoch, then the index)."""
-        indices = self.next_batch(count)
-        return indices, [f"{self.state.epoch}:{index}" for index in indices]
+        """``count`` indices and a group id for each: the epoch it was drawn in, then the index (a batch that
+        crosses into the next epoch can hold a record twice, as two groups)."""
+        picks = self._picks(count)
+        return [index for _, index in picks], [f"{epoch}:{index}" for epoch, index in picks]
 
     def next_batch(self, batch_size: int) -> list[int]:
         """The next ``batch_size`` indices; crosses into the next epoch (new order) when one runs out."""
-        picked: list[int] = []
-        while len(picked) < batch_size:
-            order = self._order(self.state.epoch)
-            take = min(batch_size - len(picked), self.size - self.state.position)
-            picked += order[self.state.position : self.state.position + take].tolist()
+        return [index for _, index in self._picks(batch_size)]
+
+    def _picks(self, count: int) -> list[tuple[int, int]]:
+        picked: list[tuple[int, int]] = []
+        while len(picked) < count:
+            epoch, order = self.state.epoch, self._order(self.state.epoch)
+            take = min(count - len(picked), self.size - self.state.position)
+            picked += [(epoch, int(i)) for i in order[self.state.position : self.state.position + take]]
             self.state.position += take
             if self.state.position == self.size:
                 self.state = SamplerState(self.state.epoch + 1, 0)

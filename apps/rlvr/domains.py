@@ -38,6 +38,14 @@ def domain_probs(config: Any) -> dict[str, float] | None:
             )
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1:
             raise ValueError(f"{KEY}.{domain} must be a probability in (0, 1], got {p!r}")
+    filters = [n for n, s in config.rewards.items() if (s.spec.query_filter_config or {}).get("type", "no_filter")
+               not in (None, "no_filter")]  # fmt: skip
+    if filters or config.is_use_additional_prompts:
+        why = f"rewards.{filters[0]}.query_filter_config" if filters else "is_use_additional_prompts"
+        raise ValueError(
+            f"{KEY} with dynamic sampling ({why}) is not supported: refills would not keep each domain's share "
+            "(ROLL fills a quota per domain); drop one of them."
+        )
     shares = domain_shares({d: float(p) for d, p in probs.items()}, config.rollout_batch_size)
     if min(shares.values()) < 1:
         raise ValueError(
@@ -95,8 +103,7 @@ class DomainSampler:
         """``count`` record indices, domain by domain, and a group id for each (domain, its epoch, record)."""
         indices, uids = [], []
         for name, share in domain_shares(self.probs, count).items():
-            sampler = self.samplers[name]
-            picked = sampler.next_batch(share)
-            indices += [self.members[name][i] for i in picked]
-            uids += [f"{name}:{sampler.state.epoch}:{self.members[name][i]}" for i in picked]
+            local, local_uids = self.samplers[name].draw(share)  # "<epoch>:<index in the domain>"
+            indices += [self.members[name][i] for i in local]
+            uids += [f"{name}:{uid.split(':')[0]}:{self.members[name][i]}" for i, uid in zip(local, local_uids)]
         return indices, uids

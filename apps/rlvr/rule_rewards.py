@@ -93,3 +93,17 @@ def instruction_following_reward(response: str, record: dict[str, Any], spec: Re
 
 
 multiple_choice_reward.check_section = check_choice_section  # type: ignore[attr-defined]
+
+
+def check_instruction_section(name: str, section: RewardConfig) -> None:
+    """Pre-flight: the response-language check needs langdetect."""
+    try:
+        import langdetect  # noqa: F401
+    except ImportError:
+        raise ValueError(
+            f"rewards.{name}: the instruction-following reward needs the langdetect package (its "
+            "validate_response_language check); pip install langdetect==1.0.9."
+        ) from None
+
+
+instruction_following_reward.check_section = check_instruction_section  # type: ignore[attr-defined]

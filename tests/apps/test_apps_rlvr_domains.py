@@ -112,3 +112,22 @@ def test_each_domain_gets_its_rewards_and_advantages_computed_apart_as_in_roll()
     plain = batch(list(range(6)))
     TargetBuilder(settings, cfg)(plain, rewards, list(range(6)))
     assert not torch.allclose(plain.batch["advantages"], together.batch["advantages"], atol=1e-3)
+
+
+def test_a_record_drawn_in_two_epochs_of_one_batch_makes_two_groups():
+    from apps.rlvr.data import PromptSampler
+
+    indices, uids = PromptSampler(3, seed=0).draw(5)  # all of epoch 0, then two of epoch 1
+    assert len(set(indices)) == 3 and len(set(uids)) == 5
+    assert [uid.split(":")[0] for uid in uids] == ["0", "0", "0", "1", "1"]
+
+
+def test_domains_with_dynamic_sampling_are_refused_naming_both_keys():
+    cfg = config(PROBS)
+    cfg.rewards["math"].spec.query_filter_config = {"type": "std_filter", "filter_args": {"std_threshold": 0}}
+    with pytest.raises(ValueError, match=r"with dynamic sampling \(rewards\.math\.query_filter_config\)"):
+        domain_probs(cfg)
+    cfg = config(PROBS)
+    cfg.is_use_additional_prompts = True
+    with pytest.raises(ValueError, match=r"with dynamic sampling \(is_use_additional_prompts\) is not supported"):
+        domain_probs(cfg)
