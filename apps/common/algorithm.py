@@ -48,14 +48,10 @@ class AlgorithmSettings:
             rollout_is_mode=config.rollout_is_mode, rollout_is_veto_threshold=config.rollout_is_veto_threshold,
         )  # fmt: skip
         rollout_is.validate()
-        knobs = config.actor_policy
         policy = PolicyLossConfig(
             clip_ratio=config.pg_clip, clip_ratio_low=config.pg_clip_low, clip_ratio_high=config.pg_clip_high,
             clip_ratio_c=1.0 + 2.0 * config.pg_clip if config.dual_clip_loss else None,  # ROLL's dual clip
-            tis_lower_bound=knobs.tis_lower_bound, tis_upper_bound=knobs.tis_upper_bound,
-            topr_positive_weight=knobs.topr_positive_weight, topr_negative_weight=knobs.topr_negative_weight,
-            cispo_epsilon_low=knobs.cispo_epsilon_low, cispo_epsilon_high=knobs.cispo_epsilon_high,
-            cispo_use_unified_mask=knobs.cispo_use_unified_mask, kimi15_tau=knobs.kimi15_tau,
+            **config.actor_policy.loss_knobs(),  # actor_train's tis_* / topr_* / cispo_* / kimi15_tau
         )  # fmt: skip
         policy.validate()
         coefficients = LossCoefficients(rl_loss_coef=config.rl_loss_coef, kl_loss_coef=config.kl_loss_coef,

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from rl_core.losses import PolicyLossConfig
+
 ACTOR_WORKERS = ("ActorWorker", "ActorPGWorker")
 """ROLL's actor worker classes (the last component of ``actor_train.worker_cls``)."""
 ROLL_PG_VARIANTS = {"vanilla": "gpg", "ppo": "vanilla", "tis": "tis", "topr": "topr", "cispo": "cispo",
@@ -25,28 +27,34 @@ IMPORTANCE_SAMPLING = {"token": "vanilla", "seq": "sequence_ppo"}
 
 @dataclass
 class ActorPolicyArgs:
-    """The policy-loss keys of the ``actor_train`` section (ROLL's WorkerConfig fields of ActorPGWorker)."""
+    """The policy-loss keys of the ``actor_train`` section (ROLL's WorkerConfig fields of ActorPGWorker); the loss
+    knobs are rl-core ``PolicyLossConfig`` fields of the same names, whose defaults they take."""
 
     worker_cls: str | None = None
     """ROLL worker class: ``...actor_worker.ActorWorker`` (PPO; default) or ``...actor_pg_worker.ActorPGWorker``."""
     pg_variant: str | None = None
     """ActorPGWorker's loss: vanilla (-A log pi), ppo, tis, topr, cispo, kimi15."""
-    tis_lower_bound: float = 0.0
+    tis_lower_bound: float = PolicyLossConfig.tis_lower_bound
     """TIS: lower truncation of the detached ratio."""
-    tis_upper_bound: float = 1.0
+    tis_upper_bound: float = PolicyLossConfig.tis_upper_bound
     """TIS: upper truncation of the detached ratio."""
-    topr_positive_weight: float = 1.0
+    topr_positive_weight: float = PolicyLossConfig.topr_positive_weight
     """TOPR: weight of the SFT-like term on positive-reward sequences."""
-    topr_negative_weight: float = 1.0
+    topr_negative_weight: float = PolicyLossConfig.topr_negative_weight
     """TOPR: weight of the truncated IS term on the other sequences."""
-    cispo_epsilon_low: float = 0.1
+    cispo_epsilon_low: float = PolicyLossConfig.cispo_epsilon_low
     """CISPO: ratio clipped below 1 - epsilon_low."""
-    cispo_epsilon_high: float = 0.1
+    cispo_epsilon_high: float = PolicyLossConfig.cispo_epsilon_high
     """CISPO: ratio clipped above 1 + epsilon_high."""
-    cispo_use_unified_mask: bool = False
+    cispo_use_unified_mask: bool = PolicyLossConfig.cispo_use_unified_mask
     """CISPO: drop the tokens PPO would clip."""
-    kimi15_tau: float = 0.1
+    kimi15_tau: float = PolicyLossConfig.kimi15_tau
     """Kimi k1.5: weight of the squared log-ratio regulariser."""
+
+    def loss_knobs(self) -> dict[str, Any]:
+        """The rl-core ``PolicyLossConfig`` fields set here (every key but worker_cls and pg_variant; the same
+        names and, unset, the same defaults)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("worker_cls", "pg_variant")}
 
     @property
     def worker(self) -> str:
