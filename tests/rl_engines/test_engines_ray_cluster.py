@@ -5,6 +5,7 @@ One cluster serves the module; its files live in a short directory under the sys
 
 import os
 import shutil
+import socket
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +22,7 @@ from rl_engines.ray_cluster import (
     CPU_DEVICE_RESOURCE,
     ResourcePool,
     cpu_device_resources,
+    free_port,
     rendezvous_address,
     scheduling_options,
     start_ray,
@@ -67,6 +69,18 @@ def cluster(no_shared_ray):
 
 def _roles(*roles):
     return plan_placement(CLUSTER, list(roles)).roles
+
+
+def test_free_port_is_below_the_ephemeral_range_bindable_and_never_repeated():
+    # A port from the kernel's ephemeral range can be taken by any outgoing connection between its pick and the
+    # TCPStore's bind (the EADDRINUSE CI met); one below it can only be taken by another explicit bind.
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral_low = int(f.read().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(20000 <= port < ephemeral_low for port in ports)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", ports[-1]))
 
 
 def test_cpu_device_resources_are_per_node():

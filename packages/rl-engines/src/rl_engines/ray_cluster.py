@@ -13,6 +13,7 @@ host as many actors as the plan needs.
 from __future__ import annotations
 
 import os
+import random
 import re
 import shutil
 import socket
@@ -365,8 +366,45 @@ def node_ip() -> str:
     return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
 
 
+# Ray's own listeners take 10002-19999 (worker ports) and a few fixed ports below; the kernel hands out outgoing
+# connections' source ports from ip_local_port_range (32768-60999 on Linux by default). A rendezvous port between the
+# two can be taken again between its pick and its bind only by another explicit bind, never by a connection.
+_RENDEZVOUS_LOW = 20000
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
-    """A TCP port that is free on this node right now (the OS picks it; it may be taken again before use)."""
+    """A TCP port that is free on this node now, for a server another process binds a moment later.
+
+    Picked at random below the kernel's ephemeral range (so that no outgoing connection, Ray's included, can take
+    it before the server binds it: the EADDRINUSE a port picked by ``bind(0)`` met) and never the same one twice in
+    a process; the OS picks when that range is too narrow or full.
+    """
+    high = _ephemeral_low()
+    if high - _RENDEZVOUS_LOW >= 1024:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(_RENDEZVOUS_LOW, high)
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("", 0))
         return int(sock.getsockname()[1])
