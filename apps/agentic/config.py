@@ -18,7 +18,7 @@ from typing import Any
 
 from apps.common.config import SharedConfig
 from rl_core.agentic_rewards import AGENTIC_GROUPINGS, AGENTIC_NORM_METHODS
-from rl_engines.config import WorkerConfigError, build_dataclass
+from rl_engines.config import GeneratingArgs, WorkerConfigError, build_dataclass
 
 DEFAULT_SYSTEM_TEMPLATE = (
     "You're a helpful assistant. You are a good game player. You are aiming to get high reward in the game."
@@ -93,6 +93,9 @@ class EnvManagerConfig:
     """Overrides every environment's env_config.format_penalty (reward of a malformed action)."""
     worker_cls: str | None = None
     """ROLL env-manager class path (accepted: its last component is one of ENV_MANAGER_CLASSES)."""
+    generating_args: GeneratingArgs | None = None
+    """Sampling of this manager's episodes (ROLL). train_env_manager's become actor_infer's; val_env_manager's
+    sample validation (null: greedy). Not together with actor_infer.generating_args, which ROLL lets override both."""
 
     @classmethod
     def from_dict(cls, values: Any, key: str) -> EnvManagerConfig:
@@ -132,6 +135,13 @@ class EnvManagerConfig:
             )
         if self.worker_cls is not None:
             check_env_manager_cls(self.worker_cls, f"{key}.worker_cls")
+        if self.generating_args is not None:
+            self.generating_args.validate(f"{key}.generating_args")
+            if self.generating_args.num_return_sequences != 1:
+                raise WorkerConfigError(
+                    f"{key}.generating_args.num_return_sequences is {self.generating_args.num_return_sequences}; "
+                    "an episode samples one response per turn: set it to 1 (group_size sets the group)."
+                )
 
     def rounds(self, episodes: int | None) -> int:
         """Episodes each environment runs for ``episodes`` in all (None: one each)."""
@@ -239,7 +249,7 @@ class AgenticConfig:
                 raise WorkerConfigError(f"{key} is not an agentic pipeline key: {instead}. Remove it.")
         own = {f.name for f in dataclasses.fields(cls)} - {"base"}
         agentic = {k: values.pop(k) for k in list(values) if k in own}
-        config = cls(base=SharedConfig.from_dict(values))
+        config = cls(base=SharedConfig.from_dict(_manager_sampling(values, agentic)))
         if "reward_normalization" in agentic:
             config.reward_normalization = build_dataclass(RewardNormalization, agentic["reward_normalization"],
                                                           "reward_normalization")  # fmt: skip
@@ -269,6 +279,24 @@ class AgenticConfig:
         if self.max_tokens_per_step is not None:
             spec = dataclasses.replace(spec, max_tokens_per_step=self.max_tokens_per_step)
         return spec
+
+
+def _manager_sampling(values: dict[str, Any], agentic: dict[str, Any]) -> dict[str, Any]:
+    """ROLL's precedence of ``generating_args``: ``train_env_manager``'s become ``actor_infer``'s. ROLL lets
+    ``actor_infer``'s silently override both managers' own, so giving both is refused."""
+    infer = values.get("actor_infer") or {}
+    managers = {name: (agentic.get(name) or {}).get("generating_args") for name in ("train_env_manager",
+                                                                                      "val_env_manager")}  # fmt: skip
+    given = [name for name, args in managers.items() if args]
+    if given and isinstance(infer, dict) and infer.get("generating_args"):
+        raise WorkerConfigError(
+            f"actor_infer.generating_args and {given[0]}.generating_args are both set; ROLL samples every manager "
+            "with actor_infer's and ignores the manager's. Keep one: actor_infer's for all episodes, or the "
+            "managers' (train_env_manager's sample training, val_env_manager's validation)."
+        )
+    if managers["train_env_manager"] and isinstance(infer, dict):
+        values = {**values, "actor_infer": {**infer, "generating_args": managers["train_env_manager"]}}
+    return values
 
 
 def validate_agentic(config: AgenticConfig) -> None:

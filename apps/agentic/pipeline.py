@@ -91,12 +91,13 @@ class AgenticPipeline:
         self._waits: dict[str, float] = {}
 
     def _validation(self, section: EnvManagerConfig | None) -> tuple[EnvManager | None, TrajectoryRunner | None]:
-        """Validation environments (held-out seeds) sampled greedily, frames recorded when rendering."""
+        """Validation environments (held-out seeds) sampled with val_env_manager.generating_args (greedily when
+        it has none), frames recorded when rendering."""
         if section is None or not self.base.eval_steps:
             return None, None
         envs = EnvManager(self.config, section, "val")
-        greedy = replace(self.base.actor_infer.generating_args, temperature=0.0)
-        runner = TrajectoryRunner(envs, self.tokenizer, greedy, self.sequence_length,
+        sampling = section.generating_args or replace(self.base.actor_infer.generating_args, temperature=0.0)
+        runner = TrajectoryRunner(envs, self.tokenizer, sampling, self.sequence_length,
                                   record_frames=self.config.render_save_dir is not None)  # fmt: skip
         return envs, runner
 

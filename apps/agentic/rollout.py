@@ -104,11 +104,12 @@ class TrajectoryRunner:
     def _start(self, slot: EnvSlot, seed: int, round_index: int, observation: str) -> Episode:
         first_user = f"{slot.env.instructions}\n{user_turn(slot.spec, observation, 1)}"
         episode = Episode(slot, seed, round_index, self.formatters[slot.tag].first_prompt(first_user))
-        if len(episode.prompt_ids) + slot.spec.max_tokens_per_step > self.sequence_length:
+        if len(episode.prompt_ids) + self._turn_limit(episode) > self.sequence_length:
             raise ValueError(
                 f"the first prompt of a {slot.tag} episode is {len(episode.prompt_ids)} tokens; with "
-                f"max_tokens_per_step={slot.spec.max_tokens_per_step} it does not fit in sequence_length="
-                f"{self.sequence_length}. Raise sequence_length or shorten custom_envs.{slot.tag}'s templates."
+                f"{self._turn_limit(episode)} tokens for a turn (max_tokens_per_step) it does not fit in "
+                f"sequence_length={self.sequence_length}. Raise sequence_length or shorten custom_envs.{slot.tag}'s "
+                "templates."
             )
         if self.record_frames:
             episode.frames.append(self._frame(slot, observation))
@@ -119,8 +120,8 @@ class TrajectoryRunner:
         split = self.manager.split
         seed = self.generating.seed if self.generating.seed is not None else self.manager.seed
         responses: dict[int, tuple[list[int], list[float]]] = {}
-        by_limit = sorted(running, key=lambda e: e.slot.spec.max_tokens_per_step)
-        for limit, members in groupby(by_limit, key=lambda e: e.slot.spec.max_tokens_per_step):
+        by_limit = sorted(running, key=self._turn_limit)
+        for limit, members in groupby(by_limit, key=self._turn_limit):
             group = list(members)
             args = replace(self.generating, max_new_tokens=limit, num_return_sequences=1,
                            seed=turn_seed(seed, split, step, round_index, turn))  # fmt: skip
@@ -131,6 +132,10 @@ class TrajectoryRunner:
         for episode in running:
             ids, log_probs = responses[episode.slot.index]
             self._record(episode, ids, log_probs, texts[episode.slot.index], results[episode.slot.index], turn)
+
+    def _turn_limit(self, episode: Episode) -> int:
+        """Tokens one turn may generate: the env's max_tokens_per_step, at most generating_args.max_new_tokens."""
+        return min(episode.slot.spec.max_tokens_per_step, self.generating.max_new_tokens)
 
     def _generate(
         self, infer: Any, episodes: list[Episode], args: GeneratingArgs
@@ -169,7 +174,7 @@ class TrajectoryRunner:
         following = self.formatters[episode.slot.tag].continuation(
             eos_text, user_turn(episode.slot.spec, result.observation, turn + 1)
         )
-        if len(episode.context) + len(following) + episode.slot.spec.max_tokens_per_step > self.sequence_length:
+        if len(episode.context) + len(following) + self._turn_limit(episode) > self.sequence_length:
             episode.done = True  # the next turn would not fit: truncated, finish stays "length"
             return
         episode.tokens += following

@@ -8,8 +8,7 @@ import random
 import pytest
 import torch
 
-from rl_core.agentic_rewards import normalize_agentic_rewards
-from rl_core.step_rewards import anchor_state_groups, discounted_step_returns, gigpo_rewards
+from rl_core.step_rewards import STEP_ESTIMATORS, anchor_state_groups, discounted_step_returns, gigpo_rewards
 
 
 def test_step_returns_discount_later_turns_within_each_episode_in_any_sample_order():
@@ -47,19 +46,21 @@ def test_gigpo_by_hand():
     out = gigpo_rewards(torch.tensor([1.0, 1.0, 0.0, 0.0]), returns, ["g"] * 4, ["s0", "s1", "s0", "s2"],
                         grouping="traj_group_id", method="mean_std", episode_weight=1.0, step_weight=0.5)  # fmt: skip
     # Episodes over the four turn samples: mean 0.5, unbiased std sqrt(1/3) -> +-0.5 / 0.57735 = +-0.8660.
-    assert out.episode.tolist() == pytest.approx([0.8660, 0.8660, -0.8660, -0.8660], abs=1e-4)
+    assert out.episode is not None and out.episode.tolist() == pytest.approx(
+        [0.8660, 0.8660, -0.8660, -0.8660], abs=1e-4
+    )
     # Anchor state s0 holds A's turn 0 (0.95) and B's turn 0 (0): mean 0.475, std 0.95 / sqrt(2) -> +-0.7071;
     # s1 and s2 hold one turn each: no baseline, 0.
     assert out.step.tolist() == pytest.approx([0.7071, 0.0, -0.7071, 0.0], abs=1e-4)
     assert out.rewards.tolist() == pytest.approx([0.8660 + 0.3536, 0.8660, -0.8660 - 0.3536, -0.8660], abs=1e-4)
-    assert sorted(out.state_group_sizes.tolist()) == [1, 1, 2]
+    assert out.state_group_sizes is not None and sorted(out.state_group_sizes.tolist()) == [1, 1, 2]
 
 
 def test_gigpo_keeps_equal_states_of_different_env_groups_apart():
     returns = torch.tensor([1.0, 0.0, 5.0, 3.0])
     out = gigpo_rewards(torch.zeros(4), returns, ["g1", "g1", "g2", "g2"], ["s"] * 4, grouping="batch", method="mean")
     assert out.step.tolist() == [0.5, -0.5, 1.0, -1.0]  # centred within (g1, s) and (g2, s), not over all four
-    assert out.state_group_sizes.tolist() == [2, 2]
+    assert out.state_group_sizes is not None and out.state_group_sizes.tolist() == [2, 2]
     assert anchor_state_groups(["g1", "g2"], ["s", "s"]) == [("g1", "s"), ("g2", "s")]
 
 
@@ -115,10 +116,13 @@ def test_gigpo_equals_a_loop_over_episodes_and_anchor_states(seed):
                         method="mean_std", episode_weight=weights[0], step_weight=weights[1])  # fmt: skip
     expected_episode = _loop_mean_std(episode_scores, groups)
     expected_step = _loop_mean_std(returns.tolist(), list(zip(groups, states, strict=True)))
-    assert out.episode.tolist() == pytest.approx(expected_episode, abs=1e-9)
+    assert out.episode is not None and out.episode.tolist() == pytest.approx(expected_episode, abs=1e-9)
     assert out.step.tolist() == pytest.approx(expected_step, abs=1e-9)
     expected = [weights[0] * e + weights[1] * s for e, s in zip(expected_episode, expected_step, strict=True)]
     assert out.rewards.tolist() == pytest.approx(expected, abs=1e-9)
-    # step_reinforce: the step returns normalised like episode scores.
-    reinforce = normalize_agentic_rewards(returns, groups, "state", "mean_std")
-    assert reinforce.tolist() == pytest.approx(_loop_mean_std(returns.tolist(), groups), abs=1e-9)
+    assert STEP_ESTIMATORS.get("gigpo") is gigpo_rewards
+    # step_reinforce: the step returns normalised like episode scores; episode scores and states play no part.
+    reinforce = STEP_ESTIMATORS.get("step_reinforce")(torch.zeros(len(groups)), returns, groups, ["x"] * len(groups),
+                                                      grouping="state", method="mean_std")  # fmt: skip
+    assert reinforce.rewards.tolist() == pytest.approx(_loop_mean_std(returns.tolist(), groups), abs=1e-9)
+    assert reinforce.episode is None and reinforce.state_group_sizes is None

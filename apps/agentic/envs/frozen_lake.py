@@ -63,6 +63,8 @@ class FrozenLakeConfig:
     """Regex finding the action in the response; its last group is the action."""
     format_penalty: float = -0.01
     """Reward of a step whose response holds no valid action (<= 0)."""
+    env_instruction: str | None = None
+    """Replaces the opening task description of the instructions (symbols, actions and format still follow)."""
 
     def __post_init__(self) -> None:
         check_common_fields(self.max_steps, self.format_penalty)
@@ -158,9 +160,12 @@ class FrozenLakeEnv:
             if self.config.is_slippery
             else ""
         )
-        return (
+        task = self.config.env_instruction or (
             "You are walking on a frozen lake. Reach the goal G without falling into a hole O. "
-            f"{slippery}Moving into the edge of the map leaves you where you are.\n"
+            f"{slippery}Moving into the edge of the map leaves you where you are."
+        )
+        return (
+            f"{task}\n"
             f"The grid is shown row by row, top row first. Symbols: {symbols}.\n"
             f"Valid actions (name or number): {self.parser.describe_actions()}. One action per turn.\n"
             "Rewards: 1 for reaching the goal, 0 otherwise.\n"

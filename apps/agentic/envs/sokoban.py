@@ -66,6 +66,8 @@ class SokobanConfig:
     """Cell code (0 wall, 1 empty, 2 target, 3 box on target, 4 box, 5 player, 6 player on target) -> symbol."""
     grid_vocab: dict[str, str] | None = None
     """Symbol -> the word the instructions explain it with."""
+    env_instruction: str | None = None
+    """Replaces the opening task description of the instructions (symbols, actions and format still follow)."""
 
     def __post_init__(self) -> None:
         check_common_fields(self.max_steps, self.format_penalty)
@@ -174,10 +176,13 @@ class SokobanEnv:
         symbols = ", ".join(
             f"{symbol}: {vocab.get(symbol, CELL_WORDS[code])}" for code, symbol in sorted(self.grid_lookup.items())
         )
-        return (
+        task = self.config.env_instruction or (
             "You are solving the Sokoban puzzle. You are the player and must push every box onto a target. "
             "Walking into a box pushes it one cell if the cell behind it is free; you cannot pull boxes, push two "
-            "boxes at once or walk through walls.\n"
+            "boxes at once or walk through walls."
+        )
+        return (
+            f"{task}\n"
             f"The grid is shown row by row, top row first. Symbols: {symbols}.\n"
             f"Valid actions (name or number): {self.parser.describe_actions()}. One action per turn.\n"
             f"Rewards: {STEP_REWARD} per step, +{BOX_ON_TARGET_REWARD:g} for a box pushed onto a target, "

@@ -6,14 +6,16 @@ import pytest
 
 from apps.agentic.config import AgenticConfig, EnvManagerConfig
 from apps.agentic.env_manager import EnvManager, group_seed
+from apps.agentic.envs import make_env
 from apps.agentic.preflight import agentic_preflight
 from apps.common.yaml_config import load_config
 from rl_engines.config import WorkerConfigError
-from tests.shared_dir import ROLL_EXAMPLES, require_shared, roll_example_files, roll_target_files
+from tests.shared_dir import ROLL_EXAMPLES, ROLL_TARGETS, require_shared, roll_example_files, roll_target_files
 
 AGENTIC_DIR = ROLL_EXAMPLES / "qwen2.5-0.5B-agentic"
 AGENTIC_FILES = roll_example_files("qwen2.5-0.5B-agentic/*.yaml") + roll_target_files(
     "qwen2.5-0.5B-agentic/agentic_val_sokoban_dynamic_batching.yaml",  # dynamic batching (issue 15)
+    "qwen2.5-0.5B-agentic/agent_val_frozen_lake.yaml",  # per-manager generating_args, env_instruction (issue 17)
 )
 
 
@@ -26,7 +28,8 @@ def test_the_roll_agentic_files_exist():
     require_shared(AGENTIC_DIR)
     assert [p.name for p in AGENTIC_FILES] == ["agent_val_frozen_lake_async.yaml",
                                                "agentic_sokoban_rollout_mock_dump.yaml",
-                                               "agentic_val_sokoban_dynamic_batching.yaml"]  # fmt: skip
+                                               "agentic_val_sokoban_dynamic_batching.yaml",
+                                               "agent_val_frozen_lake.yaml"]  # fmt: skip
 
 
 def test_every_roll_agentic_file_loads_and_passes_preflight(roll_file):
@@ -105,3 +108,25 @@ def test_groups_share_seeds_and_splits_never_meet():
     train = {group_seed(1, "train", s, 0, g) for s in range(50) for g in range(20)}
     val = {group_seed(1, "val", s, 0, g) for s in range(50) for g in range(20)}
     assert not train & val
+
+
+def test_per_manager_generating_args_follow_rolls_precedence():
+    """agent_val_frozen_lake.yaml samples with the managers' generating_args: train_env_manager's become
+    actor_infer's, val_env_manager's sample validation; ROLL would let actor_infer's silently override both."""
+    raw = load_config(require_shared(ROLL_TARGETS / "qwen2.5-0.5B-agentic/agent_val_frozen_lake.yaml"))
+    config = AgenticConfig.from_dict(raw)
+    assert config.base.actor_infer.generating_args.temperature == 0.99
+    assert config.base.actor_infer.generating_args.top_k == 100
+    assert config.val_env_manager is not None and config.val_env_manager.generating_args is not None
+    assert config.val_env_manager.generating_args.temperature == 0.2
+    lake = config.custom_envs["FrozenLakeLocallyDefineExamples"].env_config
+    env = make_env("frozen_lake", lake)
+    assert env.instructions.startswith("You are solving the FrozenLake puzzle. Forbid the whole")
+    assert "Valid actions" in env.instructions  # the actions and the answer format still follow
+    raw["actor_infer"]["generating_args"] = {"temperature": 0.5}
+    with pytest.raises(WorkerConfigError, match=r"actor_infer\.generating_args and train_env_manager\.generating_args"):
+        AgenticConfig.from_dict(raw)
+    raw["actor_infer"].pop("generating_args")
+    raw["val_env_manager"]["generating_args"]["num_return_sequences"] = 2
+    with pytest.raises(WorkerConfigError, match=r"val_env_manager\.generating_args\.num_return_sequences is 2"):
+        AgenticConfig.from_dict(raw)

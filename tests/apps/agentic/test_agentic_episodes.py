@@ -26,7 +26,8 @@ def episodes(tmp_path_factory):
     worker.initialize()
     manager = EnvManager(config, config.train_env_manager, "train")
     tokenizer = worker.strategy.tokenizer
-    generating = replace(config.base.actor_infer.generating_args, temperature=1.0)
+    # A turn generates at most the smaller of max_tokens_per_step (4) and generating_args.max_new_tokens (3).
+    generating = replace(config.base.actor_infer.generating_args, temperature=1.0, max_new_tokens=3)
     runner = TrajectoryRunner(manager, tokenizer, generating, 600, record_frames=True)
     try:
         yield runner.run(InProcessGroup(worker), step=0, rounds=2), tokenizer
@@ -49,9 +50,11 @@ def spans(mask: list[bool]) -> list[tuple[int, int]]:
 def test_sampled_tokens_are_the_responses_the_environments_got(episodes):
     runs, tokenizer = episodes
     assert len(runs) == 8 and any(len(e.rewards) > 1 for e in runs)  # 4 environments x 2 rounds, multi-turn
+    assert any(b - a == 3 for e in runs for a, b in spans(e.mask))
     for episode in runs:
         turns = spans(episode.mask)
         assert len(turns) == len(episode.rewards) == len(episode.frames) - 1
+        assert all(b - a <= 3 for a, b in turns)
         responses = [tokenizer.decode(episode.tokens[a:b], skip_special_tokens=True) for a, b in turns]
         assert responses == [frame["response"] for frame in episode.frames[1:]]
         assert all(episode.log_probs[i] < 0 for a, b in turns for i in range(a, b))  # the engine's log-probs

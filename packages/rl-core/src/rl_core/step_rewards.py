@@ -6,10 +6,11 @@ acted on (e.g. a hash of the observation text).
 
 - ``discounted_step_returns``: a turn's return ``G_t = r_t + gamma * G_{t+1}`` over the turns of its episode, in
   turn order (ROLL's ``step_reward_gamma``; its ``compute_discounted_returns``).
-- ``step_reinforce`` (ROLL's ``adv_estimator: step_reinforce``): the step returns normalised like episode scores
-  (``reward_normalization``), i.e. ``normalize_agentic_rewards(step_returns, ...)``.
-- ``gigpo_rewards`` (``adv_estimator: gigpo``; Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent
-  Training", arXiv:2505.10978): ``episode_reward_weight`` x the episode score normalised within its
+- The advantage stage then treats the estimators' rewards like ``reinforce`` (ROLL: ``compute_reinforce_return``).
+- ``STEP_ESTIMATORS`` (``adv_estimator``), one signature (``StepEstimator``):
+  ``step_reinforce``: the step returns normalised like episode scores (``reward_normalization``);
+  ``gigpo`` (Feng et al. 2025, "Group-in-Group Policy Optimization for LLM Agent Training", arXiv:2505.10978):
+  ``episode_reward_weight`` x the episode score normalised within its
   ``reward_normalization`` group (ROLL normalises over the turn samples, so a longer episode counts once per turn)
   plus ``step_reward_weight`` x the step return normalised within its *anchor-state group*: the turns of the same
   env group that acted on an identical state, with the same ``reward_normalization.method``.
@@ -22,25 +23,54 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from rl_core.advantages import GroupIndex, discounted_returns, encode_groups
 from rl_core.agentic_rewards import AGENTIC_NORM_METHODS, normalize_agentic_rewards
+from rl_core.registry import Registry
 
 
 @dataclass(frozen=True)
-class GiGPORewards:
-    """What ``gigpo_rewards`` returns; every tensor but ``state_group_sizes`` is ``[N]`` (one per turn sample)."""
+class StepRewards:
+    """What a step-level estimator returns; every tensor but ``state_group_sizes`` is ``[N]`` (one per turn sample)."""
 
     rewards: torch.Tensor
-    """``episode_weight * episode + step_weight * step``: what the advantage estimator trains on."""
-    episode: torch.Tensor
-    """The episode scores normalised within their ``reward_normalization`` groups."""
+    """What the advantage stage trains on (ROLL's ``response_level_rewards``)."""
     step: torch.Tensor
-    """The step returns normalised within their anchor-state groups."""
-    state_group_sizes: torch.Tensor
-    """``[S]``: how many turn samples each anchor-state group holds (ROLL's ``system/state_batch_size/*``)."""
+    """The normalised step returns (GiGPO: within their anchor-state groups)."""
+    episode: torch.Tensor | None = None
+    """GiGPO: the episode scores normalised within their ``reward_normalization`` groups."""
+    state_group_sizes: torch.Tensor | None = None
+    """GiGPO, ``[S]``: how many turn samples each anchor-state group holds (ROLL's ``system/state_batch_size/*``)."""
+
+
+class StepEstimator(Protocol):
+    """The uniform signature of the step-level estimators (``adv_estimator`` of ROLL's step-wise agentic mode).
+
+    ``episode_scores`` ``[N]``: the score of the episode each turn belongs to; ``step_returns`` ``[N]``: the turn's
+    discounted return (``discounted_step_returns``); ``group_ids`` ``[N]``: the env group; ``state_keys`` ``[N]``:
+    the state the turn acted on; ``grouping`` / ``method`` / ``tags``: ``reward_normalization`` as in
+    ``normalize_agentic_rewards``; the weights: ``episode_reward_weight`` / ``step_reward_weight``.
+    """
+
+    def __call__(
+        self,
+        episode_scores: torch.Tensor,
+        step_returns: torch.Tensor,
+        group_ids: GroupIndex,
+        state_keys: GroupIndex,
+        *,
+        grouping: str,
+        method: str,
+        tags: GroupIndex | None = None,
+        episode_weight: float = 1.0,
+        step_weight: float = 1.0,
+    ) -> StepRewards: ...
+
+
+STEP_ESTIMATORS: Registry[StepEstimator] = Registry("step-level reward estimator", "adv_estimator")
 
 
 def _as_labels(values: GroupIndex, size: int, what: str) -> list[object]:
@@ -93,6 +123,7 @@ def anchor_state_groups(group_ids: GroupIndex, state_keys: GroupIndex) -> list[t
     return list(zip(groups, _as_labels(state_keys, len(groups), "state_keys"), strict=True))
 
 
+@STEP_ESTIMATORS.register("gigpo")
 def gigpo_rewards(
     episode_scores: torch.Tensor,
     step_returns: torch.Tensor,
@@ -104,14 +135,8 @@ def gigpo_rewards(
     tags: GroupIndex | None = None,
     episode_weight: float = 1.0,
     step_weight: float = 1.0,
-) -> GiGPORewards:
-    """GiGPO's two-level relative rewards of ``N`` turn samples (see the module docstring).
-
-    ``episode_scores`` ``[N]``: the score of the episode each turn belongs to; ``step_returns`` ``[N]``: the turn's
-    discounted return (``discounted_step_returns``); ``group_ids`` ``[N]``: the env group; ``state_keys`` ``[N]``:
-    the state the turn acted on; ``grouping`` / ``method`` / ``tags``: ``reward_normalization`` as in
-    ``normalize_agentic_rewards``.
-    """
+) -> StepRewards:
+    """GiGPO's two-level relative rewards of ``N`` turn samples (the module docstring; arguments: StepEstimator)."""
     if episode_scores.shape != step_returns.shape or episode_scores.dim() != 1:
         raise ValueError(
             "gigpo_rewards: episode_scores and step_returns must both have shape [turn samples], got "
@@ -122,4 +147,23 @@ def gigpo_rewards(
     inverse, num_states = encode_groups(anchors, len(anchors), what="gigpo_rewards: anchor-state groups")
     step = AGENTIC_NORM_METHODS.get(method)(step_returns, inverse.to(step_returns.device), num_states)
     sizes = torch.bincount(inverse, minlength=num_states)
-    return GiGPORewards(episode_weight * episode + step_weight * step, episode, step, sizes)
+    return StepRewards(episode_weight * episode + step_weight * step, step, episode, sizes)
+
+
+@STEP_ESTIMATORS.register("step_reinforce")
+def step_reinforce_rewards(
+    episode_scores: torch.Tensor,
+    step_returns: torch.Tensor,
+    group_ids: GroupIndex,
+    state_keys: GroupIndex,
+    *,
+    grouping: str,
+    method: str,
+    tags: GroupIndex | None = None,
+    episode_weight: float = 1.0,
+    step_weight: float = 1.0,
+) -> StepRewards:
+    """ROLL's ``step_reinforce``: the step returns normalised like episode scores; the episode scores, state keys and
+    weights play no part."""
+    step = normalize_agentic_rewards(step_returns, group_ids, grouping, method, tags=tags)
+    return StepRewards(step, step)

@@ -359,6 +359,9 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
         raise WorkerConfigError(f"{key} must not be null.")
     if key.endswith(".device_mapping"):
         return value  # parsed (and checked) by WorkerConfig.validate
+    nested = [o for o in options if dataclasses.is_dataclass(o)]
+    if nested and isinstance(value, dict):
+        return build_dataclass(nested[0], value, key)  # type: ignore[arg-type]  # `GeneratingArgs | None`
     for option in options:
         converted = _coerce(option, value)
         if converted is not _NO:
