@@ -4,10 +4,11 @@
 - ``base``: an ``apps.common.config.SharedConfig`` of the keys both pipelines read (experiment, cluster, schedule,
   PPO / GRPO, KL, rollout IS, worker sections, rollout_mock), validated by the same code as RLVR's;
 - the agentic keys: ``reward_normalization``, ``train_env_manager`` / ``val_env_manager``, ``custom_envs``,
-  ``render_save_dir``, ``max_tokens_per_step``.
+  ``render_save_dir``, ``max_tokens_per_step`` and the step-sample keys (``batch_adjust_mode``, ``step_reward_gamma``,
+  ``episode_reward_weight``, ``step_reward_weight``).
 RLVR keys the agentic pipeline does not read (``rewards``, ``validation``, prompt data, dynamic sampling, ...) fail
-naming the key. The variables ROLL's ``traj_envs.yaml`` defines only to be interpolated (``agent_template``,
-``action_pattern``, ``custom_env``, ...) are accepted and otherwise unused.
+naming the key. The variables ROLL's ``traj_envs.yaml`` / ``step_envs.yaml`` define only to be interpolated
+(``agent_template``, ``action_pattern``, ``custom_env``, ...) are accepted and otherwise unused.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ DEFAULT_SEQUENCE_LENGTH = 8192
 TEMPLATE_VARIABLES = frozenset({
     "all_response_pattern", "action_pattern", "think_action_pattern", "max_actions_per_traj",
     "sokoban_format_penalty", "frozen_format_penalty", "env_manager_cls", "agent_runner_cls", "custom_env",
+    "default_history_length",
     "agent_system_template", "agent_template", "single_prompt_agent_system_template", "single_prompt_agent_template",
 })  # fmt: skip
 
@@ -58,9 +60,22 @@ RLVR_ONLY = {
     "length_loss_weight": "length weights are an RLVR feature",
 }
 
-# ROLL's env manager classes (train_env_manager.worker_cls / custom_env.env_manager_cls): the last component names
-# the behaviour; ours runs every one as the trajectory manager (a multi-turn conversation per episode).
-ENV_MANAGER_CLASSES = ("TrajEnvManager", "StepEnvManager", "EnvManager", "AgenticEnvManager")
+# ROLL's env manager classes (custom_env.env_manager_cls, train_env_manager.worker_cls) by their last component ->
+# the sample layout ours runs: "trajectory" (one multi-turn conversation per episode, one sample) or "step" (each turn
+# its own sample, its prompt rebuilt from agent_template with a window of earlier turns).
+ENV_MANAGER_CLASSES = {"TrajEnvManager": "trajectory", "EnvManager": "trajectory", "AgenticEnvManager": "trajectory",
+                       "EnvironmentWorker": "trajectory", "StepEnvManager": "step"}  # fmt: skip
+# ROLL managers not built here -> what to use instead.
+UNBUILT_ENV_MANAGERS = {
+    "StepConcatEnvManager": "use StepEnvManager (its history is the window of earlier turns with their actions)",
+    "AgentNativeStepEnvManager": "not built yet; use StepEnvManager",
+    "VLTrajEnvManager": "vision-language environments are not built yet",
+    "ProxyEnvManager": "LLM-proxy environments are not built",
+}
+MODES = ("trajectory", "step")
+STEP_TEMPLATE_FIELDS = (*TEMPLATE_FIELDS, "env_instruction", "step_count", "history_length", "history",
+                        "current_step", "current_observation")  # fmt: skip
+BATCH_ADJUST_MODES = ("copy", "delete", "auto", "random_sample")
 
 
 @dataclass
@@ -92,7 +107,7 @@ class EnvManagerConfig:
     format_penalty: float | None = None
     """Overrides every environment's env_config.format_penalty (reward of a malformed action)."""
     worker_cls: str | None = None
-    """ROLL env-manager class path (accepted: its last component is one of ENV_MANAGER_CLASSES)."""
+    """ROLL's env worker class (EnvironmentWorker; trajectory manager names are accepted too)."""
     generating_args: GeneratingArgs | None = None
     """Sampling of this manager's episodes (ROLL). train_env_manager's become actor_infer's; val_env_manager's
     sample validation (null: greedy). Not together with actor_infer.generating_args, which ROLL lets override both."""
@@ -133,8 +148,11 @@ class EnvManagerConfig:
                 f"{key}: max_env_num_per_worker must be >= 0 and max_traj_per_env >= 1 or -1, got "
                 f"{self.max_env_num_per_worker} and {self.max_traj_per_env}."
             )
-        if self.worker_cls is not None:
-            check_env_manager_cls(self.worker_cls, f"{key}.worker_cls")
+        if self.worker_cls is not None and check_env_manager_cls(self.worker_cls, f"{key}.worker_cls") == "step":
+            raise WorkerConfigError(
+                f"{key}.worker_cls={self.worker_cls!r}: worker_cls is ROLL's env worker (EnvironmentWorker); choose "
+                "step samples per tag with custom_envs.<tag>.env_manager_cls."
+            )
         if self.generating_args is not None:
             self.generating_args.validate(f"{key}.generating_args")
             if self.generating_args.num_return_sequences != 1:
@@ -160,13 +178,17 @@ class EnvManagerConfig:
         return self.num_env_groups * self.group_size
 
 
-def check_env_manager_cls(path: str, key: str) -> None:
-    """ROLL class paths are accepted by their last component."""
-    if path.rsplit(".", 1)[-1] not in ENV_MANAGER_CLASSES:
+def check_env_manager_cls(path: str, key: str) -> str:
+    """The mode of a ROLL env-manager class path (named by its last component), or an error naming the key."""
+    name = path.rsplit(".", 1)[-1]
+    if name in UNBUILT_ENV_MANAGERS:
+        raise WorkerConfigError(f"{key}={path!r}: {UNBUILT_ENV_MANAGERS[name]}.")
+    if name not in ENV_MANAGER_CLASSES:
         raise WorkerConfigError(
             f"{key}={path!r} is not an env manager this pipeline has; use one of {list(ENV_MANAGER_CLASSES)} "
             "(e.g. roll.pipeline.agentic.env_manager.traj_env_manager.TrajEnvManager) or remove the key."
         )
+    return ENV_MANAGER_CLASSES[name]
 
 
 @dataclass
@@ -180,7 +202,11 @@ class EnvSpec:
     max_tokens_per_step: int = 128
     """Tokens the model may generate per turn."""
     env_manager_cls: str | None = None
-    """ROLL env-manager class path (accepted by name, see ENV_MANAGER_CLASSES)."""
+    """ROLL env-manager class path: TrajEnvManager (default: one sample per episode) or StepEnvManager (one sample
+    per turn, the prompt rebuilt each turn with a window of earlier turns)."""
+    history_length: int | None = None
+    """StepEnvManager: turns in a prompt's window, the current one included (ROLL: the last history_length - 1
+    earlier turns are shown); null = none."""
     agent_runner_cls: str | None = None
     """ROLL agent runner (must be null: the env manager runs the conversation)."""
     use_thread_lock: bool = True
@@ -188,7 +214,9 @@ class EnvSpec:
     agent_system_template: str = DEFAULT_SYSTEM_TEMPLATE
     """System message of every episode."""
     agent_template: str = DEFAULT_AGENT_TEMPLATE
-    """User message of every turn; fields {turn_idx}, {observation}, {actions_left}, {max_response_length}."""
+    """User message of every turn; fields {turn_idx}, {observation}, {actions_left}, {max_response_length}; with
+    StepEnvManager also {env_instruction}, {step_count}, {history_length}, {history}, {current_step},
+    {current_observation}."""
     env_config: dict[str, Any] = field(default_factory=dict)
     """Keys of the environment's own config (dim_room, is_slippery, action_pattern, format_penalty, ...)."""
     max_env_step_concurrent: int | None = None
@@ -212,13 +240,23 @@ class EnvSpec:
             )
         if self.env_manager_cls is not None:
             check_env_manager_cls(self.env_manager_cls, f"{key}.env_manager_cls")
+        if self.history_length is not None and self.history_length < 1:
+            raise WorkerConfigError(f"{key}.history_length must be >= 1 or null, got {self.history_length}.")
+        fields = STEP_TEMPLATE_FIELDS if self.mode == "step" else TEMPLATE_FIELDS
         try:
-            self.agent_template.format(**dict.fromkeys(TEMPLATE_FIELDS, 0))
+            self.agent_template.format(**dict.fromkeys(fields, 0))
         except (KeyError, IndexError, ValueError) as err:
             raise WorkerConfigError(
-                f"{key}.agent_template cannot be formatted ({err!r}); it may use {{{'}, {'.join(TEMPLATE_FIELDS)}}} "
-                "and must double literal braces."
+                f"{key}.agent_template cannot be formatted ({err!r}); with {self.mode} samples it may use "
+                f"{{{'}, {'.join(fields)}}} and must double literal braces."
             ) from None
+
+    @property
+    def mode(self) -> str:
+        """``trajectory`` or ``step``: the sample layout of this environment's episodes (env_manager_cls)."""
+        if self.env_manager_cls is None:
+            return "trajectory"
+        return ENV_MANAGER_CLASSES.get(self.env_manager_cls.rsplit(".", 1)[-1], "trajectory")
 
 
 @dataclass
@@ -239,6 +277,14 @@ class AgenticConfig:
     """Validation trajectories are written here as text and PNG frames (null = not rendered)."""
     max_tokens_per_step: int | None = None
     """Overrides every custom_envs entry's max_tokens_per_step when set."""
+    batch_adjust_mode: str = "copy"
+    """Step samples: how their count is made a multiple of the training batch (copy, delete, auto, random_sample)."""
+    step_reward_gamma: float = 0.95
+    """gigpo / step_reinforce: discount of later turns' rewards in a turn's return."""
+    episode_reward_weight: float = 1.0
+    """gigpo: weight of the normalised episode score."""
+    step_reward_weight: float = 1.0
+    """gigpo: weight of the normalised step return (within its anchor-state group)."""
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> AgenticConfig:
@@ -262,8 +308,11 @@ class AgenticConfig:
         if not isinstance(envs, dict):
             raise WorkerConfigError(f"custom_envs must be a mapping of tag -> environment, got {envs!r}.")
         config.custom_envs = {tag: build_dataclass(EnvSpec, spec, f"custom_envs.{tag}") for tag, spec in envs.items()}
-        config.render_save_dir = agentic.get("render_save_dir")
-        config.max_tokens_per_step = agentic.get("max_tokens_per_step")
+        scalars = ("render_save_dir", "max_tokens_per_step", "batch_adjust_mode", "step_reward_gamma",
+                   "episode_reward_weight", "step_reward_weight")  # fmt: skip
+        picked = build_dataclass(_Scalars, {k: agentic[k] for k in scalars if k in agentic}, "")
+        for name in scalars:
+            setattr(config, name, getattr(picked, name))
         validate_agentic(config)
         return config
 
@@ -273,12 +322,28 @@ class AgenticConfig:
         checks that a turn fits)."""
         return self.base.sequence_length or DEFAULT_SEQUENCE_LENGTH
 
+    def mode(self, manager: EnvManagerConfig) -> str:
+        """The sample layout of a manager's episodes (its tags share one, checked by validate_agentic)."""
+        return self.custom_envs[manager.tags[0]].mode
+
     def env_spec(self, tag: str) -> EnvSpec:
         """The spec of ``tag`` with the top-level overrides (max_tokens_per_step) applied."""
         spec = self.custom_envs[tag]
         if self.max_tokens_per_step is not None:
             spec = dataclasses.replace(spec, max_tokens_per_step=self.max_tokens_per_step)
         return spec
+
+
+@dataclass
+class _Scalars:
+    """The scalar agentic keys, type-checked by build_dataclass (defaults: AgenticConfig's)."""
+
+    render_save_dir: str | None = None
+    max_tokens_per_step: int | None = None
+    batch_adjust_mode: str = "copy"
+    step_reward_gamma: float = 0.95
+    episode_reward_weight: float = 1.0
+    step_reward_weight: float = 1.0
 
 
 def _manager_sampling(values: dict[str, Any], agentic: dict[str, Any]) -> dict[str, Any]:
@@ -317,6 +382,7 @@ def validate_agentic(config: AgenticConfig) -> None:
                 f"{name}.tags names {missing}, which custom_envs does not define "
                 f"(defined: {sorted(config.custom_envs)})."
             )
+    _validate_modes(config)
     if config.max_tokens_per_step is not None and config.max_tokens_per_step < 1:
         raise WorkerConfigError(f"max_tokens_per_step must be >= 1, got {config.max_tokens_per_step}.")
     episodes = config.base.rollout_batch_size
@@ -338,3 +404,33 @@ def validate_agentic(config: AgenticConfig) -> None:
             f"rollout_batch_size ({episodes}) needs {per_env} episodes per environment, above "
             f"train_env_manager.max_traj_per_env ({limit}); add env groups or raise the limit."
         )
+
+
+def _validate_modes(config: AgenticConfig) -> None:
+    """One sample layout per manager; the step-level estimators and knobs only with step samples."""
+    from rl_core.step_rewards import STEP_ESTIMATORS
+
+    for name in ("train_env_manager", "val_env_manager"):
+        manager = getattr(config, name)
+        if manager is None:
+            continue
+        modes = {tag: config.custom_envs[tag].mode for tag in manager.tags}
+        if len(set(modes.values())) > 1:
+            raise WorkerConfigError(
+                f"{name}.tags mix env managers ({modes}): one manager's samples are either whole episodes "
+                "(TrajEnvManager) or single turns (StepEnvManager); give its tags the same custom_envs.<tag>."
+                "env_manager_cls."
+            )
+    estimator, mode = config.base.adv_estimator, config.mode(config.train_env_manager)
+    if estimator in STEP_ESTIMATORS and mode != "step":
+        raise WorkerConfigError(
+            f"adv_estimator: {estimator} needs step samples: set custom_envs.<tag>.env_manager_cls to "
+            "roll.pipeline.agentic.env_manager.step_env_manager.StepEnvManager for the train_env_manager tags "
+            f"{config.train_env_manager.tags}, or use grpo / reinforce with whole episodes."
+        )
+    if config.batch_adjust_mode not in BATCH_ADJUST_MODES:
+        raise WorkerConfigError(
+            f"batch_adjust_mode={config.batch_adjust_mode!r}; valid values: {list(BATCH_ADJUST_MODES)}."
+        )
+    if not 0.0 <= config.step_reward_gamma <= 1.0:
+        raise WorkerConfigError(f"step_reward_gamma must be in [0, 1], got {config.step_reward_gamma}.")

@@ -23,7 +23,8 @@ import torch
 from apps.agentic.chat import TurnFormatter
 from apps.agentic.config import EnvSpec
 from apps.agentic.envs import make_env
-from apps.agentic.rollout import user_turn
+from apps.agentic.rollout import Turn, user_turn
+from apps.agentic.step_rollout import step_user_message
 from rl_engines.tiny_model import build_tiny_causal_lm, build_tiny_tokenizer
 
 ACTIONS = {"Left": (0, -1), "Down": (1, 0), "Right": (0, 1), "Up": (-1, 0)}
@@ -54,6 +55,7 @@ class Recipe:
 
 
 RECIPE = Recipe()
+Layouts = tuple[str, ...]
 
 
 def _move(cell: tuple[int, int], action: str) -> tuple[int, int]:
@@ -87,30 +89,70 @@ def noisy_expert(rng: random.Random) -> Callable[[tuple[int, int]], str]:
     return lambda cell: moves[cell] if cell in moves and rng.random() < RECIPE.expert else rng.choice(list(ACTIONS))
 
 
+@dataclass(frozen=True)
+class PlayedTurn:
+    """One turn of a scripted episode: what was seen, what was answered, what it earned."""
+
+    observation: str
+    action: str
+    reward: float
+
+
+def play(spec: EnvSpec, choose: Callable[[tuple[int, int]], str], seed: int = 0) -> tuple[str, list[PlayedTurn]]:
+    """The environment's instructions and the turns of one episode whose move in each cell is ``choose(cell)``."""
+    env = make_env(spec.env_type, spec.env_config)
+    observation, cell, turns = env.reset(seed), (0, 0), []
+    for turn in range(1, spec.max_steps + 1):
+        action = choose(cell)
+        result = env.step(f"<answer>{action}</answer>")
+        turns.append(PlayedTurn(observation, action, float(result.reward)))
+        cell, observation = _move(cell, action), result.observation
+        if result.terminated or result.truncated or turn == spec.max_steps:
+            break
+    instructions = env.instructions
+    env.close()
+    return instructions, turns
+
+
+def _answer(tokenizer: Any, action: str) -> list[int]:
+    return [*tokenizer(f"<answer>{action}</answer>", add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+
+
 def episode_tokens(spec: EnvSpec, chat: TurnFormatter, tokenizer: Any, choose: Callable[[tuple[int, int]], str],
                    seed: int = 0) -> tuple[list[int], list[bool]]:  # fmt: skip
     """Tokens of one episode whose move in each cell is ``choose(cell)``, formatted as the pipeline formats it
     (``apps.agentic.rollout``: first prompt, answer + end of turn, continuation), and the mask of the answers."""
-    env = make_env(spec.env_type, spec.env_config)
-    observation, cell = env.reset(seed), (0, 0)
-    tokens = chat.first_prompt(f"{env.instructions}\n{user_turn(spec, observation, 1)}")
+    return trajectory_row(spec, chat, tokenizer, *play(spec, choose, seed))
+
+
+def trajectory_row(spec: EnvSpec, chat: TurnFormatter, tokenizer: Any, instructions: str,
+                   turns: list[PlayedTurn]) -> tuple[list[int], list[bool]]:  # fmt: skip
+    """A played episode as one conversation (whole-episode samples) and the mask of its answers."""
+    tokens = chat.first_prompt(f"{instructions}\n{user_turn(spec, turns[0].observation, 1)}")
     mask = [False] * len(tokens)
-    for turn in range(1, spec.max_steps + 1):
-        action = choose(cell)
-        answer = list(tokenizer(f"<answer>{action}</answer>", add_special_tokens=False)["input_ids"])
-        answer.append(tokenizer.eos_token_id)
+    for number, turn in enumerate(turns, start=1):
+        answer = _answer(tokenizer, turn.action)
         tokens, mask = tokens + answer, mask + [True] * len(answer)
-        result = env.step(f"<answer>{action}</answer>")
-        cell = _move(cell, action)
-        if result.terminated or result.truncated or turn == spec.max_steps:
-            break
-        following = chat.continuation(tokenizer.eos_token, user_turn(spec, result.observation, turn + 1))
-        tokens, mask = tokens + following, mask + [False] * len(following)
-    env.close()
+        if number < len(turns):
+            following = chat.continuation(tokenizer.eos_token, user_turn(spec, turns[number].observation, number + 1))
+            tokens, mask = tokens + following, mask + [False] * len(following)
     return tokens, mask
 
 
-def _corpus(spec: EnvSpec) -> list[str]:
+def step_rows(spec: EnvSpec, chat: TurnFormatter, tokenizer: Any, instructions: str,
+              turns: list[PlayedTurn]) -> list[tuple[list[int], list[bool]]]:  # fmt: skip
+    """A played episode as step samples (``apps.agentic.step_rollout``): each turn's prompt and its answer."""
+    rows: list[tuple[list[int], list[bool]]] = []
+    done: list[Turn] = []
+    for turn in turns:
+        prompt = chat.first_prompt(step_user_message(spec, instructions, done, turn.observation))
+        answer = _answer(tokenizer, turn.action)
+        rows.append((prompt + answer, [False] * len(prompt) + [True] * len(answer)))
+        done.append(Turn([], [], [], turn.reward, turn.observation, f"<answer>{turn.action}</answer>", turn.action))
+    return rows
+
+
+def _corpus(spec: EnvSpec, layouts: Layouts) -> list[str]:
     """Texts the tokenizer is trained on: instructions, templates, observations of every cell, the answers."""
     env = make_env(spec.env_type, spec.env_config)
     texts = [env.instructions, spec.agent_system_template, *(f"<answer>{a}</answer>" for a in ACTIONS)]
@@ -123,21 +165,28 @@ def _corpus(spec: EnvSpec) -> list[str]:
                 break
             observation = result.observation
     env.close()
+    if "step" in layouts:
+        path = iter(["Right", "Right", "Down", "Down", "Down", "Right"])
+        instructions, turns = play(spec, lambda cell: next(path))
+        done = [Turn([], [], [], t.reward, t.observation, "", t.action) for t in turns]
+        texts += [step_user_message(spec, instructions, done[:i], t.observation) for i, t in enumerate(turns)]
     return texts
 
 
-def demo_model(cache_dir: Path, spec: EnvSpec, log: Callable[[str], None] = print) -> Path:
-    """The warmed-up model folder for episodes of ``spec`` (built and cached on first use).
+def demo_model(cache_dir: Path, spec: EnvSpec, log: Callable[[str], None] = print,
+               layouts: Layouts = ("trajectory",)) -> Path:  # fmt: skip
+    """The warmed-up model folder for episodes of ``spec`` (built and cached on first use), warmed up on the sample
+    ``layouts`` (``trajectory``: whole conversations; ``step``: StepEnvManager's per-turn prompts).
 
     The cache is reused only when its stamp matches the recipe, the tokenizer's corpus and the warm-up rows rebuilt
     with the cached tokenizer: a change to the templates, the environment's text or the episode format rebuilds it.
     """
     folder = cache_dir / "warm"
     stamp_file = folder / "recipe.json"
-    if stamp_file.exists() and json.loads(stamp_file.read_text()) == _stamp(folder, spec):
+    if stamp_file.exists() and json.loads(stamp_file.read_text()) == _stamp(folder, spec, layouts):
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    build_tiny_tokenizer(folder, _corpus(spec), vocab_size=1000)
+    build_tiny_tokenizer(folder, _corpus(spec, layouts), vocab_size=1000)
     tokenizer = _tokenizer(folder)
     build_tiny_causal_lm(folder, vocab_size=len(tokenizer), hidden_size=RECIPE.hidden,
                          intermediate_size=4 * RECIPE.hidden, num_hidden_layers=RECIPE.layers,
@@ -146,16 +195,26 @@ def demo_model(cache_dir: Path, spec: EnvSpec, log: Callable[[str], None] = prin
     # Read the tokenizer again now that config.json is there: transformers resolves AutoTokenizer through the
     # model's config when it exists, and the pipeline loads it that way.
     tokenizer = _tokenizer(folder)
-    _warm_up(folder, warm_up_rows(spec, tokenizer), tokenizer, spec, log)
-    stamp_file.write_text(json.dumps(_stamp(folder, spec)))
+    _warm_up(folder, warm_up_rows(spec, tokenizer, layouts), tokenizer, spec, log, layouts)
+    stamp_file.write_text(json.dumps(_stamp(folder, spec, layouts)))
     return folder
 
 
-def warm_up_rows(spec: EnvSpec, tokenizer: Any) -> list[tuple[list[int], list[bool]]]:
-    """The warm-up's training rows: ``RECIPE.episodes`` noisy-expert episodes (tokens, answer mask)."""
+def warm_up_rows(
+    spec: EnvSpec, tokenizer: Any, layouts: Layouts = ("trajectory",)
+) -> list[tuple[list[int], list[bool]]]:
+    """The warm-up's training rows: ``RECIPE.episodes`` noisy-expert episodes (tokens, answer mask), each in every
+    layout of ``layouts``."""
     rng = random.Random(RECIPE.seed)
     chat, teacher = TurnFormatter(tokenizer, spec.agent_system_template), noisy_expert(rng)
-    return [episode_tokens(spec, chat, tokenizer, teacher, rng.randrange(1 << 30)) for _ in range(RECIPE.episodes)]
+    rows = []
+    for _ in range(RECIPE.episodes):
+        instructions, turns = play(spec, teacher, rng.randrange(1 << 30))
+        if "trajectory" in layouts:
+            rows.append(trajectory_row(spec, chat, tokenizer, instructions, turns))
+        if "step" in layouts:
+            rows += step_rows(spec, chat, tokenizer, instructions, turns)
+    return rows
 
 
 def _tokenizer(folder: Path) -> Any:
@@ -168,29 +227,37 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
-def _stamp(folder: Path, spec: EnvSpec) -> dict[str, Any]:
-    """What the cached model was built from: recipe, spec, tokenizer corpus and training rows."""
-    stamp: dict[str, Any] = {**asdict(RECIPE), "spec": _digest(asdict(spec)), "corpus": _digest(_corpus(spec))}
+def _stamp(folder: Path, spec: EnvSpec, layouts: Layouts) -> dict[str, Any]:
+    """What the cached model was built from: recipe, spec, layouts, tokenizer corpus and training rows."""
+    stamp: dict[str, Any] = {**asdict(RECIPE), "spec": _digest(asdict(spec)), "layouts": list(layouts),
+                             "corpus": _digest(_corpus(spec, layouts))}  # fmt: skip
     if (folder / "tokenizer.json").exists():
-        stamp["rows"] = _digest(warm_up_rows(spec, _tokenizer(folder)))
+        stamp["rows"] = _digest(warm_up_rows(spec, _tokenizer(folder), layouts))
     return stamp
 
 
-def expert_path_probabilities(model: Any, tokenizer: Any, spec: EnvSpec) -> list[float]:
-    """The model's probability of the expert's move at each turn of the expert's episode (teacher-forced, one
-    forward pass): all above 0.5 means the greedy policy walks the shortest path to the goal."""
+def expert_path_probabilities(model: Any, tokenizer: Any, spec: EnvSpec, layout: str = "trajectory") -> list[float]:
+    """The model's probability of the expert's move at each turn of the expert's episode in ``layout``
+    (teacher-forced): all above 0.5 means the greedy policy walks the shortest path to the goal."""
     moves = expert_moves()
     chat = TurnFormatter(tokenizer, spec.agent_system_template)
-    tokens, mask = episode_tokens(spec, chat, tokenizer, lambda cell: moves[cell])
+    instructions, turns = play(spec, lambda cell: moves[cell])
+    if layout == "step":
+        rows = step_rows(spec, chat, tokenizer, instructions, turns)
+    else:
+        rows = [trajectory_row(spec, chat, tokenizer, instructions, turns)]
     offset = len(tokenizer("<answer>", add_special_tokens=False)["input_ids"])
-    starts = [i for i in range(len(mask)) if mask[i] and not mask[i - 1]]
-    with torch.no_grad():
-        log_probs = torch.log_softmax(model(torch.tensor([tokens])).logits[0], dim=-1)
-    return [float(log_probs[i + offset - 1, tokens[i + offset]].exp()) for i in starts]
+    found = []
+    for tokens, mask in rows:
+        starts = [i for i in range(len(mask)) if mask[i] and not mask[i - 1]]
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(torch.tensor([tokens])).logits[0], dim=-1)
+        found += [float(log_probs[i + offset - 1, tokens[i + offset]].exp()) for i in starts]
+    return found
 
 
 def _warm_up(folder: Path, rows: list[tuple[list[int], list[bool]]], tokenizer: Any, spec: EnvSpec,
-             log: Callable[[str], None]) -> None:  # fmt: skip
+             log: Callable[[str], None], layouts: Layouts) -> None:  # fmt: skip
     """Supervised steps on random batches of ``rows`` until the greedy policy walks the expert's path with some
     margin (checked every ``RECIPE.check_every`` steps), at most ``RECIPE.sft_steps``."""
     from transformers import AutoModelForCausalLM
@@ -207,12 +274,12 @@ def _warm_up(folder: Path, rows: list[tuple[list[int], list[bool]]], tokenizer: 
         optimizer.zero_grad()
         if step % RECIPE.check_every == 0:
             model.eval()
-            path = expert_path_probabilities(model, tokenizer, spec)
+            path = [p for layout in layouts for p in expert_path_probabilities(model, tokenizer, spec, layout)]
             log(f"[demo] warm-up step {step}: loss {loss.item():.3f}, p(expert move) along the path "
                 f"{' '.join(f'{p:.2f}' for p in path)}")  # fmt: skip
             if min(path) >= RECIPE.target:
                 model.save_pretrained(str(folder))
-                _check_saved(folder, spec, path)
+                _check_saved(folder, spec, path, layouts)
                 return
     raise RuntimeError(
         f"the agentic demo's warm-up did not reach p(expert move) >= {RECIPE.target} along the expert's path in "
@@ -220,13 +287,14 @@ def _warm_up(folder: Path, rows: list[tuple[list[int], list[bool]]], tokenizer: 
     )
 
 
-def _check_saved(folder: Path, spec: EnvSpec, path: list[float]) -> None:
+def _check_saved(folder: Path, spec: EnvSpec, path: list[float], layouts: Layouts) -> None:
     """The folder read back as the pipeline reads it (model and tokenizer) must pass the check as trained."""
     from transformers import AutoModelForCausalLM
 
     saved: Any = AutoModelForCausalLM.from_pretrained(str(folder))
     saved.eval()
-    again = expert_path_probabilities(saved, _tokenizer(folder), spec)
+    tokenizer = _tokenizer(folder)
+    again = [p for layout in layouts for p in expert_path_probabilities(saved, tokenizer, spec, layout)]
     if max(abs(a - b) for a, b in zip(again, path, strict=True)) > 1e-4:
         raise RuntimeError(
             f"the warm-up model saved to {folder} reads back different: p(expert move) {again} vs {path}"

@@ -1,10 +1,12 @@
 """The agentic training loop: episodes in environments -> normalised episode rewards -> log-probs / values ->
 advantages -> PPO epochs -> weight sync, on the roles of rl-engines (ROLL's AgenticPipeline).
 
-Rollouts come from ``TrajectoryRunner`` over the ``train_env_manager`` environments, queued ``async_generation_ratio``
+Rollouts come from ``TrajectoryRunner`` (one sample per episode) or ``StepRunner`` (StepEnvManager: one sample per
+turn; ``apps.agentic.step_batch`` adds the step returns, resizes the batch and computes gigpo / step_reinforce
+rewards) over the ``train_env_manager`` environments, queued ``async_generation_ratio``
 steps ahead (``apps.common.generation_queue``; the episodes of a step run on a background thread while the driver
 trains) and wrapped by rl-replay's rollout_mock at the scheduler layer. Validation every ``eval_steps`` runs the
-``val_env_manager`` environments greedily on held-out seeds (the queue drains first) and renders them to
+``val_env_manager`` environments on held-out seeds (the queue drains first) and renders them to
 ``render_save_dir``. Metrics, checkpoints and resume work as in RLVR.
 """
 
@@ -18,13 +20,16 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from apps.agentic.config import AgenticConfig, EnvManagerConfig
 from apps.agentic.env_manager import EnvManager
 from apps.agentic.preflight import agentic_preflight
 from apps.agentic.render import render_episodes
-from apps.agentic.rollout import TrajectoryRunner, episode_metrics, episodes_to_batch
+from apps.agentic.rollout import TrajectoryRunner, episode_metrics
+from apps.agentic.step_batch import adjust_batch, size_divisor, step_sample_rewards, train_plans, with_step_returns
+from apps.agentic.step_rollout import StepRunner
 from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.checkpoint_space import checkpoint_space_warning
 from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
@@ -33,12 +38,16 @@ from apps.common.preflight import role_sections
 from apps.common.sampler_state import SamplerState
 from apps.common.timeline import Timeline
 from apps.common.training import checkpoint_dir, load_roles, save_checkpoint, score_with_roles, train_roles
-from rl_core.agentic_rewards import normalize_agentic_rewards
 from rl_core.batch import RolloutBatch
+from rl_core.batch_size import TrainBatchPlan
 from rl_engines.placement import ClusterSpec
 from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.roles import Roles
 from rl_replay import RolloutReplay
+
+RUNNERS: dict[str, type[TrajectoryRunner]] = {"trajectory": TrajectoryRunner, "step": StepRunner}
+"""The runner of each sample layout (apps.agentic.config.ENV_MANAGER_CLASSES)."""
+OUTCOME_AS_REINFORCE = {"grpo": "reinforce", "gigpo": "reinforce", "step_reinforce": "reinforce"}
 
 LOGGED = ("env/success_rate", "critic/score/mean", "actor/pg_loss", "actor/grad_norm", "env/num_turns/mean",
           "val/success_rate", "time/step")  # fmt: skip
@@ -71,7 +80,10 @@ class AgenticPipeline:
         self.train_envs = EnvManager(config, config.train_env_manager, "train")
         self.rounds = config.train_env_manager.rounds(self.base.rollout_batch_size)
         generating = self.base.actor_infer.generating_args
-        self.runner = TrajectoryRunner(self.train_envs, self.tokenizer, generating, self.sequence_length)
+        self.step_mode = config.mode(config.train_env_manager) == "step"
+        self.divisor = size_divisor(config, role_sections(self.base)) if self.step_mode else 1
+        self.runner = RUNNERS[config.mode(config.train_env_manager)](self.train_envs, self.tokenizer, generating,
+                                                                     self.sequence_length)  # fmt: skip
         self.val_envs, self.val_runner = self._validation(config.val_env_manager)
         self.replay = RolloutReplay.from_config(self.base.rollout_mock)
         self.get_rollout = self._rollout if self.replay is None else self.replay.wrap(self._rollout, step="step")
@@ -82,7 +94,11 @@ class AgenticPipeline:
             self.replay.check_max_steps(self.base.max_steps)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="episodes")
         self.queue = GenerationQueue(self._submit, int(self.base.async_generation_ratio), self.base.max_steps - 1)
-        self.settings = AlgorithmSettings.from_config(self.base, temperature=generating.temperature or 1.0)
+        settings = AlgorithmSettings.from_config(self.base, temperature=generating.temperature or 1.0)
+        # ROLL's agentic advantage stage: grpo / gigpo / step_reinforce are reinforce returns of rewards that the
+        # reward normalisation (or the step estimator) already made relative to their group.
+        self.settings = replace(settings, adv_estimator=OUTCOME_AS_REINFORCE.get(settings.adv_estimator,
+                                                                                 settings.adv_estimator))  # fmt: skip
         self.targets = TargetBuilder(self.settings, self.base)
         self.output_dir = Path(self.base.output_dir)
         self.roles: Roles | None = None
@@ -97,8 +113,8 @@ class AgenticPipeline:
             return None, None
         envs = EnvManager(self.config, section, "val")
         sampling = section.generating_args or replace(self.base.actor_infer.generating_args, temperature=0.0)
-        runner = TrajectoryRunner(envs, self.tokenizer, sampling, self.sequence_length,
-                                  record_frames=self.config.render_save_dir is not None)  # fmt: skip
+        runner = RUNNERS[self.config.mode(section)](envs, self.tokenizer, sampling, self.sequence_length,
+                                                    record_frames=self.config.render_save_dir is not None)  # fmt: skip
         return envs, runner
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
@@ -167,11 +183,11 @@ class AgenticPipeline:
             self.roles.activate("actor_infer")
         infer = self.roles["actor_infer"]
         future = self.executor.submit(self._episodes, infer, step)
-        return PendingRollout(step, version, self.base.rollout_batch_size, _Episodes(future), SamplerState())
+        return PendingRollout(step, version, None, _Episodes(future), SamplerState())  # episodes: no padding rows
 
     def _episodes(self, infer: Any, step: int) -> RolloutBatch:
         episodes = self.runner.run(infer, step, self.rounds)
-        return episodes_to_batch(episodes, self.runner.pad_id)
+        return self.runner.to_batch(episodes)
 
     def _rollout(self, *, step: int) -> RolloutBatch:
         """The scheduler layer: the step's episodes as samples with ``scores``. rollout_mock dumps or replays it."""
@@ -187,7 +203,7 @@ class AgenticPipeline:
         if self.config.render_save_dir is not None:
             folder = render_episodes(episodes, Path(self.config.render_save_dir) / f"step_{step}")
             self.log(f"[agentic] rendered {len(episodes)} validation episodes to {folder}")
-        return episodes_to_batch(episodes, self.val_runner.pad_id)
+        return self.val_runner.to_batch(episodes)
 
     def validate(self, step: int) -> dict[str, float]:
         """Greedy episodes on the validation environments with the weights just synced (the queue drains first)."""
@@ -206,29 +222,43 @@ class AgenticPipeline:
         timer = self.timeline.timer(timings, step)
         self._waits = {}
         with timer("rollout"):
-            rollout = self.get_rollout(step=step)
+            episodes = self.get_rollout(step=step)
+        rollout, plans, adjusted = self._samples(episodes, step)
         scores = rollout.batch["scores"]
         with timer("logprobs"):
             score_with_roles(self.roles, rollout, self.base, self.settings.actor.temperature)
         with timer("advantages"):
             groups = list(rollout.non_tensor_batch["traj_group_id"])
-            norm = self.config.reward_normalization
-            normalized = normalize_agentic_rewards(scores, groups, norm.grouping, norm.method,
-                                                   tags=list(rollout.non_tensor_batch["tag"]))  # fmt: skip
+            normalized, reward_metrics = step_sample_rewards(rollout, self.config)
             metrics = self.targets(rollout, normalized, groups)
         with timer("train"):
-            metrics.update(train_roles(self.roles, rollout, self.base, self.settings, self.report.train_plans, step))
+            metrics.update(train_roles(self.roles, rollout, self.base, self.settings, plans, step))
         with timer("sync"):
             metrics.update(self._sync(step))
         timings["time/step"] = sum(timings.values())
         metrics.update(timings)
         metrics.update(self._waits)
-        metrics.update(episode_metrics(rollout, "env"))
-        lengths = rollout.batch["response_mask"].sum(dim=-1).float()  # sampled tokens per episode
+        metrics.update(adjusted)
+        metrics.update(reward_metrics)
+        metrics.update(episode_metrics(episodes, "env"))
+        lengths = rollout.batch["response_mask"].sum(dim=-1).float()  # sampled tokens per sample
         metrics.update({"critic/score/mean": float(scores.mean()), "response_length/mean": float(lengths.mean()),
                         "critic/normalized_score/mean": float(normalized.mean())})  # fmt: skip
         metrics.update(staleness_metrics(rollout, step))
         return metrics
+
+    def _samples(
+        self, rollout: RolloutBatch, step: int
+    ) -> tuple[RolloutBatch, dict[str, TrainBatchPlan], dict[str, float]]:
+        """The samples to train on, their batch plans and the adjustment metrics: the rollout itself with whole
+        episodes; step samples with their step returns, resized by ``batch_adjust_mode`` (apps.agentic.step_batch)."""
+        if not self.step_mode:
+            return rollout, self.report.train_plans, {}
+        samples = with_step_returns(rollout.index(slice(None)), self.config.step_reward_gamma)
+        rng = np.random.default_rng([self.base.seed, step, 0xAD])
+        samples, counts = adjust_batch(samples, self.config.batch_adjust_mode, self.divisor, rng)
+        counts["system/step_samples"] = float(len(rollout))
+        return samples, train_plans(self.config, role_sections(self.base), len(samples)), counts
 
     def _sync(self, step: int) -> dict[str, float]:
         """Weights to actor_infer every ``model_update_frequency`` steps. Episodes running ahead finish first, so

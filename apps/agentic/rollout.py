@@ -31,6 +31,21 @@ from rl_engines.config import GeneratingArgs
 from rl_engines.strategies.model_io import position_ids_from_mask
 
 
+@dataclass(frozen=True)
+class Turn:
+    """One turn as a step sample: the prompt it was generated from, what was sampled, and what it earned."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    log_probs: list[float]
+    reward: float
+    observation: str
+    """The observation the turn acted on (its anchor state)."""
+    response: str
+    action: str | None
+    """The parsed action (None when the response held no valid one)."""
+
+
 @dataclass
 class Episode:
     """One environment's trajectory as tokens, with its turns' rewards and outcome."""
@@ -53,6 +68,10 @@ class Episode:
     """``stop``: the environment ended the episode; ``length``: turns or sequence_length ran out."""
     frames: list[dict[str, Any]] = field(default_factory=list)
     """With ``record_frames``: the observation, response, action and reward of each turn (and images)."""
+    observation: str = ""
+    """The observation the next turn acts on."""
+    turns: list[Turn] = field(default_factory=list)
+    """Step samples (StepEnvManager): each turn's own prompt and response."""
 
     @property
     def context(self) -> list[int]:
@@ -102,8 +121,8 @@ class TrajectoryRunner:
         return episodes
 
     def _start(self, slot: EnvSlot, seed: int, round_index: int, observation: str) -> Episode:
-        first_user = f"{slot.env.instructions}\n{user_turn(slot.spec, observation, 1)}"
-        episode = Episode(slot, seed, round_index, self.formatters[slot.tag].first_prompt(first_user))
+        episode = Episode(slot, seed, round_index, [], observation=observation)
+        episode.prompt_ids = self._first_prompt(episode)
         if len(episode.prompt_ids) + self._turn_limit(episode) > self.sequence_length:
             raise ValueError(
                 f"the first prompt of a {slot.tag} episode is {len(episode.prompt_ids)} tokens; with "
@@ -114,6 +133,11 @@ class TrajectoryRunner:
         if self.record_frames:
             episode.frames.append(self._frame(slot, observation))
         return episode
+
+    def _first_prompt(self, episode: Episode) -> list[int]:
+        """System message, the environment's instructions and the first observation, chat-templated."""
+        user = f"{episode.slot.env.instructions}\n{user_turn(episode.slot.spec, episode.observation, 1)}"
+        return self.formatters[episode.slot.tag].first_prompt(user)
 
     def _turn(self, infer: Any, running: list[Episode], step: int, round_index: int, turn: int) -> None:
         """Generate one response per running episode, step the environments, extend the contexts."""
@@ -157,9 +181,7 @@ class TrajectoryRunner:
 
     def _record(self, episode: Episode, ids: list[int], log_probs: list[float], text: str, result: Any,
                 turn: int) -> None:  # fmt: skip
-        episode.tokens += ids
-        episode.mask += [True] * len(ids)
-        episode.log_probs += log_probs
+        self._keep(episode, ids, log_probs, text, result)
         episode.rewards.append(float(result.reward))
         episode.valid_actions += int(bool(result.info.get("action_is_valid", False)))
         episode.success = bool(result.info.get("success", False))
@@ -170,9 +192,20 @@ class TrajectoryRunner:
         if result.terminated or result.truncated or turn >= episode.slot.spec.max_steps:
             episode.done, episode.finish = True, "stop" if result.terminated else "length"
             return
+        episode.observation = result.observation
+        self._next_context(episode, ids, turn)
+
+    def _keep(self, episode: Episode, ids: list[int], log_probs: list[float], text: str, result: Any) -> None:
+        """The sampled tokens join the episode's one sample."""
+        episode.tokens += ids
+        episode.mask += [True] * len(ids)
+        episode.log_probs += log_probs
+
+    def _next_context(self, episode: Episode, ids: list[int], turn: int) -> None:
+        """Extend the conversation by the next user turn, or end the episode when the next turn would not fit."""
         eos_text = self.tokenizer.decode(ids[-1:]) if ids and ids[-1] in self.eos_ids else ""
         following = self.formatters[episode.slot.tag].continuation(
-            eos_text, user_turn(episode.slot.spec, result.observation, turn + 1)
+            eos_text, user_turn(episode.slot.spec, episode.observation, turn + 1)
         )
         if len(episode.context) + len(following) + self._turn_limit(episode) > self.sequence_length:
             episode.done = True  # the next turn would not fit: truncated, finish stays "length"
@@ -184,34 +217,55 @@ class TrajectoryRunner:
     def _frame(self, slot: EnvSlot, observation: str) -> dict[str, Any]:
         return {"observation": observation, "image": slot.env.render("rgb_array")}
 
+    def to_batch(self, episodes: Sequence[Episode]) -> RolloutBatch:
+        """The training samples of finished episodes: one per episode."""
+        return episodes_to_batch(episodes, self.pad_id)
 
-def episodes_to_batch(episodes: Sequence[Episode], pad_id: int) -> RolloutBatch:
-    """Training samples of finished episodes (layout of the module docstring) with per-episode columns."""
-    prompt_width = max(len(e.prompt_ids) for e in episodes)
-    response_width = max(max(len(e.tokens) for e in episodes), 1)
-    rows = len(episodes)
+
+@dataclass(frozen=True)
+class Sample:
+    """One training row: a left-padded prompt and a right-padded continuation."""
+
+    prompt: list[int]
+    tokens: list[int]
+    mask: list[bool]
+    """True on the continuation tokens the model sampled."""
+    log_probs: list[float]
+    score: float
+
+
+def samples_to_batch(samples: Sequence[Sample], columns: dict[str, list[Any]], pad_id: int) -> RolloutBatch:
+    """Rows of ``samples`` as a rollout batch (layout of the module docstring) with the non-tensor ``columns``."""
+    prompt_width = max(len(s.prompt) for s in samples)
+    response_width = max(max(len(s.tokens) for s in samples), 1)
+    rows = len(samples)
     prompts = torch.full((rows, prompt_width), pad_id, dtype=torch.long)
     prompt_mask = torch.zeros((rows, prompt_width), dtype=torch.long)
     responses = torch.full((rows, response_width), pad_id, dtype=torch.long)
     real = torch.zeros((rows, response_width), dtype=torch.long)
     response_mask = torch.zeros((rows, response_width), dtype=torch.bool)
     log_probs = torch.zeros((rows, response_width), dtype=torch.float32)
-    for row, e in enumerate(episodes):
-        prompts[row, prompt_width - len(e.prompt_ids) :] = torch.tensor(e.prompt_ids)
-        prompt_mask[row, prompt_width - len(e.prompt_ids) :] = 1
-        n = len(e.tokens)
-        responses[row, :n] = torch.tensor(e.tokens, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        prompts[row, prompt_width - len(sample.prompt) :] = torch.tensor(sample.prompt)
+        prompt_mask[row, prompt_width - len(sample.prompt) :] = 1
+        n = len(sample.tokens)
+        responses[row, :n] = torch.tensor(sample.tokens, dtype=torch.long)
         real[row, :n] = 1
-        response_mask[row, :n] = torch.tensor(e.mask, dtype=torch.bool)
-        log_probs[row, :n] = torch.tensor(e.log_probs, dtype=torch.float32)
+        response_mask[row, :n] = torch.tensor(sample.mask, dtype=torch.bool)
+        log_probs[row, :n] = torch.tensor(sample.log_probs, dtype=torch.float32)
     attention_mask = torch.cat([prompt_mask, real], dim=1)
     tensors = {
         "prompts": prompts, "responses": responses, "input_ids": torch.cat([prompts, responses], dim=1),
         "attention_mask": attention_mask, "position_ids": position_ids_from_mask(attention_mask),
         "response_mask": response_mask, "rollout_log_probs": log_probs,
-        "scores": torch.tensor([sum(e.rewards) for e in episodes], dtype=torch.float32),
+        "scores": torch.tensor([s.score for s in samples], dtype=torch.float32),
     }  # fmt: skip
-    columns = {
+    return RolloutBatch.from_dict(tensors, columns)
+
+
+def episode_columns(episodes: Sequence[Episode]) -> dict[str, list[Any]]:
+    """Per-episode non-tensor columns (one entry per episode)."""
+    return {
         "traj_group_id": [f"{e.round_index}:{e.slot.group}" for e in episodes],
         "tag": [e.slot.tag for e in episodes],
         "env_seed": [e.seed for e in episodes],
@@ -220,23 +274,43 @@ def episodes_to_batch(episodes: Sequence[Episode], pad_id: int) -> RolloutBatch:
         "valid_actions": [e.valid_actions for e in episodes],
         "finish_reasons": [e.finish for e in episodes],
     }
-    return RolloutBatch.from_dict(tensors, columns)
+
+
+def episodes_to_batch(episodes: Sequence[Episode], pad_id: int) -> RolloutBatch:
+    """Training samples of finished episodes, one per episode, ``scores`` = the summed rewards."""
+    samples = [Sample(e.prompt_ids, e.tokens, e.mask, e.log_probs, sum(e.rewards)) for e in episodes]
+    return samples_to_batch(samples, episode_columns(episodes), pad_id)
+
+
+def episode_rows(rollout: RolloutBatch) -> list[int]:
+    """One row per episode: every row of a batch of whole episodes, the first turn of each episode of step samples."""
+    columns = rollout.non_tensor_batch
+    if "traj_id" not in columns:
+        return list(range(len(rollout)))
+    first: dict[Any, int] = {}
+    for row, traj in enumerate(columns["traj_id"]):
+        first.setdefault(traj, row)
+    return list(first.values())
 
 
 def episode_metrics(rollout: RolloutBatch, prefix: str) -> dict[str, float]:
-    """Success rate (overall and per tag), turns, valid-action rate and episode reward of a rollout."""
-    columns = rollout.non_tensor_batch
-    success = np.asarray(columns["success"], dtype=np.float64)
-    turns = np.asarray(columns["num_turns"], dtype=np.float64)
-    valid = np.asarray(columns["valid_actions"], dtype=np.float64)
+    """Success rate (overall and per tag), turns, valid-action rate and episode reward of a rollout's episodes."""
+    columns, rows = rollout.non_tensor_batch, episode_rows(rollout)
+
+    def column(name: str) -> np.ndarray:
+        return np.asarray([columns[name][row] for row in rows])
+
+    success, turns = column("success").astype(np.float64), column("num_turns").astype(np.float64)
+    valid = column("valid_actions").astype(np.float64)
+    rewards = column("episode_scores") if "episode_scores" in columns else rollout.batch["scores"].numpy()[rows]
     metrics = {
         f"{prefix}/success_rate": float(success.mean()),
         f"{prefix}/num_turns/mean": float(turns.mean()),
         f"{prefix}/action_valid_rate": float(valid.sum() / max(turns.sum(), 1.0)),
-        f"{prefix}/episode_reward/mean": float(rollout.batch["scores"].mean()),
-        f"{prefix}/truncated_rate": float((np.asarray(columns["finish_reasons"]) == "length").mean()),
+        f"{prefix}/episode_reward/mean": float(np.asarray(rewards, dtype=np.float64).mean()),
+        f"{prefix}/truncated_rate": float((column("finish_reasons") == "length").mean()),
     }
-    tags = np.asarray(columns["tag"])
+    tags = column("tag")
     for tag in sorted(set(tags.tolist())):
         metrics[f"{prefix}/{tag}/success_rate"] = float(success[tags == tag].mean())
     return metrics

@@ -13,6 +13,7 @@ from rl_core.kl import KL_ESTIMATORS
 from rl_core.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
 from rl_core.rewards import REWARD_NORMS
 from rl_core.rollout_is import IS_LEVELS, IS_MODES
+from rl_core.step_rewards import STEP_ESTIMATORS
 from rl_engines.config import WorkerConfigError
 
 NORM_TYPES = (None, "batch", "group")
@@ -72,7 +73,11 @@ def _check_registry(registry: Any, key: str, value: str | None, allow_none: bool
 
 def check_choices(config: Any) -> None:
     """Every named choice exists in its rl-core registry (so a typo fails here, not mid-run)."""
-    _check_registry(ADV_ESTIMATORS, "adv_estimator", config.adv_estimator)
+    if config.adv_estimator not in ADV_ESTIMATORS and config.adv_estimator not in STEP_ESTIMATORS:
+        fail(
+            f"adv_estimator={config.adv_estimator!r} is not supported; valid values: {ADV_ESTIMATORS.names()} or, "
+            f"with the agentic pipeline's step samples, {STEP_ESTIMATORS.names()}."
+        )
     _check_registry(POLICY_LOSSES, "pg_variant", config.pg_variant)
     try:
         policy_loss_name(config)  # actor_train's worker_cls / pg_variant and importance_sampling agree with it

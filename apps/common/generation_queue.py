@@ -32,7 +32,8 @@ class PendingRollout:
 
     step: int
     version: int
-    samples: int
+    samples: int | None
+    """Real rows (the rest is padding to the inference world size); None: every row is real."""
     future: Any
     """An ``rl_engines.worker_group.GroupFuture`` whose result is the generated RolloutBatch."""
     sampler_before: SamplerState
@@ -42,7 +43,9 @@ class PendingRollout:
     def result(self) -> RolloutBatch:
         """Wait for the batch (once); padding rows are dropped and ``policy_version`` is set on every sample."""
         if self.batch is None:
-            rollout: RolloutBatch = self.future.get().slice(0, self.samples)
+            rollout: RolloutBatch = self.future.get()
+            if self.samples is not None:
+                rollout = rollout.slice(0, self.samples)
             rollout.non_tensor_batch["policy_version"] = np.full(len(rollout), self.version, dtype=np.int64)
             self.batch = rollout
         return self.batch

@@ -45,3 +45,26 @@ def plot_metrics(metrics_jsonl: Path, out_png: Path, curves: Sequence[tuple[str,
     figure.savefig(out_png, dpi=100)
     plt.close(figure)
     return out_png
+
+
+def plot_runs(runs: dict[str, Path], key: str, title: str, out_png: Path) -> Path:
+    """One metric of several runs on one axis (label -> the run's metrics.jsonl), e.g. two algorithms' success rate."""
+    quiet_matplotlib()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3.6))
+    for label, metrics_jsonl in runs.items():
+        rows = [json.loads(line) for line in metrics_jsonl.read_text().splitlines() if line.strip()]
+        points = [(row["step"], row[key]) for row in rows if key in row]
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker=".", linewidth=1, label=label)
+    axis.set_title(title)
+    axis.set_xlabel("step")
+    axis.grid(alpha=0.3)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out_png, dpi=100)
+    plt.close(figure)
+    return out_png

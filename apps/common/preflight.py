@@ -83,25 +83,32 @@ def check_async(config: SharedConfig, placement: PlacementPlan) -> None:
         )
 
 
-def train_plan(
-    config: SharedConfig, role: str, section: WorkerConfig, num_return_sequences_in_group: int = 1
-) -> TrainBatchPlan:
-    """The batch plan of a training role (raises the FAQ's batch-size errors naming the keys).
-
-    A step trains ``rollout_batch_size x num_return_sequences_in_group`` samples (agentic: one per episode).
-    """
+def parallel_layout(section: WorkerConfig) -> ParallelLayout:
+    """A role's ranks split into tensor / pipeline / context (Ulysses) parallel groups and data-parallel ranks."""
     strategy_config = section.strategy_args.strategy_config
-    layout = ParallelLayout(
+    return ParallelLayout(
         world_size=len(section.device_mapping),
         tensor_model_parallel_size=int(strategy_config.get("tensor_model_parallel_size", 1)),
         pipeline_model_parallel_size=int(strategy_config.get("pipeline_model_parallel_size", 1)),
         # Ulysses (fsdp2) splits sequences like Megatron's context parallelism: ranks / ulysses_size hold the data
         context_parallel_size=int(strategy_config.get("context_parallel_size", 1)) * section.model_args.ulysses_size,
     )
+
+
+def train_plan(
+    config: SharedConfig, role: str, section: WorkerConfig, num_return_sequences_in_group: int = 1,
+    samples: int | None = None,
+) -> TrainBatchPlan:  # fmt: skip
+    """The batch plan of a training role (raises the FAQ's batch-size errors naming the keys).
+
+    A step trains ``rollout_batch_size x num_return_sequences_in_group`` samples (agentic: one per episode), or
+    ``samples`` when given (agentic step samples: as many as the step's turns, adjusted).
+    """
+    layout = parallel_layout(section)
     args = section.training_args
     return plan_train_batch(
         role,
-        rollout_batch_size=config.rollout_batch_size,
+        rollout_batch_size=config.rollout_batch_size if samples is None else samples,
         num_return_sequences_in_group=num_return_sequences_in_group,
         per_device_train_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,

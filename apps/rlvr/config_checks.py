@@ -7,6 +7,7 @@ from typing import Any
 
 from apps.common.config_checks import check_minimum, fail
 from apps.rlvr.data import KNOWN_TEMPLATES
+from rl_core.step_rewards import STEP_ESTIMATORS
 
 # key -> smallest allowed value
 MINIMUM = {
@@ -18,6 +19,11 @@ MINIMUM = {
 def check_rlvr_ranges(config: Any) -> None:
     """Numeric bounds of the RLVR-only keys, with the key and the allowed range in the message."""
     check_minimum(config, MINIMUM)
+    if config.adv_estimator in STEP_ESTIMATORS:
+        fail(
+            f"adv_estimator: {config.adv_estimator} rewards single turns of agentic episodes (the agentic pipeline "
+            "with StepEnvManager); RLVR responses are one turn each: use grpo, reinforce, rloo, ..."
+        )
     if config.sequence_length is not None and config.sequence_length < config.prompt_length + config.response_length:
         fail(
             f"sequence_length ({config.sequence_length}) must be >= prompt_length + response_length "

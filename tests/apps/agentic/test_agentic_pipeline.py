@@ -130,3 +130,37 @@ def test_a_run_killed_after_its_checkpoint_resumes_like_the_uninterrupted_run(se
     trace = json.loads((out / "timeline.json").read_text())["traceEvents"]
     phases = sorted((event["args"]["step"], event["name"]) for event in trace)
     assert phases == sorted({*phases}) and {step for step, _ in phases} == {0, 1, 2}
+
+
+STEP = "roll.pipeline.agentic.env_manager.step_env_manager.StepEnvManager"
+STEP_MODE = [f"+custom_envs.{tag}.{key}={value}" for tag in ("FrozenLake", "SimpleSokoban")
+             for key, value in (("env_manager_cls", STEP), ("history_length", 2))]  # fmt: skip
+
+
+def test_gigpo_on_step_samples_replays_bitwise_and_resumes_like_the_uninterrupted_run(setup):
+    """StepEnvManager + gigpo + batch_adjust_mode copy: every turn trains as a sample, the count made a multiple of
+    the training batch; a rollout_mock replay of the step samples trains bit for bit alike, and a run resumed from
+    checkpoint-0 (checkpoint-1 lost to a kill) trains step 1 like the uninterrupted run."""
+    out, dumps, mocked = setup / "gigpo", setup / "gigpo_dumps", setup / "gigpo_mocked"
+    base = [*STEP_MODE, "adv_estimator=gigpo", "eval_steps=0", "render_save_dir=null", "save_steps=1"]
+    dump = ["+rollout_mock.enable=true", "+rollout_mock.mode=dump", f"+rollout_mock.dump_dir={dumps}"]
+    assert main(_args(setup, *base, *dump, f"output_dir={out}")) == 0
+    rows = _rows(out)
+    for row in rows:
+        adjusted = row["system/step_samples"] + row["system/batch_add_count"]
+        assert row["system/batch_remove_count"] == 0 and adjusted % 4 == 0  # actor_train's global batch: 2 x 2
+        assert row["system/step_samples"] >= 8  # 8 episodes of 1 to 3 turns
+        for key in ("critic/episode_rewards_norm/mean", "critic/step_rewards_norm/mean", "system/state_batch_size/max",
+                    "env/success_rate", "actor/pg_loss"):  # fmt: skip
+            assert key in row, key
+    assert any(row["system/step_samples"] > 8 for row in rows)  # multi-turn episodes: more samples than episodes
+    mock = ["+rollout_mock.enable=true", "+rollout_mock.mode=mock", f"+rollout_mock.dump_dir={dumps}"]
+    assert main(_args(setup, *base, *mock, f"output_dir={mocked}")) == 0
+    keys = ("actor/pg_loss", "actor/grad_norm", "critic/step_rewards_norm/mean", "system/batch_add_count")
+    assert [[r[k] for k in keys] for r in _rows(mocked)] == [[r[k] for k in keys] for r in rows]
+    (out / "checkpoints" / "checkpoint-1" / "pipeline_state.json").unlink()  # written last by save(): killed before
+    assert main(_args(setup, *base, f"output_dir={out}", "resume_from_checkpoint=true")) == 0
+    resumed = _rows(out)
+    assert [row["step"] for row in resumed] == [0, 1]
+    for key in (*keys, "system/step_samples", "env/num_turns/mean", "mismatch/mismatch_kl"):
+        assert resumed[1][key] == pytest.approx(rows[1][key], abs=1e-6), key

@@ -1,0 +1,117 @@
+"""Step samples (ROLL's StepEnvManager): every turn of an episode is its own training sample.
+
+A turn's prompt is rebuilt from scratch: the system message and ``agent_template`` filled with the environment's
+instructions (``{env_instruction}``; put before the template when it has no such field), the number of turns taken
+(``{step_count}``), the current observation (``{current_observation}``, also ``{observation}``), the 1-based turn
+(``{current_step}``, also ``{turn_idx}``) and a window of earlier turns (``{history}``, ``{history_length}``): with
+``custom_envs.<tag>.history_length`` h, the last h - 1 turns (ROLL counts the current turn in the window), each as
+``(step: n, observation: ..., action: ..., reward: r)`` joined by ", "; an invalid action shows the response with
+ROLL's tip to follow the format. ROLL's current StepEnvManager lists only the invalid turns (an indentation slip in
+its loop); here every turn of the window is listed, as its template text ("the most recent ... observations, and
+your responses") says.
+
+A sample is that prompt and the turn's sampled tokens (all of them trained); ``scores`` is the turn's own reward.
+Columns: ``traj_id`` (the episode), ``traj_group_id`` (its env group), ``step`` (0-based turn), ``state_hash``
+(ROLL's hash of the observation the turn acted on: GiGPO's anchor state), ``step_scores`` (the turn's reward),
+``episode_scores`` (the episode's summed rewards) and the per-episode columns of whole-episode samples.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import string
+from collections.abc import Sequence
+from typing import Any
+
+from apps.agentic.config import EnvSpec
+from apps.agentic.rollout import Episode, Sample, TrajectoryRunner, Turn, episode_columns, samples_to_batch
+from rl_core.batch import RolloutBatch
+
+INVALID_TIP = (
+    "(IMPORTANT TIPS: this action is not valid, your new response *must* strictly adhere to the format according "
+    "to env instructions.)"
+)
+"""ROLL's note after an invalid action in the history."""
+
+
+def state_key(observation: str) -> str:
+    """ROLL's ``state_hash`` of a text observation: SHA-256 of ``b"str:"`` + its UTF-8 bytes, in hex."""
+    return hashlib.sha256(b"str:" + observation.encode("utf-8")).hexdigest()
+
+
+def history_window(turns: Sequence[Turn], history_length: int | None) -> str:
+    """The ``{history}`` text: the last ``history_length - 1`` turns (none when null or 1), numbered from 1."""
+    shown = list(turns[len(turns) - history_length + 1 :]) if history_length and history_length > 1 else []
+    first = len(turns) - len(shown) + 1
+    entries = []
+    for number, turn in enumerate(shown, start=first):
+        action = turn.action if turn.action is not None else turn.response + INVALID_TIP
+        entries.append(f"(step: {number}, observation: {turn.observation}, action: {action}, reward: {turn.reward})")
+    return ", ".join(entries)
+
+
+def template_fields(template: str) -> set[str]:
+    """The field names a format string uses."""
+    return {name for _, name, _, _ in string.Formatter().parse(template) if name}
+
+
+def step_user_message(spec: EnvSpec, instructions: str, turns: Sequence[Turn], observation: str) -> str:
+    """The user message of the turn after ``turns`` (the module docstring's fields), acting on ``observation``."""
+    taken = len(turns)
+    shown = min(taken, max((spec.history_length or 1) - 1, 0))
+    user = spec.agent_template.format(
+        env_instruction=instructions, step_count=taken, history_length=shown,
+        history=history_window(turns, spec.history_length), current_step=taken + 1, current_observation=observation,
+        turn_idx=taken + 1, observation=observation, actions_left=spec.max_steps - taken,
+        max_response_length=spec.max_tokens_per_step,
+    )  # fmt: skip
+    if "env_instruction" not in template_fields(spec.agent_template):
+        user = f"{instructions}\n{user}"
+    return user
+
+
+class StepRunner(TrajectoryRunner):
+    """Runs episodes like ``TrajectoryRunner`` but prompts every turn afresh and keeps each turn as a sample."""
+
+    def _first_prompt(self, episode: Episode) -> list[int]:
+        return self._step_prompt(episode)
+
+    def _keep(self, episode: Episode, ids: list[int], log_probs: list[float], text: str, result: Any) -> None:
+        action = result.info.get("action") if result.info.get("action_is_valid", False) else None
+        turn = Turn(episode.prompt_ids, list(ids), list(log_probs), float(result.reward), episode.observation, text,
+                    None if action is None else str(action))  # fmt: skip
+        episode.turns.append(turn)
+
+    def _next_context(self, episode: Episode, ids: list[int], turn: int) -> None:
+        prompt = self._step_prompt(episode)
+        if len(prompt) + self._turn_limit(episode) > self.sequence_length:
+            episode.done = True  # the next turn's prompt would not fit: truncated, finish stays "length"
+            return
+        episode.prompt_ids = prompt
+
+    def _step_prompt(self, episode: Episode) -> list[int]:
+        """The chat-templated prompt of the episode's next turn."""
+        user = step_user_message(episode.slot.spec, episode.slot.env.instructions, episode.turns, episode.observation)
+        return self.formatters[episode.slot.tag].first_prompt(user)
+
+    def to_batch(self, episodes: Sequence[Episode]) -> RolloutBatch:
+        """One sample per turn (the module docstring's layout)."""
+        return turns_to_batch(episodes, self.pad_id)
+
+
+def turns_to_batch(episodes: Sequence[Episode], pad_id: int) -> RolloutBatch:
+    """Step samples of finished episodes, in episode then turn order."""
+    rows = [(episode, index, turn) for episode in episodes for index, turn in enumerate(episode.turns)]
+    samples = [Sample(t.prompt_ids, t.response_ids, [True] * len(t.response_ids), t.log_probs, t.reward)
+               for _, _, t in rows]  # fmt: skip
+    per_episode = episode_columns(episodes)
+    position = {id(episode): i for i, episode in enumerate(episodes)}
+    columns = {name: [values[position[id(e)]] for e, _, _ in rows] for name, values in per_episode.items()}
+    columns.update(
+        traj_id=[f"{e.round_index}:{e.slot.index}" for e, _, _ in rows],
+        step=[index for _, index, _ in rows],
+        state_hash=[state_key(t.observation) for _, _, t in rows],
+        step_scores=[t.reward for _, _, t in rows],
+        episode_scores=[float(sum(e.rewards)) for e, _, _ in rows],
+    )
+    return samples_to_batch(samples, columns, pad_id)
