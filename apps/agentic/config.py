@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from apps.common.config import SharedConfig
-from rl_core.agentic_rewards import AGENTIC_GROUPINGS, AGENTIC_NORM_METHODS
+from rl_core.agentic_rewards import AGENTIC_GROUPINGS, AGENTIC_NORM_METHODS, NORM_TYPES
 from rl_engines.config import GeneratingArgs, WorkerConfigError, build_dataclass
 
 DEFAULT_SYSTEM_TEMPLATE = (
@@ -86,6 +86,10 @@ class RewardNormalization:
     """Which episodes share statistics: state (= traj_group_id: one env group), inductive (= tags), batch."""
     method: str = "identity"
     """What is done within a group: identity, mean, mean_std, asym_clip."""
+    norm_mean_type: str | None = None
+    """ROLL: whose mean is subtracted, batch or group (null: as method says)."""
+    norm_std_type: str | None = None
+    """ROLL: whose std divides, batch or group (null: as method says)."""
 
 
 @dataclass
@@ -370,6 +374,10 @@ def validate_agentic(config: AgenticConfig) -> None:
         value = getattr(config.reward_normalization, key)
         if value not in registry:
             raise WorkerConfigError(f"reward_normalization.{key}={value!r}; valid values: {registry.names()}.")
+    for key in ("norm_mean_type", "norm_std_type"):
+        value = getattr(config.reward_normalization, key)
+        if value is not None and value not in NORM_TYPES:
+            raise WorkerConfigError(f"reward_normalization.{key}={value!r}; use batch, group or null.")
     for tag, spec in config.custom_envs.items():
         spec.validate(f"custom_envs.{tag}")
     managers = [("train_env_manager", config.train_env_manager), ("val_env_manager", config.val_env_manager)]

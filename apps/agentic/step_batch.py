@@ -89,18 +89,20 @@ def adjust_batch(
 
 
 def step_sample_rewards(rollout: RolloutBatch, config: AgenticConfig) -> tuple[torch.Tensor, dict[str, float]]:
-    """The rewards to train step samples on (ROLL's ``response_level_rewards``) and their metrics."""
+    """The rewards to train on (ROLL's ``response_level_rewards``) and their metrics: step samples through the step
+    estimators, otherwise (whole episodes too) the scores normalised by ``reward_normalization``."""
     columns, norm = rollout.non_tensor_batch, config.reward_normalization
     groups, tags = list(columns["traj_group_id"]), list(columns["tag"])
     estimator = config.base.adv_estimator
+    types = {"mean_type": norm.norm_mean_type, "std_type": norm.norm_std_type}
     if estimator not in STEP_ESTIMATORS:
         scores = rollout.batch["scores"]
-        return normalize_agentic_rewards(scores, groups, norm.grouping, norm.method, tags=tags), {}
+        return normalize_agentic_rewards(scores, groups, norm.grouping, norm.method, tags=tags, **types), {}
     episode_scores = torch.as_tensor(np.asarray(columns["episode_scores"], dtype=np.float32))
     out = STEP_ESTIMATORS.get(estimator)(
         episode_scores, rollout.batch["step_rewards"], groups, list(columns["state_hash"]), grouping=norm.grouping,
         method=norm.method, tags=tags, episode_weight=config.episode_reward_weight,
-        step_weight=config.step_reward_weight,
+        step_weight=config.step_reward_weight, **types,
     )  # fmt: skip
     metrics: dict[str, Any] = {"critic/step_rewards_norm/mean": float(out.step.mean())}
     if out.episode is not None:

@@ -118,3 +118,29 @@ def test_errors_name_the_key() -> None:
         normalize_agentic_rewards(scores, [0, 1], "state", "mean")
     with pytest.raises(ValueError, match=r"scores of shape \[batch\]"):
         normalize_agentic_rewards(scores.reshape(2, 3), GROUP_IDS, "state", "mean")
+
+
+def test_rolls_separate_mean_and_std_types() -> None:
+    """ROLL's norm_mean_type / norm_std_type (e.g. its native Sokoban example: the env group's mean, the batch's
+    std). SCORES: batch mean 1, unbiased batch std sqrt(6 / 5); env groups [1, 0], [1, 1], [0, 3]."""
+    scores = torch.tensor(SCORES, dtype=F64)
+    batch_std = math.sqrt(6 / 5) + 1e-6
+
+    def typed(method: str, mean_type: str | None, std_type: str | None, grouping: str = "state") -> torch.Tensor:
+        return normalize_agentic_rewards(scores, GROUP_IDS, grouping, method, mean_type=mean_type, std_type=std_type)
+
+    close(typed("identity", "group", "batch"), [0.5 / batch_std, -0.5 / batch_std, 0.0, 0.0, -1.5 / batch_std,
+                                                1.5 / batch_std])  # fmt: skip
+    close(typed("identity", "batch", None), [0.0, -1.0, 0.0, 0.0, -1.0, 2.0])
+    # A type left null comes from the method: mean_std with an explicit batch std subtracts the group mean.
+    torch.testing.assert_close(typed("mean_std", None, "batch"), typed("identity", "group", "batch"))
+    # No mean (identity), each group's std: a constant group gives 0.
+    close(typed("identity", None, "group"), [1.0 / (math.sqrt(0.5) + 1e-6), 0.0, 0.0, 0.0, 0.0,
+                                             3.0 / (math.sqrt(4.5) + 1e-6)])  # fmt: skip
+    # With grouping batch the method's moments are the batch's, whatever the explicit other type says.
+    close(typed("mean", None, "batch", grouping="batch"), [0.0, -1.0 / batch_std, 0.0, 0.0, -1.0 / batch_std,
+                                                           2.0 / batch_std])  # fmt: skip
+    # asym_clip keeps its clamp.
+    assert typed("asym_clip", "batch", "batch").max() <= 3.0
+    with pytest.raises(ValueError, match=r"reward_normalization\.norm_std_type='sample'"):
+        typed("identity", "group", "sample")

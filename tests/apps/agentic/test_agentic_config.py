@@ -69,6 +69,8 @@ def _config(**changes):
     [
         ({"rewards": {}}, "rewards is not an agentic pipeline key"),
         ({"reward_normalization": {"grouping": "nope", "method": "mean_std"}}, "reward_normalization.grouping='nope'"),
+        ({"reward_normalization": {"grouping": "traj_group_id", "norm_std_type": "sample"}},
+         "reward_normalization.norm_std_type='sample'; use batch, group or null"),
         ({"train_env_manager": {"tags": ["Nope"], "num_env_groups": 1}}, "train_env_manager.tags names ['Nope']"),
         ({"custom_envs": {"SimpleSokoban": {"env_type": "chess"}}}, "custom_envs.SimpleSokoban.env_type='chess'"),
         ({"custom_envs": {"SimpleSokoban": {"env_type": "sokoban", "agent_template": "{oops}"}}},

@@ -86,6 +86,14 @@ def _asym_clip(scores: torch.Tensor, inverse: torch.Tensor, num_groups: int) -> 
     return _mean_std(scores, inverse, num_groups).clamp(ASYM_CLIP_LOW, ASYM_CLIP_HIGH)
 
 
+# What each method subtracts and divides by when ROLL's norm_mean_type / norm_std_type leave it to the method.
+METHOD_MOMENTS = {
+    "identity": (False, False), "mean": (True, False), "mean_std": (True, True), "asym_clip": (True, True),
+}  # fmt: skip
+NORM_TYPES = ("batch", "group")
+"""``norm_mean_type`` / ``norm_std_type``: the whole batch's moments, or each group's."""
+
+
 def normalize_agentic_rewards(
     scores: torch.Tensor,
     group_ids: GroupIndex | None,
@@ -93,12 +101,20 @@ def normalize_agentic_rewards(
     method: str,
     *,
     tags: GroupIndex | None = None,
+    mean_type: str | None = None,
+    std_type: str | None = None,
 ) -> torch.Tensor:
     """Normalise episode scores ``[B]`` within groups chosen by ``grouping`` using ``method``. Returns ``[B]``.
 
     ``group_ids`` ``[B]``: env group id per episode (needed by ``state``); ``tags`` ``[B]``: env tag per
     episode (needed by ``inductive``). Follows ROLL's agentic ``reward_normalization`` (from RAGEN,
     Wang et al. 2025, arXiv:2504.20073).
+
+    ``mean_type`` / ``std_type`` (ROLL's ``norm_mean_type`` / ``norm_std_type``: ``batch``, ``group`` or None)
+    choose separately whose mean is subtracted and whose std divides: ``(x - mean) / (std + 1e-6)``, 0 for a
+    sample whose group has one member or whose std is <= 1e-6; without a std, ``x - mean``. A type left None
+    comes from ``method`` (the batch's moments with ``grouping: batch``, else the group's; ``asym_clip`` then
+    clamps as above).
     """
     if scores.dim() != 1:
         raise ValueError(f"agentic reward normalisation takes scores of shape [batch], got {tuple(scores.shape)}")
@@ -109,4 +125,30 @@ def normalize_agentic_rewards(
     else:
         what = f"reward_normalization.grouping {grouping!r}"
         inverse, num_groups = encode_groups(labels, scores.shape[0], what=what)
-    return normalise(scores, inverse.to(scores.device), num_groups)
+    inverse = inverse.to(scores.device)
+    if mean_type is None and std_type is None:
+        return normalise(scores, inverse, num_groups)
+    for key, value in (("norm_mean_type", mean_type), ("norm_std_type", std_type)):
+        if value is not None and value not in NORM_TYPES:
+            raise ValueError(f"reward_normalization.{key}={value!r}; use batch, group or null")
+    scope = "batch" if labels is None else "group"
+    subtract, divide = METHOD_MOMENTS[AGENTIC_NORM_METHODS.canonical_name(method)]
+    out = _by_types(scores, inverse, num_groups, mean_type or (scope if subtract else None),
+                    std_type or (scope if divide else None))  # fmt: skip
+    if AGENTIC_NORM_METHODS.canonical_name(method) == "asym_clip":
+        out = out.clamp(ASYM_CLIP_LOW, ASYM_CLIP_HIGH)
+    return out
+
+
+def _by_types(
+    scores: torch.Tensor, inverse: torch.Tensor, num_groups: int, mean_type: str | None, std_type: str | None
+) -> torch.Tensor:
+    """ROLL's ``agentic_reward_norm`` with explicit mean / std scopes (see normalize_agentic_rewards)."""
+    group_mean, group_std, count = group_moments(scores, inverse, num_groups)
+    batch_std = scores.std() if scores.numel() > 1 else torch.zeros((), dtype=scores.dtype, device=scores.device)
+    mean = {"batch": scores.mean(), "group": group_mean, None: torch.zeros_like(scores)}[mean_type]
+    if std_type is None:
+        return scores - mean
+    std = group_std if std_type == "group" else batch_std.expand_as(scores)
+    informative = (count > 1) & (std.abs() > STD_FLOOR)
+    return torch.where(informative, (scores - mean) / (std + STD_FLOOR), torch.zeros_like(scores))

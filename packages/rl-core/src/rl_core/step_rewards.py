@@ -52,7 +52,9 @@ class StepEstimator(Protocol):
     ``episode_scores`` ``[N]``: the score of the episode each turn belongs to; ``step_returns`` ``[N]``: the turn's
     discounted return (``discounted_step_returns``); ``group_ids`` ``[N]``: the env group; ``state_keys`` ``[N]``:
     the state the turn acted on; ``grouping`` / ``method`` / ``tags``: ``reward_normalization`` as in
-    ``normalize_agentic_rewards``; the weights: ``episode_reward_weight`` / ``step_reward_weight``.
+    ``normalize_agentic_rewards``; the weights: ``episode_reward_weight`` / ``step_reward_weight``;
+    ``mean_type`` / ``std_type``: ROLL's ``norm_mean_type`` / ``norm_std_type`` (GiGPO: of the episode part only;
+    as in ROLL, its anchor-state groups follow ``method``).
     """
 
     def __call__(
@@ -67,6 +69,8 @@ class StepEstimator(Protocol):
         tags: GroupIndex | None = None,
         episode_weight: float = 1.0,
         step_weight: float = 1.0,
+        mean_type: str | None = None,
+        std_type: str | None = None,
     ) -> StepRewards: ...
 
 
@@ -135,6 +139,8 @@ def gigpo_rewards(
     tags: GroupIndex | None = None,
     episode_weight: float = 1.0,
     step_weight: float = 1.0,
+    mean_type: str | None = None,
+    std_type: str | None = None,
 ) -> StepRewards:
     """GiGPO's two-level relative rewards of ``N`` turn samples (the module docstring; arguments: StepEstimator)."""
     if episode_scores.shape != step_returns.shape or episode_scores.dim() != 1:
@@ -142,7 +148,8 @@ def gigpo_rewards(
             "gigpo_rewards: episode_scores and step_returns must both have shape [turn samples], got "
             f"{tuple(episode_scores.shape)} and {tuple(step_returns.shape)}"
         )
-    episode = normalize_agentic_rewards(episode_scores, group_ids, grouping, method, tags=tags)
+    episode = normalize_agentic_rewards(episode_scores, group_ids, grouping, method, tags=tags, mean_type=mean_type,
+                                        std_type=std_type)  # fmt: skip
     anchors = anchor_state_groups(group_ids, state_keys)
     inverse, num_states = encode_groups(anchors, len(anchors), what="gigpo_rewards: anchor-state groups")
     step = AGENTIC_NORM_METHODS.get(method)(step_returns, inverse.to(step_returns.device), num_states)
@@ -162,8 +169,11 @@ def step_reinforce_rewards(
     tags: GroupIndex | None = None,
     episode_weight: float = 1.0,
     step_weight: float = 1.0,
+    mean_type: str | None = None,
+    std_type: str | None = None,
 ) -> StepRewards:
     """ROLL's ``step_reinforce``: the step returns normalised like episode scores; the episode scores, state keys and
     weights play no part."""
-    step = normalize_agentic_rewards(step_returns, group_ids, grouping, method, tags=tags)
+    step = normalize_agentic_rewards(step_returns, group_ids, grouping, method, tags=tags, mean_type=mean_type,
+                                     std_type=std_type)  # fmt: skip
     return StepRewards(step, step)
