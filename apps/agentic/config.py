@@ -61,18 +61,20 @@ RLVR_ONLY = {
 }
 
 # ROLL's env manager classes (custom_env.env_manager_cls, train_env_manager.worker_cls) by their last component ->
-# the sample layout ours runs: "trajectory" (one multi-turn conversation per episode, one sample) or "step" (each turn
-# its own sample, its prompt rebuilt from agent_template with a window of earlier turns).
+# the sample layout ours runs: "trajectory" (one multi-turn conversation per episode, one sample), "step" (each turn
+# its own sample, its prompt rebuilt from agent_template with a window of earlier turns) or "native" (each turn its
+# own sample, its prompt the conversation the environment keeps).
 ENV_MANAGER_CLASSES = {"TrajEnvManager": "trajectory", "EnvManager": "trajectory", "AgenticEnvManager": "trajectory",
-                       "EnvironmentWorker": "trajectory", "StepEnvManager": "step"}  # fmt: skip
+                       "EnvironmentWorker": "trajectory", "StepEnvManager": "step",
+                       "AgentNativeStepEnvManager": "native"}  # fmt: skip
 # ROLL managers not built here -> what to use instead.
 UNBUILT_ENV_MANAGERS = {
     "StepConcatEnvManager": "use StepEnvManager (its history is the window of earlier turns with their actions)",
-    "AgentNativeStepEnvManager": "not built yet; use StepEnvManager",
     "VLTrajEnvManager": "vision-language environments are not built yet",
     "ProxyEnvManager": "LLM-proxy environments are not built",
 }
-MODES = ("trajectory", "step")
+MODES = ("trajectory", "step", "native")
+"""native (AgentNativeStepEnvManager): step samples whose prompt is the conversation the environment keeps."""
 STEP_TEMPLATE_FIELDS = (*TEMPLATE_FIELDS, "env_instruction", "step_count", "history_length", "history",
                         "current_step", "current_observation")  # fmt: skip
 BATCH_ADJUST_MODES = ("copy", "delete", "auto", "random_sample")
@@ -152,7 +154,7 @@ class EnvManagerConfig:
                 f"{key}: max_env_num_per_worker must be >= 0 and max_traj_per_env >= 1 or -1, got "
                 f"{self.max_env_num_per_worker} and {self.max_traj_per_env}."
             )
-        if self.worker_cls is not None and check_env_manager_cls(self.worker_cls, f"{key}.worker_cls") == "step":
+        if self.worker_cls is not None and check_env_manager_cls(self.worker_cls, f"{key}.worker_cls") != "trajectory":
             raise WorkerConfigError(
                 f"{key}.worker_cls={self.worker_cls!r}: worker_cls is ROLL's env worker (EnvironmentWorker); choose "
                 "step samples per tag with custom_envs.<tag>.env_manager_cls."
@@ -206,8 +208,9 @@ class EnvSpec:
     max_tokens_per_step: int = 128
     """Tokens the model may generate per turn."""
     env_manager_cls: str | None = None
-    """ROLL env-manager class path: TrajEnvManager (default: one sample per episode) or StepEnvManager (one sample
-    per turn, the prompt rebuilt each turn with a window of earlier turns)."""
+    """ROLL env-manager class path: TrajEnvManager (default: one sample per episode), StepEnvManager (one sample
+    per turn, the prompt rebuilt each turn with a window of earlier turns) or AgentNativeStepEnvManager (one sample
+    per turn, the prompt the conversation the environment keeps)."""
     history_length: int | None = None
     """StepEnvManager: turns in a prompt's window, the current one included (ROLL: the last history_length - 1
     earlier turns are shown); null = none."""
@@ -246,6 +249,9 @@ class EnvSpec:
             check_env_manager_cls(self.env_manager_cls, f"{key}.env_manager_cls")
         if self.history_length is not None and self.history_length < 1:
             raise WorkerConfigError(f"{key}.history_length must be >= 1 or null, got {self.history_length}.")
+        if self.mode == "native":
+            self._check_native(key)
+            return  # the environment writes the conversation: agent_template is not used (ROLL: a placeholder)
         fields = STEP_TEMPLATE_FIELDS if self.mode == "step" else TEMPLATE_FIELDS
         try:
             self.agent_template.format(**dict.fromkeys(fields, 0))
@@ -254,6 +260,15 @@ class EnvSpec:
                 f"{key}.agent_template cannot be formatted ({err!r}); with {self.mode} samples it may use "
                 f"{{{'}, {'.join(fields)}}} and must double literal braces."
             ) from None
+
+    def _check_native(self, key: str) -> None:
+        from apps.agentic.envs import ENV_TYPES
+
+        if not getattr(ENV_TYPES.get(self.env_type), "keeps_conversation", False):
+            raise WorkerConfigError(
+                f"{key}: env_manager_cls AgentNativeStepEnvManager needs an environment that keeps its own "
+                f"conversation (e.g. env_type: sokoban_native_env); {self.env_type!r} does not. Use StepEnvManager."
+            )
 
     @property
     def mode(self) -> str:
@@ -426,11 +441,11 @@ def _validate_modes(config: AgenticConfig) -> None:
         if len(set(modes.values())) > 1:
             raise WorkerConfigError(
                 f"{name}.tags mix env managers ({modes}): one manager's samples are either whole episodes "
-                "(TrajEnvManager) or single turns (StepEnvManager); give its tags the same custom_envs.<tag>."
-                "env_manager_cls."
+                "(TrajEnvManager) or single turns (StepEnvManager, AgentNativeStepEnvManager); give its tags the "
+                "same custom_envs.<tag>.env_manager_cls."
             )
     estimator, mode = config.base.adv_estimator, config.mode(config.train_env_manager)
-    if estimator in STEP_ESTIMATORS and mode != "step":
+    if estimator in STEP_ESTIMATORS and mode == "trajectory":
         raise WorkerConfigError(
             f"adv_estimator: {estimator} needs step samples: set custom_envs.<tag>.env_manager_cls to "
             "roll.pipeline.agentic.env_manager.step_env_manager.StepEnvManager for the train_env_manager tags "

@@ -55,7 +55,8 @@ class Recipe:
 
 
 RECIPE = Recipe()
-Layouts = tuple[str, ...]
+Specs = dict[str, EnvSpec]
+"""The spec of each sample layout the warm-up trains on: ``trajectory`` (always) and ``step``."""
 
 
 def _move(cell: tuple[int, int], action: str) -> tuple[int, int]:
@@ -152,8 +153,9 @@ def step_rows(spec: EnvSpec, chat: TurnFormatter, tokenizer: Any, instructions: 
     return rows
 
 
-def _corpus(spec: EnvSpec, layouts: Layouts) -> list[str]:
+def _corpus(specs: Specs) -> list[str]:
     """Texts the tokenizer is trained on: instructions, templates, observations of every cell, the answers."""
+    spec = specs["trajectory"]
     env = make_env(spec.env_type, spec.env_config)
     texts = [env.instructions, spec.agent_system_template, *(f"<answer>{a}</answer>" for a in ACTIONS)]
     for seed in range(8):
@@ -165,28 +167,29 @@ def _corpus(spec: EnvSpec, layouts: Layouts) -> list[str]:
                 break
             observation = result.observation
     env.close()
-    if "step" in layouts:
+    if "step" in specs:
         path = iter(["Right", "Right", "Down", "Down", "Down", "Right"])
-        instructions, turns = play(spec, lambda cell: next(path))
+        instructions, turns = play(specs["step"], lambda cell: next(path))
         done = [Turn([], [], [], t.reward, t.observation, "", t.action) for t in turns]
-        texts += [step_user_message(spec, instructions, done[:i], t.observation) for i, t in enumerate(turns)]
+        texts += [step_user_message(specs["step"], instructions, done[:i], t.observation) for i, t in enumerate(turns)]
     return texts
 
 
 def demo_model(cache_dir: Path, spec: EnvSpec, log: Callable[[str], None] = print,
-               layouts: Layouts = ("trajectory",)) -> Path:  # fmt: skip
-    """The warmed-up model folder for episodes of ``spec`` (built and cached on first use), warmed up on the sample
-    ``layouts`` (``trajectory``: whole conversations; ``step``: StepEnvManager's per-turn prompts).
+               step_spec: EnvSpec | None = None) -> Path:  # fmt: skip
+    """The warmed-up model folder for episodes of ``spec`` as whole conversations and, with ``step_spec``, also as
+    StepEnvManager's per-turn prompts of ``step_spec`` (built and cached on first use).
 
     The cache is reused only when its stamp matches the recipe, the tokenizer's corpus and the warm-up rows rebuilt
     with the cached tokenizer: a change to the templates, the environment's text or the episode format rebuilds it.
     """
     folder = cache_dir / "warm"
     stamp_file = folder / "recipe.json"
-    if stamp_file.exists() and json.loads(stamp_file.read_text()) == _stamp(folder, spec, layouts):
+    specs: Specs = {"trajectory": spec} if step_spec is None else {"trajectory": spec, "step": step_spec}
+    if stamp_file.exists() and json.loads(stamp_file.read_text()) == _stamp(folder, specs):
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    build_tiny_tokenizer(folder, _corpus(spec, layouts), vocab_size=1000)
+    build_tiny_tokenizer(folder, _corpus(specs), vocab_size=1000)
     tokenizer = _tokenizer(folder)
     build_tiny_causal_lm(folder, vocab_size=len(tokenizer), hidden_size=RECIPE.hidden,
                          intermediate_size=4 * RECIPE.hidden, num_hidden_layers=RECIPE.layers,
@@ -195,25 +198,23 @@ def demo_model(cache_dir: Path, spec: EnvSpec, log: Callable[[str], None] = prin
     # Read the tokenizer again now that config.json is there: transformers resolves AutoTokenizer through the
     # model's config when it exists, and the pipeline loads it that way.
     tokenizer = _tokenizer(folder)
-    _warm_up(folder, warm_up_rows(spec, tokenizer, layouts), tokenizer, spec, log, layouts)
-    stamp_file.write_text(json.dumps(_stamp(folder, spec, layouts)))
+    _warm_up(folder, warm_up_rows(specs, tokenizer), tokenizer, specs, log)
+    stamp_file.write_text(json.dumps(_stamp(folder, specs)))
     return folder
 
 
-def warm_up_rows(
-    spec: EnvSpec, tokenizer: Any, layouts: Layouts = ("trajectory",)
-) -> list[tuple[list[int], list[bool]]]:
+def warm_up_rows(specs: Specs, tokenizer: Any) -> list[tuple[list[int], list[bool]]]:
     """The warm-up's training rows: ``RECIPE.episodes`` noisy-expert episodes (tokens, answer mask), each in every
-    layout of ``layouts``."""
+    layout of ``specs``."""
     rng = random.Random(RECIPE.seed)
+    spec = specs["trajectory"]
     chat, teacher = TurnFormatter(tokenizer, spec.agent_system_template), noisy_expert(rng)
     rows = []
     for _ in range(RECIPE.episodes):
         instructions, turns = play(spec, teacher, rng.randrange(1 << 30))
-        if "trajectory" in layouts:
-            rows.append(trajectory_row(spec, chat, tokenizer, instructions, turns))
-        if "step" in layouts:
-            rows += step_rows(spec, chat, tokenizer, instructions, turns)
+        rows.append(trajectory_row(spec, chat, tokenizer, instructions, turns))
+        if "step" in specs:
+            rows += step_rows(specs["step"], chat, tokenizer, instructions, turns)
     return rows
 
 
@@ -227,12 +228,12 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
-def _stamp(folder: Path, spec: EnvSpec, layouts: Layouts) -> dict[str, Any]:
-    """What the cached model was built from: recipe, spec, layouts, tokenizer corpus and training rows."""
-    stamp: dict[str, Any] = {**asdict(RECIPE), "spec": _digest(asdict(spec)), "layouts": list(layouts),
-                             "corpus": _digest(_corpus(spec, layouts))}  # fmt: skip
+def _stamp(folder: Path, specs: Specs) -> dict[str, Any]:
+    """What the cached model was built from: recipe, specs (one per layout), tokenizer corpus and training rows."""
+    stamp: dict[str, Any] = {**asdict(RECIPE), "corpus": _digest(_corpus(specs)),
+                             **{f"spec/{layout}": _digest(asdict(spec)) for layout, spec in specs.items()}}  # fmt: skip
     if (folder / "tokenizer.json").exists():
-        stamp["rows"] = _digest(warm_up_rows(spec, _tokenizer(folder), layouts))
+        stamp["rows"] = _digest(warm_up_rows(specs, _tokenizer(folder)))
     return stamp
 
 
@@ -256,8 +257,8 @@ def expert_path_probabilities(model: Any, tokenizer: Any, spec: EnvSpec, layout:
     return found
 
 
-def _warm_up(folder: Path, rows: list[tuple[list[int], list[bool]]], tokenizer: Any, spec: EnvSpec,
-             log: Callable[[str], None], layouts: Layouts) -> None:  # fmt: skip
+def _warm_up(folder: Path, rows: list[tuple[list[int], list[bool]]], tokenizer: Any, specs: Specs,
+             log: Callable[[str], None]) -> None:  # fmt: skip
     """Supervised steps on random batches of ``rows`` until the greedy policy walks the expert's path with some
     margin (checked every ``RECIPE.check_every`` steps), at most ``RECIPE.sft_steps``."""
     from transformers import AutoModelForCausalLM
@@ -274,12 +275,12 @@ def _warm_up(folder: Path, rows: list[tuple[list[int], list[bool]]], tokenizer: 
         optimizer.zero_grad()
         if step % RECIPE.check_every == 0:
             model.eval()
-            path = [p for layout in layouts for p in expert_path_probabilities(model, tokenizer, spec, layout)]
+            path = _paths(model, tokenizer, specs)
             log(f"[demo] warm-up step {step}: loss {loss.item():.3f}, p(expert move) along the path "
                 f"{' '.join(f'{p:.2f}' for p in path)}")  # fmt: skip
             if min(path) >= RECIPE.target:
                 model.save_pretrained(str(folder))
-                _check_saved(folder, spec, path, layouts)
+                _check_saved(folder, specs, path)
                 return
     raise RuntimeError(
         f"the agentic demo's warm-up did not reach p(expert move) >= {RECIPE.target} along the expert's path in "
@@ -287,14 +288,18 @@ def _warm_up(folder: Path, rows: list[tuple[list[int], list[bool]]], tokenizer: 
     )
 
 
-def _check_saved(folder: Path, spec: EnvSpec, path: list[float], layouts: Layouts) -> None:
+def _paths(model: Any, tokenizer: Any, specs: Specs) -> list[float]:
+    """p(expert move) along the expert's path in every layout of ``specs``."""
+    return [p for layout, spec in specs.items() for p in expert_path_probabilities(model, tokenizer, spec, layout)]
+
+
+def _check_saved(folder: Path, specs: Specs, path: list[float]) -> None:
     """The folder read back as the pipeline reads it (model and tokenizer) must pass the check as trained."""
     from transformers import AutoModelForCausalLM
 
     saved: Any = AutoModelForCausalLM.from_pretrained(str(folder))
     saved.eval()
-    tokenizer = _tokenizer(folder)
-    again = [p for layout in layouts for p in expert_path_probabilities(saved, tokenizer, spec, layout)]
+    again = _paths(saved, _tokenizer(folder), specs)
     if max(abs(a - b) for a, b in zip(again, path, strict=True)) > 1e-4:
         raise RuntimeError(
             f"the warm-up model saved to {folder} reads back different: p(expert move) {again} vs {path}"

@@ -29,7 +29,7 @@ from apps.agentic.preflight import agentic_preflight
 from apps.agentic.render import render_episodes
 from apps.agentic.rollout import TrajectoryRunner, episode_metrics
 from apps.agentic.step_batch import adjust_batch, size_divisor, step_sample_rewards, train_plans, with_step_returns
-from apps.agentic.step_rollout import StepRunner
+from apps.agentic.step_rollout import NativeRunner, StepRunner
 from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.checkpoint_space import checkpoint_space_warning
 from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
@@ -45,7 +45,8 @@ from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.roles import Roles
 from rl_replay import RolloutReplay
 
-RUNNERS: dict[str, type[TrajectoryRunner]] = {"trajectory": TrajectoryRunner, "step": StepRunner}
+RUNNERS: dict[str, type[TrajectoryRunner]] = {"trajectory": TrajectoryRunner, "step": StepRunner,
+                                               "native": NativeRunner}  # fmt: skip
 """The runner of each sample layout (apps.agentic.config.ENV_MANAGER_CLASSES)."""
 OUTCOME_AS_REINFORCE = {"grpo": "reinforce", "gigpo": "reinforce", "step_reinforce": "reinforce"}
 
@@ -80,7 +81,7 @@ class AgenticPipeline:
         self.train_envs = EnvManager(config, config.train_env_manager, "train")
         self.rounds = config.train_env_manager.rounds(self.base.rollout_batch_size)
         generating = self.base.actor_infer.generating_args
-        self.step_mode = config.mode(config.train_env_manager) == "step"
+        self.step_mode = config.mode(config.train_env_manager) != "trajectory"
         self.divisor = size_divisor(config, role_sections(self.base)) if self.step_mode else 1
         self.runner = RUNNERS[config.mode(config.train_env_manager)](self.train_envs, self.tokenizer, generating,
                                                                      self.sequence_length)  # fmt: skip

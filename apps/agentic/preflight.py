@@ -1,10 +1,12 @@
 """Checks of an agentic config that need the cluster: the shared ones of ``apps.common.preflight`` (placement of the
 roles, the roles the algorithm needs, async generation on devices of its own, the batch arithmetic of the training
-roles with one sample per episode) and the agentic ones (one response per turn, room for a turn in sequence_length)."""
+roles with one sample per episode, or per turn) and the agentic ones (one response per turn, room for a turn in
+sequence_length)."""
 
 from __future__ import annotations
 
 from apps.agentic.config import AgenticConfig
+from apps.agentic.step_batch import size_divisor
 from apps.common.preflight import (
     PreflightError,
     PreflightReport,
@@ -41,6 +43,12 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
             f"max_tokens_per_step={longest} tokens; raise sequence_length or lower max_tokens_per_step."
         )
     notes = check_token_budgets(sections, config.sequence_length, "sequence_length") + device_only_notes(sections)
-    report = plan_training(base, placement, sections)
+    samples = None
+    if config.mode(config.train_env_manager) != "trajectory":
+        # Step samples: as many as the turns, resized to a multiple of size_divide; plan the smallest such step
+        # (every episode one turn), each step's own plan comes with its batch (apps.agentic.step_batch).
+        divisor = size_divisor(config, sections)
+        samples = -(-base.rollout_batch_size // divisor) * divisor
+    report = plan_training(base, placement, sections, samples=samples)
     report.notes.extend(notes)
     return report

@@ -19,6 +19,7 @@ Columns: ``traj_id`` (the episode), ``traj_group_id`` (its env group), ``step`` 
 from __future__ import annotations
 
 import hashlib
+import json
 import string
 from collections.abc import Sequence
 from typing import Any
@@ -115,3 +116,16 @@ def turns_to_batch(episodes: Sequence[Episode], pad_id: int) -> RolloutBatch:
         episode_scores=[float(sum(e.rewards)) for e, _, _ in rows],
     )
     return samples_to_batch(samples, columns, pad_id)
+
+
+class NativeRunner(StepRunner):
+    """ROLL's AgentNativeStepEnvManager: step samples whose prompt is the chat-templated conversation the environment
+    keeps (``env.messages``; e.g. ``sokoban_native_env``), rendered afresh each turn (no agent_template, no history
+    window). A turn's anchor state for GiGPO is that whole conversation."""
+
+    def _step_prompt(self, episode: Episode) -> list[int]:
+        messages = episode.slot.env.messages  # type: ignore[attr-defined]  # checked: keeps_conversation
+        episode.observation = json.dumps(messages, sort_keys=True, ensure_ascii=False)
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  enable_thinking=False)  # fmt: skip
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -179,11 +179,13 @@ def plan_training(
     placement: PlacementPlan,
     sections: dict[str, WorkerConfig],
     num_return_sequences_in_group: int = 1,
+    samples: int | None = None,
 ) -> PreflightReport:
-    """The report: ``placement`` and the batch plan and lr decay steps of every configured training role."""
+    """The report: ``placement`` and the batch plan and lr decay steps of every configured training role (for
+    ``samples`` per step when given, see train_plan)."""
     plans, decay = {}, {}
     for role in TRAIN_ROLES:
         if role in sections:
-            plans[role] = train_plan(config, role, sections[role], num_return_sequences_in_group)
+            plans[role] = train_plan(config, role, sections[role], num_return_sequences_in_group, samples)
             decay[role] = lr_decay_steps(config.max_steps, plans[role], config.ppo_epochs)
     return PreflightReport(placement, plans, decay, reference_notes(config))

@@ -1,6 +1,7 @@
 """Text environments of the agentic pipeline, chosen by ``custom_envs.<tag>.env_type``.
 
-Built in: ``sokoban`` and ``frozen_lake``. Add your own with ``@ENV_TYPES.register("my_env")`` on a class that has
+Built in: ``sokoban``, ``frozen_lake`` and ``sokoban_native_env`` (Sokoban keeping its own conversation, for
+AgentNativeStepEnvManager). Add your own with ``@ENV_TYPES.register("my_env")`` on a class that has
 ``config_cls`` (the dataclass of its ``env_config`` keys) and implements :class:`TextEnv`; ``make_env`` builds any
 registered type from its ``env_config`` mapping.
 """
@@ -10,6 +11,7 @@ from apps.agentic.envs.base import ENV_TYPES, EnvClass, Frame, StepResult, TextE
 from apps.agentic.envs.env_config import EnvConfigError, parse_env_config
 from apps.agentic.envs.frozen_lake import FrozenLakeConfig, FrozenLakeEnv
 from apps.agentic.envs.sokoban import SokobanConfig, SokobanEnv
+from apps.agentic.envs.sokoban_native import SokobanNativeConfig, SokobanNativeEnv
 from apps.agentic.envs.sokoban_rooms import Room, generate_room, solve
 
 __all__ = [
@@ -25,6 +27,8 @@ __all__ = [
     "Room",
     "SokobanConfig",
     "SokobanEnv",
+    "SokobanNativeConfig",
+    "SokobanNativeEnv",
     "StepResult",
     "TextEnv",
     "generate_room",

@@ -1,8 +1,10 @@
-"""Step samples (ROLL's StepEnvManager) without Ray: each turn's prompt and its history window, the samples and
-their columns, batch_adjust_mode, the divisor it adjusts to, and the config checks of step mode."""
+"""Step samples without Ray: StepEnvManager (each turn's prompt and its history window) and AgentNativeStepEnvManager
+(the environment's conversation), the samples and their columns, batch_adjust_mode, the divisor it adjusts to, and
+the config checks of both."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -12,10 +14,11 @@ from agentic_fixtures import InProcessGroup, make_setup
 
 from apps.agentic.config import AgenticConfig
 from apps.agentic.env_manager import EnvManager
+from apps.agentic.envs import make_env
 from apps.agentic.preflight import agentic_preflight
 from apps.agentic.rollout import Turn
 from apps.agentic.step_batch import adjust_batch, size_divisor, step_sample_rewards, with_step_returns
-from apps.agentic.step_rollout import INVALID_TIP, StepRunner, history_window, state_key
+from apps.agentic.step_rollout import INVALID_TIP, NativeRunner, StepRunner, history_window, state_key
 from apps.common.preflight import fill_model_paths, role_sections
 from apps.common.yaml_config import load_config
 from rl_core.batch import RolloutBatch
@@ -206,3 +209,79 @@ def test_rlvr_refuses_the_step_estimators():
     raw["adv_estimator"] = "step_reinforce"
     with pytest.raises(WorkerConfigError, match="rewards single turns of agentic episodes"):
         RLVRConfig.from_dict(raw)
+
+
+# ---------------------------------------------------------------------------------- AgentNativeStepEnvManager
+NATIVE = "roll.pipeline.agentic.env_manager.agent_native_env_manager.AgentNativeStepEnvManager"
+
+
+def test_the_native_sokoban_env_keeps_the_conversation():
+    env = make_env("sokoban_native_env", {"dim_room": [5, 5], "search_depth": 6, "max_steps": 3})
+    first = env.reset(3)
+    assert [m["role"] for m in env.messages] == ["system", "user"]
+    assert env.instructions in env.messages[0]["content"] and first in env.messages[1]["content"]
+    assert "Decide the next action" in env.messages[1]["content"]  # ROLL's format reminder after every state
+    env.step("no action here")
+    env.step("<answer>Up</answer>")
+    roles = [m["role"] for m in env.messages]
+    assert roles == ["system", "user", "assistant", "user", "assistant", "user"]
+    assert env.messages[2]["content"] == "no action here"
+    assert "the last action is not valid" in env.messages[3]["content"]  # after the invalid one ...
+    assert "the last action is not valid" not in env.messages[5]["content"]  # ... not after a valid one
+
+
+@pytest.fixture(scope="module")
+def native_run(tmp_path_factory):
+    """Two rounds of native episodes (sokoban_native_env) of the tiny setup, in this process."""
+    root = make_setup(tmp_path_factory.mktemp("native"))
+    raw = load_config(root / "agentic.yaml", ["max_tokens_per_step=4"])
+    raw["custom_envs"]["Native"] = {"env_type": "sokoban_native_env", "env_manager_cls": NATIVE, "max_steps": 3,
+                                    "env_config": {"dim_room": [5, 5], "search_depth": 6, "max_steps": 3}}  # fmt: skip
+    raw["train_env_manager"].update(tags=["Native"], num_groups_partition=None)
+    raw["val_env_manager"] = None
+    config = AgenticConfig.from_dict(raw)
+    fill_model_paths(config.base)
+    worker = RoleWorker("actor_infer", 0, 1, "127.0.0.1", WorkerBase.free_port(), {}, config.base.actor_infer)
+    worker.initialize()
+    manager = EnvManager(config, config.train_env_manager, "train")
+    tokenizer = worker.strategy.tokenizer
+    generating = replace(config.base.actor_infer.generating_args, temperature=1.0)
+    runner = NativeRunner(manager, tokenizer, generating, 900)
+    try:
+        episodes = runner.run(InProcessGroup(worker), step=0, rounds=2)
+        yield episodes, runner.to_batch(episodes), tokenizer
+    finally:
+        manager.close()
+
+
+def test_native_samples_are_the_environments_conversation_turn_by_turn(native_run):
+    episodes, batch, tokenizer = native_run
+    assert sum(len(e.turns) for e in episodes) == len(batch) and any(len(e.turns) > 1 for e in episodes)
+    for episode in episodes:
+        for index, turn in enumerate(episode.turns):
+            messages = json.loads(turn.observation)  # the conversation the turn's prompt rendered
+            assert [m["role"] for m in messages] == ["system", "user"] + ["assistant", "user"] * index
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            assert turn.prompt_ids == list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if index:  # the previous turn's response is in it, as the assistant said it
+                assert messages[-2]["content"] == episode.turns[index - 1].response
+    assert list(batch.non_tensor_batch["state_hash"]) == [state_key(t.observation) for e in episodes for t in e.turns]
+
+
+def test_the_roll_native_file_loads_and_passes_preflight():
+    raw = load_config(require_shared(ROLL_TARGETS / "qwen2.5-0.5B-agentic/agentic_val_sokoban_native.yaml"))
+    raw["num_nodes"] = 3  # its device_mapping spans 24 devices of 8-GPU nodes
+    config = AgenticConfig.from_dict(raw)
+    assert config.mode(config.train_env_manager) == "native" and config.base.adv_estimator == "step_reinforce"
+    norm = config.reward_normalization
+    assert (norm.grouping, norm.norm_mean_type, norm.norm_std_type) == ("traj_group_id", "group", "batch")
+    report = agentic_preflight(config)
+    # 1024 episodes of at least one turn, resized to a multiple of 2048 (1 x 128 x 16 ranks): one optimizer step.
+    assert report.train_plans["actor_train"].samples_per_step == 2048
+
+
+def test_the_native_manager_needs_an_environment_that_keeps_its_conversation():
+    raw = _gigpo_file()
+    raw["custom_envs"]["FrozenLake"]["env_manager_cls"] = NATIVE
+    with pytest.raises(WorkerConfigError, match="needs an environment that keeps its own conversation"):
+        AgenticConfig.from_dict(raw)
