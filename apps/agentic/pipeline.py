@@ -225,7 +225,6 @@ class AgenticPipeline:
         with timer("rollout"):
             episodes = self.get_rollout(step=step)
         rollout, plans, adjusted = self._samples(episodes, step)
-        scores = rollout.batch["scores"]
         with timer("logprobs"):
             score_with_roles(self.roles, rollout, self.base, self.settings.actor.temperature)
         with timer("advantages"):
@@ -243,7 +242,9 @@ class AgenticPipeline:
         metrics.update(reward_metrics)
         metrics.update(episode_metrics(episodes, "env"))
         lengths = rollout.batch["response_mask"].sum(dim=-1).float()  # sampled tokens per sample
-        metrics.update({"critic/score/mean": float(scores.mean()), "response_length/mean": float(lengths.mean()),
+        # critic/score/mean: each episode's score once (with step samples too: not per turn, no batch_adjust copies).
+        metrics.update({"critic/score/mean": metrics["env/episode_reward/mean"],
+                        "response_length/mean": float(lengths.mean()),
                         "critic/normalized_score/mean": float(normalized.mean())})  # fmt: skip
         metrics.update(staleness_metrics(rollout, step))
         return metrics

@@ -42,7 +42,7 @@ def state_key(observation: str) -> str:
 
 def history_window(turns: Sequence[Turn], history_length: int | None) -> str:
     """The ``{history}`` text: the last ``history_length - 1`` turns (none when null or 1), numbered from 1."""
-    shown = list(turns[len(turns) - history_length + 1 :]) if history_length and history_length > 1 else []
+    shown = list(turns[max(len(turns) - (history_length - 1), 0) :]) if history_length and history_length > 1 else []
     first = len(turns) - len(shown) + 1
     entries = []
     for number, turn in enumerate(shown, start=first):

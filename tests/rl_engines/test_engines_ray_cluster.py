@@ -76,6 +76,8 @@ def test_free_port_is_below_the_ephemeral_range_bindable_and_never_repeated():
     # TCPStore's bind (the EADDRINUSE CI met); one below it can only be taken by another explicit bind.
     with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
         ephemeral_low = int(f.read().split()[0])
+    if ephemeral_low - 20000 < 1024:
+        pytest.skip(f"ip_local_port_range starts at {ephemeral_low}: too little room below it, the OS picks")
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == 50
     assert all(20000 <= port < ephemeral_low for port in ports)

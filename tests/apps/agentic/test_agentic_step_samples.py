@@ -45,6 +45,10 @@ def test_the_history_window_shows_the_last_turns_numbered_with_rolls_invalid_tip
         "(step: 3, observation: s2, action: Left, reward: 0.0)"
     )
     assert history_window(turns, 10).startswith("(step: 1, observation: s0, action: Up, reward: 0.0), ")
+    # ROLL's default_history_length 5 after three turns: all three (history[-5:-1]), not the last one.
+    assert history_window(turns, 5) == history_window(turns, 4) == history_window(turns, 10)
+    assert history_window(turns, 5).count("(step: ") == 3
+    assert history_window(turns, 2).count("(step: ") == 1
     assert history_window(turns, 1) == history_window(turns, None) == history_window([], 5) == ""
 
 
@@ -142,6 +146,9 @@ def test_the_divisor_is_rolls_lcm_of_the_batch_sizes(step_run):
         assert size_divisor(config, sections) == 12
     finally:
         config.base.actor_train.infer_batch_size = 4
+    # A configured critic scores and trains every step (whatever the estimator): its batch sizes count too.
+    critic = replace(sections["actor_train"], infer_batch_size=5)
+    assert size_divisor(config, {**sections, "critic": critic}) == 20
 
 
 def test_gigpo_rewards_of_a_step_batch(step_run):
