@@ -33,11 +33,15 @@ TEMPLATE_FIELDS = ("turn_idx", "observation", "actions_left", "max_response_leng
 DEFAULT_SEQUENCE_LENGTH = 8192
 """Tokens an episode may fill when ``sequence_length`` is null."""
 
-# Variables of ROLL's traj_envs.yaml that exist to be interpolated into custom_env sections.
+# Variables of ROLL's examples/config/*.yaml (traj_envs, step_envs, the GEM families) that exist to be interpolated
+# into custom_env sections.
 TEMPLATE_VARIABLES = frozenset({
     "all_response_pattern", "action_pattern", "think_action_pattern", "max_actions_per_traj",
     "sokoban_format_penalty", "frozen_format_penalty", "env_manager_cls", "agent_runner_cls", "custom_env",
-    "default_history_length",
+    "default_history_length", "pre_step_template", "next_step_template", "gem_math", "gem_code", "gem_qa",
+    "gem_games", "gem_rg", "math_agent_system_template", "math_agent_template", "code_agent_system_template",
+    "code_agent_template", "qa_agent_system_template", "qa_agent_template", "game_agent_system_template",
+    "game_agent_template", "rg_agent_system_template", "rg_agent_template",
     "agent_system_template", "agent_template", "single_prompt_agent_system_template", "single_prompt_agent_template",
 })  # fmt: skip
 
@@ -228,11 +232,20 @@ class EnvSpec:
     """Keys of the environment's own config (dim_room, is_slippery, action_pattern, format_penalty, ...)."""
     max_env_step_concurrent: int | None = None
     """ROLL: concurrent env steps of this type (accepted; steps here are cheap and local)."""
+    tool_wrapper: dict[str, Any] | None = None
+    """ROLL / GEM tool use (e.g. a python_code tool) around the environment: not built; refused for the tags a
+    manager runs (accepted on the others, as ROLL's files list them)."""
 
     def validate(self, key: str) -> None:
         """Env type registered, templates formattable, lengths positive."""
         from apps.agentic.envs import ENV_TYPES
 
+        if self.env_type not in ENV_TYPES and ":" in self.env_type:
+            raise WorkerConfigError(
+                f"{key}.env_type={self.env_type!r} is one of GEM's own environments (family:name), which run through "
+                "the gem-llm package; it is not installed here and its environments are not built. Built in: "
+                f"{ENV_TYPES.names()} (roll_math serves ROLL's GEM math files from a local dataset)."
+            )
         if self.env_type not in ENV_TYPES:
             raise WorkerConfigError(
                 f"{key}.env_type={self.env_type!r} is not a registered environment; registered: {ENV_TYPES.names()}. "
@@ -404,6 +417,12 @@ def validate_agentic(config: AgenticConfig) -> None:
             raise WorkerConfigError(
                 f"{name}.tags names {missing}, which custom_envs does not define "
                 f"(defined: {sorted(config.custom_envs)})."
+            )
+        tools = [tag for tag in manager.tags if config.custom_envs[tag].tool_wrapper is not None]
+        if tools:
+            raise WorkerConfigError(
+                f"custom_envs.{tools[0]}.tool_wrapper: tool use around an environment (GEM's tool wrappers, e.g. "
+                f"python_code) is not built; {name} runs {tools[0]}. Use a tag without tool_wrapper."
             )
     _validate_modes(config)
     if config.max_tokens_per_step is not None and config.max_tokens_per_step < 1:

@@ -136,7 +136,9 @@ class TrajectoryRunner:
 
     def _first_prompt(self, episode: Episode) -> list[int]:
         """System message, the environment's instructions and the first observation, chat-templated."""
-        user = f"{episode.slot.env.instructions}\n{user_turn(episode.slot.spec, episode.observation, 1)}"
+        instructions = episode.slot.env.instructions
+        user = user_turn(episode.slot.spec, episode.observation, 1)
+        user = f"{instructions}\n{user}" if instructions else user
         return self.formatters[episode.slot.tag].first_prompt(user)
 
     def _turn(self, infer: Any, running: list[Episode], step: int, round_index: int, turn: int) -> None:

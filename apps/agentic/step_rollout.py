@@ -66,7 +66,7 @@ def step_user_message(spec: EnvSpec, instructions: str, turns: Sequence[Turn], o
         turn_idx=taken + 1, observation=observation, actions_left=spec.max_steps - taken,
         max_response_length=spec.max_tokens_per_step,
     )  # fmt: skip
-    if "env_instruction" not in template_fields(spec.agent_template):
+    if instructions and "env_instruction" not in template_fields(spec.agent_template):
         user = f"{instructions}\n{user}"
     return user
 

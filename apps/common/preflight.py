@@ -14,6 +14,7 @@ from apps.common.config import ROLE_KEYS, SharedConfig, reference_enabled
 from rl_core.batch_size import ParallelLayout, TrainBatchPlan, lr_decay_steps, plan_train_batch
 from rl_engines.config import WorkerConfig
 from rl_engines.placement import PlacementPlan
+from rl_engines.strategies.train_utils import DECAYING_SCHEDULES
 
 TRAIN_ROLES = ("actor_train", "critic")
 
@@ -183,9 +184,33 @@ def plan_training(
 ) -> PreflightReport:
     """The report: ``placement`` and the batch plan and lr decay steps of every configured training role (for
     ``samples`` per step when given, see train_plan)."""
-    plans, decay = {}, {}
+    plans, decay, notes = {}, {}, reference_notes(config)
     for role in TRAIN_ROLES:
         if role in sections:
             plans[role] = train_plan(config, role, sections[role], num_return_sequences_in_group, samples)
             decay[role] = lr_decay_steps(config.max_steps, plans[role], config.ppo_epochs)
-    return PreflightReport(placement, plans, decay, reference_notes(config))
+            notes += fill_schedule_steps(config, role, sections[role], plans[role], num_return_sequences_in_group)
+    return PreflightReport(placement, plans, decay, notes)
+
+
+def fill_schedule_steps(
+    config: SharedConfig, role: str, section: WorkerConfig, plan: TrainBatchPlan, num_return_sequences_in_group: int
+) -> list[str]:
+    """ROLL's ``set_max_steps``: a training role without ``training_args.max_steps`` gets ``max_steps x
+    rollout_batch_size x num_return_sequences x ppo_epochs / (per_device_train_batch_size x
+    gradient_accumulation_steps x data-parallel size)`` (at least 1), what a decaying schedule decays over. Returns
+    the pre-flight line saying so when the schedule decays."""
+    args = section.training_args
+    if args.max_steps is not None:
+        return []
+    dp = plan.samples_per_step // plan.samples_per_dp_rank
+    samples = config.max_steps * config.rollout_batch_size * num_return_sequences_in_group * config.ppo_epochs
+    args.max_steps = max(1, samples // (args.per_device_train_batch_size * args.gradient_accumulation_steps * dp))
+    if args.lr_scheduler_type not in DECAYING_SCHEDULES:
+        return []
+    return [
+        f"[preflight] {role}.training_args.max_steps is not set: {args.max_steps} optimizer steps, ROLL's count "
+        "(max_steps x rollout_batch_size x num_return_sequences x ppo_epochs / (per_device_train_batch_size x "
+        f"gradient_accumulation_steps x data-parallel size)), is what lr_scheduler_type {args.lr_scheduler_type} "
+        "decays over."
+    ]

@@ -73,6 +73,8 @@ def _config(**changes):
          "reward_normalization.norm_std_type='sample'; use batch, group or null"),
         ({"train_env_manager": {"tags": ["Nope"], "num_env_groups": 1}}, "train_env_manager.tags names ['Nope']"),
         ({"custom_envs": {"SimpleSokoban": {"env_type": "chess"}}}, "custom_envs.SimpleSokoban.env_type='chess'"),
+        ({"custom_envs": {"SimpleSokoban": {"env_type": "game:GuessTheNumber-v0"}}},
+         "one of GEM's own environments (family:name), which run through the gem-llm package"),
         ({"custom_envs": {"SimpleSokoban": {"env_type": "sokoban", "agent_template": "{oops}"}}},
          "custom_envs.SimpleSokoban.agent_template cannot be formatted"),
         ({"rollout_batch_size": 100}, "rollout_batch_size (100) must be a multiple"),
@@ -132,3 +134,18 @@ def test_per_manager_generating_args_follow_rolls_precedence():
     raw["val_env_manager"]["generating_args"]["num_return_sequences"] = 2
     with pytest.raises(WorkerConfigError, match=r"val_env_manager\.generating_args\.num_return_sequences is 2"):
         AgenticConfig.from_dict(raw)
+
+
+def test_a_decaying_schedule_without_max_steps_gets_rolls_count():
+    """ROLL's set_max_steps: agent_val_frozen_lake_gigpo.yaml uses cosine without training_args.max_steps; it decays
+    over max_steps x rollout_batch_size x ppo_epochs / (per_device x accumulation x dp) = 10240 x 1024 / 1024."""
+    raw = load_config(require_shared(ROLL_TARGETS / "qwen2.5-0.5B-agentic/agent_val_frozen_lake_gigpo.yaml"))
+    config = AgenticConfig.from_dict(raw)
+    assert config.base.actor_train.training_args.max_steps is None
+    report = agentic_preflight(config)
+    assert config.base.actor_train.training_args.max_steps == 10240
+    assert any("actor_train.training_args.max_steps is not set: 10240 optimizer steps" in n for n in report.notes)
+    raw["actor_train"]["training_args"]["max_steps"] = 7  # given: kept
+    config = AgenticConfig.from_dict(raw)
+    agentic_preflight(config)
+    assert config.base.actor_train.training_args.max_steps == 7
