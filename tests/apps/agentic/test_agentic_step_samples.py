@@ -25,7 +25,7 @@ from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfigError
 from rl_engines.role_worker import RoleWorker
 from rl_engines.worker_group import WorkerBase
-from tests.shared_dir import ROLL_TARGETS, require_shared
+from tests.shared_dir import ROLL_EXAMPLES, ROLL_TARGETS, require_shared
 
 STEP = "roll.pipeline.agentic.env_manager.step_env_manager.StepEnvManager"
 TEMPLATE = "'Done {step_count}. Last {history_length}: [{history}] Now ({current_step}): {current_observation}'"
@@ -212,7 +212,7 @@ def test_bad_step_mode_configs_name_the_key(change, message):
 def test_rlvr_refuses_the_step_estimators():
     from apps.rlvr.config import RLVRConfig
 
-    raw = load_config(require_shared(ROLL_TARGETS.parent / "roll-examples/docs_examples/example_grpo.yaml"))
+    raw = load_config(require_shared(ROLL_EXAMPLES / "docs_examples" / "example_grpo.yaml"))
     raw["adv_estimator"] = "step_reinforce"
     with pytest.raises(WorkerConfigError, match="rewards single turns of agentic episodes"):
         RLVRConfig.from_dict(raw)
