@@ -302,7 +302,8 @@ class AgenticConfig:
     train_env_manager: EnvManagerConfig = field(default_factory=EnvManagerConfig)
     """Environments of training rollouts."""
     val_env_manager: EnvManagerConfig | None = None
-    """Environments of validation (held-out seeds, greedy); null = no validation."""
+    """Environments of validation (held-out seeds; greedy unless its generating_args say otherwise); null = no
+    validation."""
     custom_envs: dict[str, EnvSpec] = field(default_factory=dict)
     """Environment types by tag."""
     render_save_dir: str | None = None

@@ -207,7 +207,8 @@ class AgenticPipeline:
         return self.val_runner.to_batch(episodes)
 
     def validate(self, step: int) -> dict[str, float]:
-        """Greedy episodes on the validation environments with the weights just synced (the queue drains first)."""
+        """Episodes on the validation environments (sampled with val_env_manager's generating_args, else greedy) with
+        the weights just synced (the queue drains first)."""
         paused = self.queue.drain()
         metrics = episode_metrics(self.get_val_rollout(step=step), "val")
         metrics["val/score/mean"] = metrics["val/episode_reward/mean"]
