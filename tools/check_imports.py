@@ -33,13 +33,14 @@ ALLOWED_SIBLINGS: dict[str, set[str]] = {
 }
 
 # rl_engines adapter modules: an engine (or rl_ckpt's Megatron <-> HF mapping) is importable only from
-# rl_engines/strategies/<prefix>*.py or rl_engines/strategies/<prefix>/...
+# rl_engines/strategies/<prefix>*.py or rl_engines/strategies/<prefix>/... (peft: the LoRA module)
 ADAPTER_IMPORTS: dict[str, str] = {
     "deepspeed": "deepspeed",
     "megatron": "megatron",
     "rl_ckpt": "megatron",
     "vllm": "vllm",
     "sglang": "sglang",
+    "peft": "lora",
 }
 
 

@@ -203,6 +203,16 @@ def reference_enabled(config: SharedConfig) -> bool:
     return config.enable_reference or kl
 
 
+def reference_from_actor(config: SharedConfig) -> bool:
+    """A LoRA actor whose running reference loads the actor's own model: the reference is the actor's base model
+    with its adapters disabled (ROLL's LoRA branch), so no separate reference copy is loaded or started."""
+    train, reference = config.actor_train, config.reference
+    if train is None or reference is None or not train.model_args.lora or not reference_enabled(config):
+        return False
+    paths = {section.model_args.model_name_or_path or config.pretrain for section in (train, reference)}
+    return len(paths) == 1
+
+
 DEAD_ROLL_KEYS = {
     key: f"{key} is declared in ROLL's config but read by none of its losses, so it changes nothing there; TOPR's "
     "weights are actor_train.topr_positive_weight / topr_negative_weight with actor_train.worker_cls "
@@ -213,8 +223,28 @@ DEAD_ROLL_KEYS = {
 """Top-level keys of ROLL's config that no ROLL code reads: refused with where the setting really lives."""
 
 
+LORA_VARIABLES = ("lora_target", "lora_rank", "lora_alpha", "lora_dropout")
+"""Top-level keys ROLL's LoRA files define only to interpolate into the roles' model_args (``${lora_rank}``)."""
+
+
+def pop_lora_variables(values: dict[str, Any]) -> None:
+    """Drop ROLL's top-level LoRA variables, which configure nothing themselves; given without a LoRA actor_train
+    (nothing interpolated them where they act) they are refused, naming where they belong."""
+    given = [key for key in LORA_VARIABLES if key in values]
+    for key in given:
+        values.pop(key)
+    train = values.get("actor_train")
+    if given and not (isinstance(train, dict) and (train.get("model_args") or {}).get("lora_target") is not None):
+        raise WorkerConfigError(
+            f"top-level {given} configure nothing on their own: ROLL's files interpolate them into "
+            f"actor_train.model_args (lora_target: ${{lora_target}}), which has no lora_target here. Put them in "
+            "actor_train.model_args (and actor_infer's), or remove them for full-parameter training."
+        )
+
+
 def pop_shared_sections(values: dict[str, Any]) -> dict[str, Any]:
     """Remove the worker sections and ``rollout_mock`` from ``values``; return them parsed, by key."""
+    pop_lora_variables(values)
     for key in DEAD_ROLL_KEYS:
         if key in values:
             raise WorkerConfigError(DEAD_ROLL_KEYS[key])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from apps.common.config import ROLE_KEYS, SharedConfig, reference_enabled
+from apps.common.config import ROLE_KEYS, SharedConfig, reference_enabled, reference_from_actor
 from rl_core.batch_size import ParallelLayout, TrainBatchPlan, lr_decay_steps, plan_train_batch
 from rl_engines.config import WorkerConfig
 from rl_engines.placement import PlacementPlan
@@ -41,19 +41,40 @@ def role_sections(config: SharedConfig) -> dict[str, WorkerConfig]:
     """The roles that run (actor_train, actor_infer, reference, critic), by placement name: the configured ones,
     less a reference that ROLL's ``enable_reference`` leaves off."""
     sections = {role: getattr(config, role) for role in ROLE_KEYS if getattr(config, role) is not None}
-    if not reference_enabled(config):
+    if not reference_enabled(config) or reference_from_actor(config):
         sections.pop("reference", None)
     return sections
 
 
 def reference_notes(config: SharedConfig) -> list[str]:
     """The log line of a configured reference that does not run."""
+    if reference_from_actor(config):
+        return [
+            "[preflight] reference: the actor's base model with its LoRA adapters disabled (actor_train computes "
+            "ref_log_probs, as ROLL does with LoRA); no separate reference copy is loaded."
+        ]
     if config.reference is None or reference_enabled(config):
         return []
     return [
         "[preflight] reference: not started (enable_reference false, use_kl_loss and add_token_level_kl false, "
         "init_kl_coef 0: nothing needs it); ref_log_probs are the old_log_probs, as in ROLL. Set "
         "enable_reference: true to run it."
+    ]
+
+
+def lora_notes(config: SharedConfig) -> list[str]:
+    """The log line of a LoRA actor: what trains and what the inference role receives."""
+    train, infer = config.actor_train, config.actor_infer
+    if train is None or not train.model_args.lora:
+        return []
+    args = train.model_args
+    receives = ""
+    if infer is not None:
+        receives = (f"; actor_infer ({infer.strategy_args.strategy_name}) receives the weights with the adapters "
+                    "merged in at every sync")  # fmt: skip
+    return [
+        f"[preflight] actor_train: LoRA adapters on {args.lora_target} (rank {args.lora_rank}, alpha "
+        f"{args.lora_alpha or 2 * args.lora_rank}) train; the base model stays frozen in {args.dtype}{receives}."
     ]
 
 
@@ -72,6 +93,18 @@ def check_algorithm_roles(config: SharedConfig) -> None:
     keys = [k for k in ("use_kl_loss", "add_token_level_kl", "enable_reference") if getattr(config, k)]
     if keys and config.reference is None:
         raise PreflightError(f"{' and '.join(keys)} need a `reference` section (the frozen policy the KL is to).")
+    check_lora_roles(config)
+
+
+def check_lora_roles(config: SharedConfig) -> None:
+    """actor_infer's ``lora_*`` keys describe the adapters actor_train trains: they need a LoRA actor_train."""
+    infer, train = config.actor_infer, config.actor_train
+    if infer is not None and infer.model_args.lora and (train is None or not train.model_args.lora):
+        raise PreflightError(
+            "actor_infer.model_args.lora_target is set, but actor_train trains full weights (its lora_target is "
+            "null); set actor_train.model_args.lora_target (and lora_rank / lora_alpha) to train adapters, or remove "
+            "actor_infer's lora_* keys."
+        )
 
 
 def check_async(config: SharedConfig, placement: PlacementPlan) -> None:
@@ -184,7 +217,7 @@ def plan_training(
 ) -> PreflightReport:
     """The report: ``placement`` and the batch plan and lr decay steps of every configured training role (for
     ``samples`` per step when given, see train_plan)."""
-    plans, decay, notes = {}, {}, reference_notes(config)
+    plans, decay, notes = {}, {}, reference_notes(config) + lora_notes(config)
     for role in TRAIN_ROLES:
         if role in sections:
             plans[role] = train_plan(config, role, sections[role], num_return_sequences_in_group, samples)

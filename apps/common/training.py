@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from apps.common.config import reference_from_actor
 from rl_core.batch import RolloutBatch
 from rl_core.batch_size import TrainBatchPlan, minibatch_major_order
 from rl_engines.disk_space import SAVE_FIX, OutOfSpaceError, error_code, out_of_space_cause, out_of_space_message
@@ -28,6 +29,12 @@ def score_with_roles(roles: Roles, rollout: RolloutBatch, config: Any, temperatu
     if "reference" in roles.groups:
         rollout.batch["ref_log_probs"] = (
             roles["reference"].call("compute_log_probs", rollout, temperature, dispatch="dp_split").batch["log_probs"]
+        )
+    elif reference_from_actor(config):  # LoRA: the base model, i.e. the actor with its adapters disabled
+        rollout.batch["ref_log_probs"] = (
+            roles["actor_train"]
+            .call("compute_log_probs", rollout, temperature, disable_adapter=True, dispatch="dp_split")
+            .batch["log_probs"]
         )
     elif config.reference is not None:  # configured, left off by enable_reference: ROLL's stand-in, every KL 0
         rollout.batch["ref_log_probs"] = rollout.batch["old_log_probs"].clone()

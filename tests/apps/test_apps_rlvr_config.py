@@ -311,3 +311,35 @@ def test_data_args_that_change_nothing_here_pass_with_a_note():
     assert noted == ["[preflight] actor_train.data_args.dataset_dir",
                      "[preflight] actor_train.data_args.interleave_probs",
                      "[preflight] actor_train.data_args.preprocessing_num_workers"]  # fmt: skip
+
+
+LORA_FILES = roll_target_files("qwen2.5-7B-rlvr_megatron/rlvr_config_lora.yaml",
+                               "qwen2.5-7B-rlvr_megatron/rlvr_lora_fsdp2.yaml")  # fmt: skip
+
+
+@pytest.mark.parametrize("roll_file", LORA_FILES, ids=lambda p: p.name)
+def test_the_roll_lora_files_pass_preflight_on_the_torch_native_engines(roll_file):
+    """ROLL's LoRA files (issue 18): fsdp2_train trains the adapters, hf_infer takes the merged weights. The
+    engines whose LoRA is not built here yet (megatron_train's adapters, vLLM's adapter-only sync) are refused
+    naming the key, not run as something else."""
+    raw = load_config(require_shared(roll_file))
+    config = RLVRConfig.from_dict(adapt(raw))
+    assert config.actor_train.model_args.lora and config.actor_train.model_args.lora_target == raw["actor_train"][
+        "model_args"]["lora_target"]  # fmt: skip
+    report = preflight(config)
+    assert any("LoRA adapters on" in note for note in report.notes)
+    with pytest.raises(ValueError, match=r"model_args\.lora_target is set, but .*strategy_name='(megatron_train|vllm)"
+                                         r"' cannot"):  # fmt: skip
+        preflight(RLVRConfig.from_dict(with_cluster(raw)))
+
+
+def test_lora_keys_are_refused_where_nothing_uses_them():
+    lora = {"lora_target": "q_proj", "lora_rank": 4}
+    with pytest.raises(WorkerConfigError, match=r"top-level \['lora_rank'\] configure nothing on their own"):
+        RLVRConfig.from_dict(with_(base(), lora_rank=8))
+    with pytest.raises(PreflightError, match=r"actor_infer\.model_args\.lora_target is set, but actor_train trains"):
+        preflight(RLVRConfig.from_dict(with_(base(), actor_infer__model_args={"model_name_or_path": "/m", **lora})))
+    reference = {"device_mapping": [0], "strategy_args": {"strategy_name": "hf_infer"},
+                 "model_args": {"model_name_or_path": "/models/tiny", **lora}}  # fmt: skip
+    with pytest.raises(ValueError, match=r"reference\.model_args\.lora_target is set, but LoRA adapters belong"):
+        preflight(RLVRConfig.from_dict(with_(base(), reference=reference, use_kl_loss=True)))

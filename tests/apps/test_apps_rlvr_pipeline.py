@@ -175,3 +175,33 @@ def test_global_template_overrides_the_data_args_template(setup):
 
     assert templates() == ("native", "native")
     assert templates("+global_template=qwen2_5") == ("qwen2_5", "qwen2_5")
+
+
+def test_a_lora_actor_trains_adapters_against_its_own_base_as_the_reference(setup, capsys):
+    """LoRA (ROLL's model_args.lora_*) with the KL loss: no reference role starts, actor_train scores the base with
+    its adapters disabled. At step 0 the fresh adapters (B = 0) are the base, so the KL to the reference is 0; once
+    trained it is not (a reference that were the adapted actor, or ROLL's old-log-prob stand-in, would stay 0).
+    actor_infer receives merged weights under the base names; the checkpoint holds adapters, the export both."""
+    overrides = ["max_steps=2", "eval_steps=0", f"output_dir={setup / 'lora'}", "actor_train.device_mapping=[0]",
+                 "+actor_train.model_args.lora_target=all-linear", "+actor_train.model_args.lora_rank=4",
+                 "actor_train.training_args.learning_rate=2e-2", "entropy_loss_coef=0.1"]  # fmt: skip
+    assert main(["--config_path", str(setup), "--config_name", "rlvr", *overrides]) == 0
+    assert "[preflight] reference: the actor's base model with its LoRA adapters disabled" in capsys.readouterr().out
+    from apps.common.preflight import role_sections
+    from apps.common.yaml_config import load_config
+    from apps.rlvr.config import RLVRConfig
+
+    config = RLVRConfig.from_dict(load_config(setup / "rlvr.yaml", overrides))
+    assert (
+        "reference" not in role_sections(config)
+        and "reference"
+        in role_sections(  # not started with LoRA
+            RLVRConfig.from_dict(load_config(setup / "rlvr.yaml", overrides[:4]))
+        )
+    )
+    rows = _rows(setup / "lora")
+    assert rows[0]["critic/kl"] == 0.0 and rows[1]["critic/kl"] > 1e-6
+    assert rows[1]["model_update/tensors"] == 26  # the base model's weights, adapters merged in
+    checkpoint = setup / "lora" / "checkpoints" / "checkpoint-1"
+    assert json.loads((checkpoint / "actor_train" / "meta.json").read_text())["adapters_only"] is True
+    assert (checkpoint / "actor_hf" / "adapter" / "adapter_model.safetensors").exists()

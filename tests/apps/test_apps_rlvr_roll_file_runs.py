@@ -4,7 +4,8 @@ sections graded in the driver), engines (torch-native), sizes (a small batch, sh
 file with the tags and columns of the file's rewards, outputs in a temp dir) and the two sample masks a random model
 would fail. ROLL's multi-domain example (math, code, LLM judge, instruction following and multiple choice by
 domain_interleave_probs) and the roll-targets files of issue 16: the LLM-judge config, GSPO (importance_sampling: seq),
-the off-policy config (ActorPGWorker with TOPR) and the fsdp2 config. Every reward section grades its own domain's
+the off-policy config (ActorPGWorker with TOPR) and the fsdp2 config; and the two LoRA configs of issue 18 (adapters
+trained, merged weights synced). Every reward section grades its own domain's
 samples, each on a timeline track of its own; the LLM judge runs as its own role."""
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/rlvr_config.yaml") + roll_t
     "docs_examples/example_gspo.yaml",
     "qwen2.5-7B-rlvr-offpolicy/rlvr_config.yaml",
     "qwen3-8B-rlvr_fsdp2/rlvr_config.yaml",
+    "qwen2.5-7B-rlvr_megatron/rlvr_config_lora.yaml",  # LoRA (issue 18): all-linear on megatron_train
+    "qwen2.5-7B-rlvr_megatron/rlvr_lora_fsdp2.yaml",  # LoRA (issue 18): q/k/v/o on fsdp2_train
 )
 
 

@@ -8,6 +8,7 @@ Pure Python: importing this module pulls no torch or Ray.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -26,6 +27,12 @@ class WorkerConfigError(ValueError):
 ATTENTION_ALIASES: dict[str, str | None] = {"fa2": "flash_attention_2", "auto": None, "disabled": "eager",
                                              "sdpa": "sdpa"}  # fmt: skip
 """ROLL's names of an attention kernel -> transformers' (None: its default)."""
+LORA_ALL_LINEAR = ("all-linear", "all")
+"""ROLL's ``lora_target`` values for every linear layer but the output head (``all`` is its documented spelling)."""
+UNBUILT_LORA_GROUPS = {
+    "all-embedding": "LoRA on embedding layers (ROLL's all-embedding) is not built here",
+    "all-router": "LoRA on MoE routers (ROLL's all-router) is not built here",
+}
 ATTENTION_KERNELS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
@@ -51,6 +58,17 @@ class ModelArgs:
     """Ulysses sequence parallelism (fsdp2_train / fsdp2_infer): this many ranks share their samples and split
     every packed row's sequence, trading heads for sequence around attention (all-to-all). Must divide the role's
     ranks and the model's attention heads; the data-parallel size becomes ranks / ulysses_size."""
+    lora_target: str | list[str] | None = None
+    """LoRA (ROLL's keys): the modules that get adapters; null = full-parameter training. Comma-separated module
+    names (``q_proj,v_proj``), ``all-linear`` (every linear layer but the output head; ``all`` is the same), or a
+    regular expression (a value with ``*``, ``$``, ``|`` or ``(``) matched against whole module paths. On a training
+    role only its adapters train; on actor_infer it describes the adapters the inference engine receives."""
+    lora_rank: int = 8
+    """LoRA rank r of every adapter (ROLL's default 8)."""
+    lora_alpha: int | None = None
+    """LoRA scale numerator: adapters add (lora_alpha / lora_rank) B A x; null = 2 x lora_rank (ROLL)."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input while training."""
 
     def attention(self, prefix: str) -> str | None:
         """The transformers ``attn_implementation`` these keys ask for (None = its default)."""
@@ -62,8 +80,60 @@ class ModelArgs:
             )
         return chosen.pop() if chosen else None
 
+    @property
+    def lora(self) -> bool:
+        """Whether this role has LoRA adapters (``lora_target`` set)."""
+        return self.lora_target is not None
+
+    @property
+    def lora_scale(self) -> float:
+        """``lora_alpha / lora_rank``, with ROLL's default alpha of twice the rank."""
+        return (self.lora_alpha or 2 * self.lora_rank) / self.lora_rank
+
+    def lora_targets(self) -> list[str] | str:
+        """``lora_target`` as ROLL reads it: a regular expression stays one string, anything else is split at
+        commas (a YAML list is taken as it is)."""
+        target = self.lora_target
+        if isinstance(target, list):
+            return [str(t).strip() for t in target]
+        assert target is not None
+        if any(c in target for c in "*$|("):
+            return target
+        return [t.strip() for t in target.split(",") if t.strip()]
+
+    def _validate_lora(self, prefix: str) -> None:
+        if self.lora_target is None:
+            return
+        if self.lora_rank is None or self.lora_rank < 1:
+            raise WorkerConfigError(f"{prefix}.lora_rank must be >= 1 with lora_target set, got {self.lora_rank}.")
+        if self.lora_alpha is not None and self.lora_alpha <= 0:
+            raise WorkerConfigError(f"{prefix}.lora_alpha must be > 0 (or null: 2 x lora_rank), got {self.lora_alpha}.")
+        if not 0.0 <= self.lora_dropout < 1.0:
+            raise WorkerConfigError(f"{prefix}.lora_dropout must be in [0, 1), got {self.lora_dropout}.")
+        targets = self.lora_targets()
+        if not targets:
+            raise WorkerConfigError(
+                f"{prefix}.lora_target={self.lora_target!r} names no module; give module names (q_proj,v_proj), "
+                "all-linear, or null for full-parameter training."
+            )
+        if isinstance(targets, str):
+            try:
+                re.compile(targets)
+            except re.error as exc:
+                raise WorkerConfigError(
+                    f"{prefix}.lora_target={targets!r} is not a valid regular expression: {exc}."
+                ) from None
+            return
+        refused = sorted({t for t in targets if t in UNBUILT_LORA_GROUPS})
+        if refused:
+            raise WorkerConfigError(
+                f"{prefix}.lora_target asks for {refused}: {UNBUILT_LORA_GROUPS[refused[0]]}. Name the linear modules "
+                "(or all-linear) instead."
+            )
+
     def validate(self, prefix: str) -> None:
         """Raise :class:`WorkerConfigError` naming ``<prefix>.<key>`` for the first bad value."""
+        self._validate_lora(prefix)
         for key in ("attn_implementation", "flash_attn"):
             value = getattr(self, key)
             if value is not None and value not in ATTENTION_ALIASES and value not in ATTENTION_KERNELS:

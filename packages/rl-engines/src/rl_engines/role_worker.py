@@ -67,11 +67,13 @@ class RoleWorker(WorkerBase):
         return self.strategy.generate(batch, generating_args)  # type: ignore[no-any-return]
 
     def compute_log_probs(
-        self, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False
+        self, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False, disable_adapter: bool = False
     ) -> RolloutBatch:
-        """Log-probs (and entropy) of the batch's responses."""
+        """Log-probs (and entropy) of the batch's responses; ``disable_adapter``: under a LoRA model's base alone
+        (the reference policy)."""
+        extra = {"disable_adapter": True} if disable_adapter else {}  # only LoRA-capable strategies take it
         return self.strategy.compute_log_probs(  # type: ignore[no-any-return]
-            batch, temperature=temperature, with_entropy=with_entropy
+            batch, temperature=temperature, with_entropy=with_entropy, **extra
         )
 
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:

@@ -40,9 +40,33 @@ def check_strategy(role: str, config: WorkerConfig) -> None:
         words = {"train": "a training", "infer": "an inference"}
         raise ValueError(f"{key}={name!r} is {words[kind]} strategy, but {role} needs {words[wanted]} strategy: "
                          f"one of {valid}.")  # fmt: skip
+    check_lora(role, config, getattr(STRATEGIES.get(name), "lora", None))
     from rl_engines.strategies import create_strategy
 
     create_strategy(config, role)  # parses strategy_config, naming bad keys; engines load only in initialize()
+
+
+def check_lora(role: str, config: WorkerConfig, support: str | None) -> None:
+    """``model_args.lora_*`` only where the role's strategy does what ROLL does with them: a training strategy that
+    trains adapters (``lora = "adapters"``), an inference one that takes the actor's merged weights (``"merged"``)."""
+    if not config.model_args.lora:
+        return
+    from rl_engines.strategies import STRATEGIES
+
+    key, name = f"{role}.model_args.lora_target", config.strategy_args.strategy_name
+    if role not in ("actor_train", "actor_infer"):
+        raise ValueError(
+            f"{key} is set, but LoRA adapters belong to the policy (actor_train trains them, actor_infer receives "
+            f"them); {role} takes no adapters. Remove the lora_* keys of {role}."
+        )
+    wanted = "adapters" if role == "actor_train" else "merged"
+    if support != wanted:
+        able = sorted(n for n in STRATEGIES.names() if getattr(STRATEGIES.get(n), "lora", None) == wanted)
+        raise ValueError(
+            f"{key} is set, but {role}.strategy_args.strategy_name={name!r} cannot "
+            f"{'train LoRA adapters' if role == 'actor_train' else 'take the LoRA actor weights'} here; use one of "
+            f"{able}, or remove the lora_* keys of {role}."
+        )
 
 
 def plan_roles(cluster: ClusterSpec, configs: Mapping[str, WorkerConfig]) -> PlacementPlan:

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from torch.distributed.tensor import DTensor
 
 from rl_engines.disk_space import SAVE_FIX, OutOfSpaceError, error_code, out_of_space_cause, out_of_space_message
+from rl_engines.strategies import lora
 
 COMPLETE_MARKER = "COMPLETE"
 
@@ -259,18 +260,36 @@ def write_hf_folder_atomically(
            rank_bytes=rank_bytes, cleaned=cleaned)  # fmt: skip
 
 
+def _adapters_only(strategy: Any) -> bool:
+    """A LoRA model's checkpoint holds its adapters (and their optimizer state) only: the base never changes."""
+    return bool(strategy.config.model_args.lora)
+
+
+def _state_dicts(strategy: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model and optimizer state dicts a checkpoint holds; with LoRA the trainable weights' only (torch's
+    ``ignore_frozen_params`` keeps a frozen weight tied to another under its second name, so names are filtered)."""
+    if not _adapters_only(strategy):
+        return get_state_dict(strategy.model, strategy.optimizer)
+    options = StateDictOptions(ignore_frozen_params=True)
+    model_sd, optim_sd = get_state_dict(strategy.model, strategy.optimizer, options=options)
+    trained = {name for name, p in strategy.model.named_parameters(remove_duplicate=False) if p.requires_grad}
+    return {name: value for name, value in model_sd.items() if name in trained}, optim_sd
+
+
 def save(strategy: Any, path: str) -> None:
-    """Write ``strategy``'s checkpoint to ``path`` (every rank calls; a collective)."""
+    """Write ``strategy``'s checkpoint to ``path`` (every rank calls; a collective). With LoRA only the adapters
+    and their optimizer state are written (``meta.json`` says ``adapters_only``)."""
 
     def write(tmp: Path, rank: int) -> None:
-        model_sd, optim_sd = get_state_dict(strategy.model, strategy.optimizer)
+        model_sd, optim_sd = _state_dicts(strategy)
         try:
             dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
         except CheckpointException as exc:  # a BaseException, raised on every rank when any rank's write failed
             if rank not in exc.failures:
                 raise PeerRankError(f"{strategy.role}: rank(s) {sorted(exc.failures)} failed to write {tmp}") from None
             raise exc.failures[rank][0] from None  # this rank's own error (an OSError, torch's short write, ...)
-        meta = {"role": strategy.role, "world_size": dist.get_world_size(), "global_step": strategy.global_step}
+        meta = {"role": strategy.role, "world_size": dist.get_world_size(), "global_step": strategy.global_step,
+                "adapters_only": _adapters_only(strategy)}  # fmt: skip
         save_trainer_state(strategy, tmp, rank, meta)
 
     rank_bytes = tensor_bytes(list(strategy.model.parameters()), list(strategy.optimizer.state.values()))
@@ -280,19 +299,44 @@ def save(strategy: Any, path: str) -> None:
 def load(strategy: Any, path: str) -> None:
     """Restore ``strategy`` from ``path``; RNG per rank when the world size matches (else each rank's seed)."""
     root = require_complete(path, strategy.role)
-    model_sd, optim_sd = get_state_dict(strategy.model, strategy.optimizer)
+    _check_adapters_only(strategy, root)
+    model_sd, optim_sd = _state_dicts(strategy)
     dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "dcp"))  # fills them in place
-    set_state_dict(strategy.model, strategy.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    # dcp_load refused a checkpoint missing any of these keys; the frozen base is not among them (LoRA)
+    options = StateDictOptions(ignore_frozen_params=_adapters_only(strategy), strict=not _adapters_only(strategy))
+    set_state_dict(strategy.model, strategy.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
+                   options=options)  # fmt: skip
     load_trainer_state(strategy, root)
 
 
+def _check_adapters_only(strategy: Any, root: Path) -> None:
+    """A LoRA checkpoint restores a LoRA model and a full one a full model; a mix is refused naming both."""
+    meta_file = root / "meta.json"
+    saved = bool(json.loads(meta_file.read_text()).get("adapters_only")) if meta_file.exists() else False
+    if saved != _adapters_only(strategy):
+        kinds = {True: "LoRA adapters only", False: "full weights"}
+        raise ValueError(
+            f"{strategy.role}: {root} holds {kinds[saved]}, but {strategy.role}.model_args.lora_target="
+            f"{strategy.config.model_args.lora_target!r} builds a model with {kinds[_adapters_only(strategy)]}; "
+            "resume with the lora_* keys the checkpoint was written with."
+        )
+
+
 def save_hf(strategy: Any, path: str) -> None:
-    """Gather full weights to rank 0 and write a HuggingFace folder there, atomically (every rank calls)."""
+    """Gather full weights to rank 0 and write a HuggingFace folder there, atomically (every rank calls). A LoRA
+    model writes the base model with its adapters merged in, and the adapters alone (PEFT's format) in
+    ``<path>/adapter``."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state_dict = get_model_state_dict(strategy.model, options=options)
 
     def write(tmp: Path) -> None:
-        strategy.model.save_pretrained(str(tmp), state_dict=state_dict)
+        if not _adapters_only(strategy):
+            strategy.model.save_pretrained(str(tmp), state_dict=state_dict)
+            return
+        tensors: dict[str, torch.Tensor] = dict(state_dict)  # type: ignore[arg-type]  # a full state dict: tensors
+        merged = dict(lora.merged_weights(tensors.items(), strategy.config.model_args.lora_scale))
+        strategy.model.get_base_model().save_pretrained(str(tmp), state_dict=merged)
+        strategy.model.save_pretrained(str(tmp / "adapter"), state_dict=state_dict)
 
     write_hf_folder_atomically(path, write, strategy.tokenizer, role=strategy.role,
                                rank_bytes=tensor_bytes(state_dict))  # fmt: skip

@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfig
 from rl_engines.objectives import Objective
-from rl_engines.strategies import checkpointing
+from rl_engines.strategies import checkpointing, lora
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, reject_unknown_keys, worker_device
 from rl_engines.strategies.micro_batches import MicroBatchPlanner, planner
 from rl_engines.strategies.model_io import (
@@ -90,6 +90,8 @@ class Fsdp2TrainStrategy:
     """Train one role's model with FSDP2 over all ranks of the worker's process group."""
 
     kind = "train"
+    lora: str | None = "adapters"
+    """LoRA (``model_args.lora_target``): trains peft adapters (see :mod:`rl_engines.strategies.lora`)."""
     phases: tuple[str, ...] = ("train", "infer")
     """The micro-batch plans this strategy runs (training passes, log-prob / value passes)."""
 
@@ -113,6 +115,7 @@ class Fsdp2TrainStrategy:
         if config.model_args.ulysses_size > 1 and config.device_mapping:
             check_ulysses(config.model_args.ulysses_size, len(config.device_mapping), *model_heads(config),
                           f"{role}.model_args")  # fmt: skip
+        lora.check_lora_role(config, role, self.value_head)
         self.device = torch.device("cpu")
         self.global_step = 0
         self.model: Any = None
@@ -140,6 +143,8 @@ class Fsdp2TrainStrategy:
         args = self.config.model_args
         torch.manual_seed(self.config.training_args.seed)
         model = load_model(args, self.role, dtype=torch.float32, value_head=self.value_head)
+        if args.lora:  # adapters in fp32 (the only trained and optimized weights), the frozen base in compute dtype
+            model = lora.apply_lora(model, args, self.role, TORCH_DTYPES[args.dtype])
         self._setup_ulysses(model)
         if not args.disable_gradient_checkpointing:
             enable_activation_checkpointing(model)
@@ -248,20 +253,23 @@ class Fsdp2TrainStrategy:
         return gather_batch(batch, self.ulysses.group if self.ulysses is not None else None)
 
     @torch.no_grad()
-    def _infer(self, batch: RolloutBatch, **kwargs: Any) -> RolloutBatch:
+    def _infer(self, batch: RolloutBatch, *, disable_adapter: bool = False, **kwargs: Any) -> RolloutBatch:
         self.reload()  # a colocated role may have offloaded us; computing needs the weights on the device
         self.model.eval()
         pooled, own = self._pooled(batch)
         plan = self.planners["infer"]
-        out = plan.map(pooled, lambda micro: self._outputs(micro, plan, **kwargs))
+        with lora.adapters_off(self.model, self.role, disable_adapter):
+            out = plan.map(pooled, lambda micro: self._outputs(micro, plan, **kwargs))
         return RolloutBatch({key: value[own] for key, value in out.batch.items()}, meta_info=dict(batch.meta_info))
 
     def compute_log_probs(
-        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
-    ) -> RolloutBatch:
-        """``log_probs [B, R]`` (and ``entropy``) of the responses under the current weights, no gradients."""
+        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False,
+        disable_adapter: bool = False,
+    ) -> RolloutBatch:  # fmt: skip
+        """``log_probs [B, R]`` (and ``entropy``) of the responses under the current weights, no gradients.
+        ``disable_adapter`` (LoRA): under the base model alone, i.e. the reference policy (ROLL's meta_info key)."""
         require_causal_lm(self.role, self.value_head)
-        return self._infer(batch, temperature=temperature, with_entropy=with_entropy)
+        return self._infer(batch, temperature=temperature, with_entropy=with_entropy, disable_adapter=disable_adapter)
 
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
         """Critic ``values [B, R]``."""
@@ -314,10 +322,22 @@ class Fsdp2TrainStrategy:
 
     # ---- weights -------------------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights in HF names, one tensor at a time (each an all-gather: every rank must iterate).
+        """Full weights in HF names, one tensor at a time (each an all-gather: every rank must iterate); with LoRA
+        the base model's weights with the adapters merged in (what an engine without adapters loads).
 
         An offloaded model is brought back for the iteration (nccl gathers device tensors) and offloaded again.
         """
+        weights = self._full_weights()
+        yield from (
+            lora.merged_weights(weights, self.config.model_args.lora_scale) if self.config.model_args.lora else weights
+        )
+
+    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: the adapters alone under PEFT's file names (``...q_proj.lora_A.weight``); a collective as above."""
+        lora.require_lora(self.config, self.role)
+        return lora.adapter_weights(self._full_weights())
+
+    def _full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         was_offloaded = self._offloaded
         self.reload()
         try:

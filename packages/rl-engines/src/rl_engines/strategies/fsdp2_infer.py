@@ -29,6 +29,7 @@ class Fsdp2InferStrategy(Fsdp2TrainStrategy):
     """Score with one FSDP2-sharded copy of the model spread over the role's ranks (a collective per pass)."""
 
     kind = "infer"
+    lora = None
     phases = ("infer",)  # no training passes: only the _forward / _in_infer keys apply
 
     def __init__(self, config: WorkerConfig, role: str) -> None:

@@ -24,6 +24,8 @@ class HfInferStrategy:
     """Frozen HF model in eval mode on this worker's device."""
 
     kind = "infer"
+    lora = "merged"
+    """LoRA on the actor: this engine receives the weights with the adapters merged in at every sync."""
 
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config

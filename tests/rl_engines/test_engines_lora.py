@@ -1,0 +1,189 @@
+"""LoRA on the train strategies that build it (``model_args.lora_*``): only the adapters train, the base stays the
+reference policy, merged weights and exported folders score as the trained model, checkpoints hold adapters only and
+resume bitwise, and bad keys are refused naming them. In-process, a world of one (as the train contract suite)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_fixtures import reference_log_probs, require_engine, rollout_batch, tiny_model_dir, worker_config
+
+from rl_engines.config import WorkerConfig, WorkerConfigError
+from rl_engines.objectives import ActorObjective
+from rl_engines.strategies import create_strategy
+from rl_engines.strategies.model_io import forward_log_probs
+
+__all__ = ["tiny_model_dir"]
+pytest.importorskip("peft")
+LORA = {"lora_target": "q_proj,v_proj,down_proj", "lora_rank": 4, "lora_alpha": 16}
+
+
+@pytest.fixture(params=["fsdp2_train"])
+def strategy_name(request: pytest.FixtureRequest) -> str:
+    return require_engine(str(request.param))
+
+
+def make(strategy_name, model_dir, role="actor_train", model_args=None, **training_args):
+    args = {"learning_rate": 2e-2, "per_device_train_batch_size": 2, **training_args}
+    config = worker_config(model_dir, role, training_args=args, infer_batch_size=3,
+                           model_args={**LORA, **(model_args or {})},
+                           strategy_args={"strategy_name": strategy_name})  # fmt: skip
+    strategy = create_strategy(config, role)
+    strategy.initialize()
+    return strategy
+
+
+def train(strategy, batch, steps=2):
+    batch.batch["advantages"] = torch.ones_like(batch.batch["advantages"])
+    for _ in range(steps):
+        batch.batch["old_log_probs"] = strategy.compute_log_probs(batch).batch["log_probs"]
+        strategy.train_step(batch, ActorObjective())
+
+
+def log_probs_of(model, batch):
+    with torch.no_grad():
+        return forward_log_probs(model.eval(), batch, torch.device("cpu"))[0]
+
+
+def test_only_the_adapters_train_and_the_base_stays_the_reference(strategy_name, tiny_model_dir):
+    strategy = make(strategy_name, tiny_model_dir, model_args={"dtype": "bf16"})
+    trainable = {n for n, p in strategy.model.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    targets = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable}
+    assert targets == {"q_proj", "v_proj", "down_proj"}
+    optimized = {id(p) for group in strategy.optimizer.param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in strategy.model.parameters() if p.requires_grad}
+    frozen = {p.dtype for p in strategy.model.parameters() if not p.requires_grad}
+    assert frozen == {torch.bfloat16} and {p.dtype for p in strategy.model.parameters() if p.requires_grad} == {
+        torch.float32
+    }
+
+
+def test_a_fresh_adapter_changes_nothing_and_training_moves_only_the_adapted_policy(strategy_name, tiny_model_dir):
+    strategy = make(strategy_name, tiny_model_dir)
+    batch = rollout_batch(batch_size=4, seed=2)
+    mask = batch.batch["response_mask"]
+    base = reference_log_probs(tiny_model_dir, batch)
+    torch.testing.assert_close(
+        strategy.compute_log_probs(batch).batch["log_probs"][mask].double(), base[mask], atol=2e-5, rtol=0
+    )  # fmt: skip  (B = 0: the adapters add nothing yet)
+    train(strategy, batch)
+    adapted = strategy.compute_log_probs(batch).batch["log_probs"]
+    assert adapted[mask].mean() > base[mask].mean() + 0.1
+    reference = strategy.compute_log_probs(batch, disable_adapter=True).batch["log_probs"]
+    torch.testing.assert_close(reference[mask].double(), base[mask], atol=2e-5, rtol=0)
+
+
+def test_merged_weights_and_both_exports_score_as_the_trained_model(strategy_name, tiny_model_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    strategy = make(strategy_name, tiny_model_dir)
+    batch = rollout_batch(batch_size=4, seed=3)
+    train(strategy, batch)
+    mask = batch.batch["response_mask"]
+    expected = strategy.compute_log_probs(batch).batch["log_probs"]
+
+    merged = dict(strategy.named_weights())
+    fresh = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    assert set(merged) == set(fresh.state_dict())  # the base model's HF names, nothing of peft's
+    fresh.load_state_dict(merged)
+    torch.testing.assert_close(log_probs_of(fresh, batch)[mask], expected[mask], atol=1e-5, rtol=0)
+
+    strategy.save_hf(str(tmp_path / "hf"))
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32)
+    torch.testing.assert_close(log_probs_of(exported, batch)[mask], expected[mask], atol=1e-5, rtol=0)
+    config = json.loads((tmp_path / "hf" / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 16, ["down_proj", "q_proj",
+                                                                                             "v_proj"])  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    with_adapter = PeftModel.from_pretrained(base, str(tmp_path / "hf" / "adapter"))
+    torch.testing.assert_close(log_probs_of(with_adapter, batch)[mask], expected[mask], atol=1e-5, rtol=0)
+    adapters = dict(strategy.adapter_weights())
+    assert adapters and all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in adapters)
+
+
+def test_checkpoints_hold_the_adapters_only_and_resume_equals_uninterrupted(strategy_name, tiny_model_dir, tmp_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from rl_core.losses import LossCoefficients
+
+    batches = [rollout_batch(batch_size=4, seed=s) for s in (10, 11)]
+    objective = ActorObjective(coefficients=LossCoefficients(entropy_loss_coef=0.01))
+    schedule = {"lr_scheduler_type": "linear", "max_steps": 8, "warmup_steps": 1}
+    first = make(strategy_name, tiny_model_dir, **schedule)
+    batches[0].batch["old_log_probs"] = first.compute_log_probs(batches[0]).batch["log_probs"]
+    first.train_step(batches[0], objective)
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    assert json.loads((tmp_path / "ckpt" / "meta.json").read_text())["adapters_only"] is True
+    saved = FileSystemReader(str(tmp_path / "ckpt" / "dcp")).read_metadata().state_dict_metadata
+    weights = {key for key in saved if key.startswith("model.")}
+    assert weights == {f"model.{n}" for n, p in first.model.named_parameters() if p.requires_grad}  # no base
+    batches[1].batch["old_log_probs"] = first.compute_log_probs(batches[1]).batch["log_probs"]
+    expected = first.train_step(batches[1], objective)
+
+    resumed = make(strategy_name, tiny_model_dir, **schedule)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed.train_step(batches[1], objective) == expected
+    for (name, a), (_, b) in zip(first.named_weights(), resumed.named_weights()):
+        assert torch.equal(a, b), name
+
+    full = create_strategy(worker_config(tiny_model_dir, strategy_args={"strategy_name": strategy_name}),
+                           "actor_train")  # fmt: skip
+    full.initialize()
+    with pytest.raises(ValueError, match=r"holds LoRA adapters only.*actor_train\.model_args\.lora_target=None"):
+        full.load_checkpoint(str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("q_proj,qkv", r"actor_train\.model_args\.lora_target names \['qkv'\].*linear layers are \[.*'q_proj'"),
+        (".*\\.attn\\..*", r"actor_train\.model_args\.lora_target='.*' matches no linear layer"),
+        ("lm_head", r"names \['lm_head'\], which match no linear layer"),  # the output head is not adapted
+    ],
+)
+def test_targets_that_match_no_linear_layer_are_named(strategy_name, tiny_model_dir, target, message):
+    with pytest.raises(ValueError, match=message):
+        make(strategy_name, tiny_model_dir, model_args={"lora_target": target})
+
+
+def test_all_linear_adapts_every_linear_layer_but_the_head(strategy_name, tiny_model_dir):
+    strategy = make(strategy_name, tiny_model_dir, model_args={"lora_target": "all-linear"})
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in strategy.model.named_parameters() if ".lora_A." in n}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+
+
+def test_a_value_head_role_with_lora_is_refused(strategy_name, tiny_model_dir):
+    config = worker_config(tiny_model_dir, "critic", model_args=LORA, strategy_args={"strategy_name": strategy_name})
+    with pytest.raises(ValueError, match=r"critic\.model_args\.lora_target is set on a value-head model"):
+        create_strategy(config, "critic")
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"lora_target": "q_proj", "lora_rank": 0}, r"actor_train\.model_args\.lora_rank must be >= 1"),
+        ({"lora_target": "q_proj", "lora_alpha": -2}, r"actor_train\.model_args\.lora_alpha must be > 0"),
+        ({"lora_target": "q_proj", "lora_dropout": 1.0}, r"actor_train\.model_args\.lora_dropout must be in"),
+        ({"lora_target": " , "}, r"actor_train\.model_args\.lora_target=' , ' names no module"),
+        ({"lora_target": "all-embedding"}, r"lora_target asks for \['all-embedding'\].*not built"),
+        ({"lora_target": "q_(proj"}, r"lora_target='q_\(proj' is not a valid regular expression"),
+    ],
+)
+def test_bad_lora_keys_are_refused_naming_the_key(values, message):
+    with pytest.raises(WorkerConfigError, match=message):
+        WorkerConfig.from_dict({"model_args": values}, "actor_train")
+
+
+def test_lora_keys_read_as_roll_reads_them():
+    def args(**values):
+        return WorkerConfig.from_dict({"model_args": values}, "actor_train").model_args
+
+    assert args(lora_target="o_proj, q_proj").lora_targets() == ["o_proj", "q_proj"]
+    assert args(lora_target=".*proj$").lora_targets() == ".*proj$"  # a regular expression stays whole
+    assert args(lora_target="q_proj", lora_rank=32).lora_scale == 2.0  # alpha defaults to 2 x rank
+    assert args(lora_target="q_proj", lora_rank=32, lora_alpha=32).lora_scale == 1.0
+    assert not args().lora
