@@ -10,6 +10,7 @@ import pytest
 import torch
 from engine_fixtures import reference_log_probs, require_engine, rollout_batch, tiny_model_dir, worker_config
 
+from rl_core.losses import LossCoefficients
 from rl_engines.config import WorkerConfig, WorkerConfigError
 from rl_engines.objectives import ActorObjective
 from rl_engines.strategies import create_strategy
@@ -20,7 +21,7 @@ pytest.importorskip("peft")
 LORA = {"lora_target": "q_proj,v_proj,down_proj", "lora_rank": 4, "lora_alpha": 16}
 
 
-@pytest.fixture(params=["fsdp2_train"])
+@pytest.fixture(params=["fsdp2_train", "deepspeed_train"])
 def strategy_name(request: pytest.FixtureRequest) -> str:
     return require_engine(str(request.param))
 
@@ -42,6 +43,31 @@ def train(strategy, batch, steps=2):
         strategy.train_step(batch, ActorObjective())
 
 
+def module(strategy):
+    """The peft model a strategy trains (fsdp2: ``model``; deepspeed: the engine's module)."""
+    return strategy.model if hasattr(strategy, "model") else strategy.engine.module
+
+
+def optimizer_state_numel(strategy):
+    """Values of Adam's first moment the strategy's optimizer holds (ZeRO keeps flat fp32 partitions)."""
+    optimizer = getattr(strategy, "optimizer", None) or strategy.engine.optimizer
+    while not optimizer.state and hasattr(optimizer, "optimizer"):
+        optimizer = optimizer.optimizer
+    return sum(state["exp_avg"].numel() for state in optimizer.state.values())
+
+
+def saved_weight_names(folder):
+    """The model weights a checkpoint folder holds (fsdp2: torch.distributed.checkpoint; deepspeed: its module
+    states file)."""
+    if (folder / "dcp").exists():
+        from torch.distributed.checkpoint import FileSystemReader
+
+        saved = FileSystemReader(str(folder / "dcp")).read_metadata().state_dict_metadata
+        return {key.removeprefix("model.") for key in saved if key.startswith("model.")}
+    states = torch.load(folder / "deepspeed" / "state" / "mp_rank_00_model_states.pt", weights_only=False)
+    return set(states["module"])
+
+
 def log_probs_of(model, batch):
     with torch.no_grad():
         return forward_log_probs(model.eval(), batch, torch.device("cpu"))[0]
@@ -49,16 +75,14 @@ def log_probs_of(model, batch):
 
 def test_only_the_adapters_train_and_the_base_stays_the_reference(strategy_name, tiny_model_dir):
     strategy = make(strategy_name, tiny_model_dir, model_args={"dtype": "bf16"})
-    trainable = {n for n, p in strategy.model.named_parameters() if p.requires_grad}
+    model = module(strategy)
+    trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     targets = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable}
     assert targets == {"q_proj", "v_proj", "down_proj"}
-    optimized = {id(p) for group in strategy.optimizer.param_groups for p in group["params"]}
-    assert optimized == {id(p) for p in strategy.model.parameters() if p.requires_grad}
-    frozen = {p.dtype for p in strategy.model.parameters() if not p.requires_grad}
-    assert frozen == {torch.bfloat16} and {p.dtype for p in strategy.model.parameters() if p.requires_grad} == {
-        torch.float32
-    }
+    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}  # the frozen base
+    train(strategy, rollout_batch(batch_size=2, seed=1), steps=1)
+    assert optimizer_state_numel(strategy) == sum(trainable.values())  # Adam holds the adapters' moments only
 
 
 def test_a_fresh_adapter_changes_nothing_and_training_moves_only_the_adapted_policy(strategy_name, tiny_model_dir):
@@ -106,8 +130,6 @@ def test_merged_weights_and_both_exports_score_as_the_trained_model(strategy_nam
 
 
 def test_checkpoints_hold_the_adapters_only_and_resume_equals_uninterrupted(strategy_name, tiny_model_dir, tmp_path):
-    from torch.distributed.checkpoint import FileSystemReader
-
     from rl_core.losses import LossCoefficients
 
     batches = [rollout_batch(batch_size=4, seed=s) for s in (10, 11)]
@@ -118,9 +140,8 @@ def test_checkpoints_hold_the_adapters_only_and_resume_equals_uninterrupted(stra
     first.train_step(batches[0], objective)
     first.save_checkpoint(str(tmp_path / "ckpt"))
     assert json.loads((tmp_path / "ckpt" / "meta.json").read_text())["adapters_only"] is True
-    saved = FileSystemReader(str(tmp_path / "ckpt" / "dcp")).read_metadata().state_dict_metadata
-    weights = {key for key in saved if key.startswith("model.")}
-    assert weights == {f"model.{n}" for n, p in first.model.named_parameters() if p.requires_grad}  # no base
+    trained = {n for n, p in module(first).named_parameters() if p.requires_grad}
+    assert saved_weight_names(tmp_path / "ckpt") == trained  # no base weight
     batches[1].batch["old_log_probs"] = first.compute_log_probs(batches[1]).batch["log_probs"]
     expected = first.train_step(batches[1], objective)
 
@@ -152,7 +173,9 @@ def test_targets_that_match_no_linear_layer_are_named(strategy_name, tiny_model_
 
 def test_all_linear_adapts_every_linear_layer_but_the_head(strategy_name, tiny_model_dir):
     strategy = make(strategy_name, tiny_model_dir, model_args={"lora_target": "all-linear"})
-    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in strategy.model.named_parameters() if ".lora_A." in n}
+    adapted = {
+        n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in module(strategy).named_parameters() if ".lora_A." in n
+    }
     assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
 
 
@@ -187,3 +210,34 @@ def test_lora_keys_read_as_roll_reads_them():
     assert args(lora_target="q_proj", lora_rank=32).lora_scale == 2.0  # alpha defaults to 2 x rank
     assert args(lora_target="q_proj", lora_rank=32, lora_alpha=32).lora_scale == 1.0
     assert not args().lora
+
+
+STEP_ARGS = {"learning_rate": 1e-2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 2,
+             "adam_epsilon": 1e-3}  # fmt: skip
+
+
+@pytest.mark.parametrize("zero_stage", [1, 3])
+def test_deepspeed_trains_the_same_adapters_as_fsdp2(tiny_model_dir, zero_stage):
+    """The same adapter init (training_args.seed) and the same two optimizer steps give the same adapters on both
+    engines (ZeRO-3 partitions the frozen base too). adam_epsilon 1e-3 keeps this a comparison of gradients (see
+    test_engines_deepspeed.py)."""
+    require_engine("deepspeed_train")
+    batch = rollout_batch(batch_size=4, seed=4)
+    results = []
+    for name, options in (("fsdp2_train", {}), ("deepspeed_train", {"zero_stage": zero_stage})):
+        strategy_args = {"strategy_name": name, "strategy_config": options}
+        config = worker_config(tiny_model_dir, training_args=STEP_ARGS, model_args=LORA, strategy_args=strategy_args)
+        strategy = create_strategy(config, "actor_train")
+        strategy.initialize()
+        batch.batch["old_log_probs"] = strategy.compute_log_probs(batch).batch["log_probs"]
+        metrics = strategy.train_step(batch, ActorObjective(coefficients=LossCoefficients(entropy_loss_coef=0.01)))
+        results.append((metrics, dict(strategy.adapter_weights()), dict(strategy.named_weights())))
+    (fsdp2_metrics, fsdp2_adapters, fsdp2_merged), (ds_metrics, ds_adapters, ds_merged) = results
+    for key in ("pg_loss", "total_loss", "grad_norm"):
+        assert ds_metrics[key] == pytest.approx(fsdp2_metrics[key], abs=1e-6), key
+    assert ds_adapters.keys() == fsdp2_adapters.keys() and ds_merged.keys() == fsdp2_merged.keys()
+    moved = max(float((fsdp2_adapters[n] - ds_adapters[n]).abs().max()) for n in fsdp2_adapters)
+    assert moved <= 1e-6
+    for name, value in fsdp2_merged.items():
+        torch.testing.assert_close(ds_merged[name], value, atol=1e-6, rtol=0, msg=name)
+    assert any(float(v.abs().max()) > 0 for n, v in fsdp2_adapters.items() if ".lora_B." in n)  # they trained

@@ -260,7 +260,7 @@ def write_hf_folder_atomically(
            rank_bytes=rank_bytes, cleaned=cleaned)  # fmt: skip
 
 
-def _adapters_only(strategy: Any) -> bool:
+def adapters_only(strategy: Any) -> bool:
     """A LoRA model's checkpoint holds its adapters (and their optimizer state) only: the base never changes."""
     return bool(strategy.config.model_args.lora)
 
@@ -268,7 +268,7 @@ def _adapters_only(strategy: Any) -> bool:
 def _state_dicts(strategy: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model and optimizer state dicts a checkpoint holds; with LoRA the trainable weights' only (torch's
     ``ignore_frozen_params`` keeps a frozen weight tied to another under its second name, so names are filtered)."""
-    if not _adapters_only(strategy):
+    if not adapters_only(strategy):
         return get_state_dict(strategy.model, strategy.optimizer)
     options = StateDictOptions(ignore_frozen_params=True)
     model_sd, optim_sd = get_state_dict(strategy.model, strategy.optimizer, options=options)
@@ -289,7 +289,7 @@ def save(strategy: Any, path: str) -> None:
                 raise PeerRankError(f"{strategy.role}: rank(s) {sorted(exc.failures)} failed to write {tmp}") from None
             raise exc.failures[rank][0] from None  # this rank's own error (an OSError, torch's short write, ...)
         meta = {"role": strategy.role, "world_size": dist.get_world_size(), "global_step": strategy.global_step,
-                "adapters_only": _adapters_only(strategy)}  # fmt: skip
+                "adapters_only": adapters_only(strategy)}  # fmt: skip
         save_trainer_state(strategy, tmp, rank, meta)
 
     rank_bytes = tensor_bytes(list(strategy.model.parameters()), list(strategy.optimizer.state.values()))
@@ -299,25 +299,25 @@ def save(strategy: Any, path: str) -> None:
 def load(strategy: Any, path: str) -> None:
     """Restore ``strategy`` from ``path``; RNG per rank when the world size matches (else each rank's seed)."""
     root = require_complete(path, strategy.role)
-    _check_adapters_only(strategy, root)
+    check_adapters_only(strategy, root)
     model_sd, optim_sd = _state_dicts(strategy)
     dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "dcp"))  # fills them in place
     # dcp_load refused a checkpoint missing any of these keys; the frozen base is not among them (LoRA)
-    options = StateDictOptions(ignore_frozen_params=_adapters_only(strategy), strict=not _adapters_only(strategy))
+    options = StateDictOptions(ignore_frozen_params=adapters_only(strategy), strict=not adapters_only(strategy))
     set_state_dict(strategy.model, strategy.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
                    options=options)  # fmt: skip
     load_trainer_state(strategy, root)
 
 
-def _check_adapters_only(strategy: Any, root: Path) -> None:
+def check_adapters_only(strategy: Any, root: Path) -> None:
     """A LoRA checkpoint restores a LoRA model and a full one a full model; a mix is refused naming both."""
     meta_file = root / "meta.json"
     saved = bool(json.loads(meta_file.read_text()).get("adapters_only")) if meta_file.exists() else False
-    if saved != _adapters_only(strategy):
+    if saved != adapters_only(strategy):
         kinds = {True: "LoRA adapters only", False: "full weights"}
         raise ValueError(
             f"{strategy.role}: {root} holds {kinds[saved]}, but {strategy.role}.model_args.lora_target="
-            f"{strategy.config.model_args.lora_target!r} builds a model with {kinds[_adapters_only(strategy)]}; "
+            f"{strategy.config.model_args.lora_target!r} builds a model with {kinds[adapters_only(strategy)]}; "
             "resume with the lora_* keys the checkpoint was written with."
         )
 
@@ -330,13 +330,10 @@ def save_hf(strategy: Any, path: str) -> None:
     state_dict = get_model_state_dict(strategy.model, options=options)
 
     def write(tmp: Path) -> None:
-        if not _adapters_only(strategy):
+        if adapters_only(strategy):
+            lora.write_hf(strategy.model, state_dict, strategy.config.model_args.lora_scale, tmp)  # type: ignore[arg-type]
+        else:
             strategy.model.save_pretrained(str(tmp), state_dict=state_dict)
-            return
-        tensors: dict[str, torch.Tensor] = dict(state_dict)  # type: ignore[arg-type]  # a full state dict: tensors
-        merged = dict(lora.merged_weights(tensors.items(), strategy.config.model_args.lora_scale))
-        strategy.model.get_base_model().save_pretrained(str(tmp), state_dict=merged)
-        strategy.model.save_pretrained(str(tmp / "adapter"), state_dict=state_dict)
 
     write_hf_folder_atomically(path, write, strategy.tokenizer, role=strategy.role,
                                rank_bytes=tensor_bytes(state_dict))  # fmt: skip

@@ -18,7 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rl_engines.strategies import lora
 from rl_engines.strategies.checkpointing import (
+    adapters_only,
+    check_adapters_only,
     load_trainer_state,
     require_complete,
     save_trainer_state,
@@ -65,17 +68,41 @@ def save(strategy: Any, path: str) -> None:
     """Write ``strategy``'s checkpoint to ``path`` atomically (every rank calls; a collective)."""
 
     def write(tmp: Path, rank: int) -> None:
-        with deferred_write_errors(strategy.engine) as errors:
-            strategy.engine.save_checkpoint(str(tmp / ENGINE_DIR), tag=ENGINE_TAG, save_latest=False)
+        with deferred_write_errors(strategy.engine) as errors, trained_weights_only(strategy):
+            strategy.engine.save_checkpoint(str(tmp / ENGINE_DIR), tag=ENGINE_TAG, save_latest=False,
+                                            exclude_frozen_parameters=adapters_only(strategy))  # fmt: skip
         if errors:
             raise errors[0]
         meta = {"role": strategy.role, "world_size": dist.get_world_size(), "zero_stage": strategy.zero_stage,
                 "global_step": strategy.global_step,  # the model folder: rl-ckpt finds config.json through it
-                "model_name_or_path": str(strategy.config.model_args.model_name_or_path)}  # fmt: skip
+                "model_name_or_path": str(strategy.config.model_args.model_name_or_path),
+                "adapters_only": adapters_only(strategy)}  # fmt: skip
         save_trainer_state(strategy, tmp, rank, meta)
 
     write_checkpoint_atomically(path, strategy.global_step, write, role=strategy.role,
                                 rank_bytes=rank_bytes(strategy.engine))  # fmt: skip
+
+
+@contextmanager
+def trained_weights_only(strategy: Any) -> Iterator[None]:
+    """LoRA: the engine's module state while it saves holds the trained weights only. DeepSpeed's
+    ``exclude_frozen_parameters`` drops frozen weights by ``named_parameters()``, which names a tied weight once, so
+    the second name of a frozen tied weight (``lm_head.weight`` = ``embed_tokens.weight``) would still be written."""
+    engine = strategy.engine
+    if not adapters_only(strategy):
+        yield
+        return
+    whole = engine.module_state_dict
+
+    def trained(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        frozen = {n for n, p in engine.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+        return {name: value for name, value in whole(*args, **kwargs).items() if name not in frozen}
+
+    engine.module_state_dict = trained  # an instance attribute over the method, deleted below
+    try:
+        yield
+    finally:
+        del engine.module_state_dict
 
 
 @contextmanager
@@ -120,6 +147,7 @@ def rank_bytes(engine: Any) -> int:
 def load(strategy: Any, path: str) -> None:
     """Restore a checkpoint written by :func:`save` (same world size and ZeRO stage; RNG per rank)."""
     root = require_complete(path, strategy.role)
+    check_adapters_only(strategy, root)
     meta = json.loads((root / "meta.json").read_text())
     here = {"world_size": dist.get_world_size(), "zero_stage": strategy.zero_stage}
     if strategy.zero_stage > 0 and any(meta[key] != value for key, value in here.items()):
@@ -130,7 +158,11 @@ def load(strategy: Any, path: str) -> None:
             f"{ENGINE_DIR}/{ENGINE_TAG}/../zero_to_fp32.py) and start from those."
         )
     loaded, _ = strategy.engine.load_checkpoint(
-        str(root / ENGINE_DIR), tag=ENGINE_TAG, load_optimizer_states=True, load_lr_scheduler_states=False
+        str(root / ENGINE_DIR),
+        tag=ENGINE_TAG,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=False,
+        load_module_strict=not adapters_only(strategy),  # LoRA: the frozen base comes from model_name_or_path
     )
     if loaded is None:
         raise FileNotFoundError(f"{strategy.role}: DeepSpeed found no engine checkpoint under {root / ENGINE_DIR}.")
@@ -141,12 +173,15 @@ def save_hf(strategy: Any, path: str) -> None:
     """Gather full (fp32 master) weights and write a HuggingFace folder on rank 0, atomically (every rank calls)."""
     rank = dist.get_rank()
     state_dict = {}
-    for name, value in strategy.named_weights():
+    for name, value in strategy.full_weights():
         if rank == 0:
             state_dict[name] = value.to("cpu", copy=True)
 
     def write(tmp: Path) -> None:
-        strategy.engine.module.save_pretrained(str(tmp), state_dict=state_dict)
+        if adapters_only(strategy):  # the merged model, and the adapters in PEFT's format under adapter/
+            lora.write_hf(strategy.engine.module, state_dict, strategy.config.model_args.lora_scale, tmp)
+        else:
+            strategy.engine.module.save_pretrained(str(tmp), state_dict=state_dict)
 
     write_hf_folder_atomically(path, write, strategy.tokenizer, role=strategy.role,
                                rank_bytes=tensor_bytes(state_dict))  # fmt: skip

@@ -31,12 +31,13 @@ import torch.distributed as dist
 from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfig
 from rl_engines.objectives import Objective
-from rl_engines.strategies import deepspeed_state
+from rl_engines.strategies import deepspeed_state, lora
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, require_engine_package, worker_device
 from rl_engines.strategies.deepspeed_config import ZERO_STAGE_KEY, finalize_deepspeed_config, resolve_strategy_config
 from rl_engines.strategies.deepspeed_offload import OffloadRecord, offload_engine, reload_engine
 from rl_engines.strategies.micro_batches import MicroBatchPlanner, planner, require_no_ulysses
 from rl_engines.strategies.model_io import (
+    TORCH_DTYPES,
     enable_activation_checkpointing,
     load_model,
     load_tokenizer,
@@ -74,6 +75,8 @@ class DeepSpeedTrainStrategy:
     """Train one role's model with a DeepSpeed engine over all ranks of the worker's process group."""
 
     kind = "train"
+    lora: str | None = "adapters"
+    """LoRA (``model_args.lora_target``): trains peft adapters (see :mod:`rl_engines.strategies.lora`)."""
 
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config
@@ -90,6 +93,7 @@ class DeepSpeedTrainStrategy:
         require_no_ulysses(config, role, "deepspeed_train")
         self.planners = {phase: planner(config, role, phase) for phase in ("train", "infer")}
         self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
+        lora.check_lora_role(config, role, self.value_head)
         self.device = torch.device("cpu")
         self.global_step = 0
         self.engine: Any = None
@@ -108,6 +112,8 @@ class DeepSpeedTrainStrategy:
         args = self.config.model_args
         torch.manual_seed(self.config.training_args.seed)
         model = load_model(args, self.role, dtype=torch.float32, value_head=self.value_head)
+        if args.lora:  # adapters (fp32 masters in the optimizer) train; DeepSpeed casts the module to dtype
+            model = lora.apply_lora(model, args, self.role, TORCH_DTYPES[args.dtype])
         if not args.disable_gradient_checkpointing:
             enable_activation_checkpointing(model)
         ds_config = self._engine_config()
@@ -143,17 +149,21 @@ class DeepSpeedTrainStrategy:
                                with_entropy=with_entropy)  # fmt: skip
 
     @torch.no_grad()
-    def _infer(self, batch: RolloutBatch, **kwargs: Any) -> RolloutBatch:
+    def _infer(self, batch: RolloutBatch, *, disable_adapter: bool = False, **kwargs: Any) -> RolloutBatch:
         self.reload()
         self.engine.eval()
-        return self.planners["infer"].map(batch, lambda micro: self._outputs(micro, self.planners["infer"], **kwargs))
+        with lora.adapters_off(self.engine.module, self.role, disable_adapter):
+            return self.planners["infer"].map(batch, lambda micro: self._outputs(micro, self.planners["infer"],
+                                                                                 **kwargs))  # fmt: skip
 
     def compute_log_probs(
-        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
-    ) -> RolloutBatch:
-        """``log_probs [B, R]`` (and ``entropy``) of the responses under the current weights, no gradients."""
+        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False,
+        disable_adapter: bool = False,
+    ) -> RolloutBatch:  # fmt: skip
+        """``log_probs [B, R]`` (and ``entropy``) of the responses under the current weights, no gradients.
+        ``disable_adapter`` (LoRA): under the base model alone, i.e. the reference policy (ROLL's meta_info key)."""
         require_causal_lm(self.role, self.value_head)
-        return self._infer(batch, temperature=temperature, with_entropy=with_entropy)
+        return self._infer(batch, temperature=temperature, with_entropy=with_entropy, disable_adapter=disable_adapter)
 
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
         """Critic ``values [B, R]``."""
@@ -208,7 +218,19 @@ class DeepSpeedTrainStrategy:
 
     # ---- weights -------------------------------------------------------------------------------------------
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights in HF names (fp32 masters when training in bf16 / fp16); every rank must iterate."""
+        """Full weights in HF names (fp32 masters when training in bf16 / fp16); every rank must iterate. With LoRA
+        the base model's weights with the adapters merged in (what an engine without adapters loads)."""
+        args = self.config.model_args
+        weights = self.full_weights()
+        yield from lora.merged_weights(weights, args.lora_scale) if args.lora else weights
+
+    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: the adapters alone under PEFT's file names (``...q_proj.lora_A.weight``); a collective as above."""
+        lora.require_lora(self.config, self.role)
+        return lora.adapter_weights(self.full_weights())
+
+    def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The module's own full weights (peft's names with LoRA); a collective."""
         was_offloaded = self._offloaded is not None
         self.reload()
         try:

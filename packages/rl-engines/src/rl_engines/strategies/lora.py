@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -153,3 +154,10 @@ def adapter_weights(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple
     for name, tensor in items:
         if FACTOR.match(name):
             yield name.replace(f".{ADAPTER}.weight", ".weight"), tensor
+
+
+def write_hf(model: Any, state_dict: dict[str, torch.Tensor], scale: float, folder: Path) -> None:
+    """A HuggingFace folder of a peft model's full weights (peft names): the base model with the adapters merged in
+    at ``folder``, the adapters alone in PEFT's format at ``folder / "adapter"``."""
+    model.get_base_model().save_pretrained(str(folder), state_dict=dict(merged_weights(state_dict.items(), scale)))
+    model.save_pretrained(str(folder / "adapter"), state_dict=state_dict)
