@@ -125,6 +125,11 @@ def test_merged_weights_and_both_exports_score_as_the_trained_model(strategy_nam
     base = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     with_adapter = PeftModel.from_pretrained(base, str(tmp_path / "hf" / "adapter"))
     torch.testing.assert_close(log_probs_of(with_adapter, batch)[mask], expected[mask], atol=1e-5, rtol=0)
+    from rl_ckpt.lora_merge import merge_lora  # rl-ckpt merges the exported adapter into the base alike
+
+    merge_lora(tiny_model_dir, tmp_path / "hf" / "adapter", tmp_path / "rl_ckpt_merged")
+    by_rl_ckpt = AutoModelForCausalLM.from_pretrained(str(tmp_path / "rl_ckpt_merged"), dtype=torch.float32)
+    torch.testing.assert_close(log_probs_of(by_rl_ckpt, batch)[mask], expected[mask], atol=1e-5, rtol=0)
     adapters = dict(strategy.adapter_weights())
     assert adapters and all(n.endswith((".lora_A.weight", ".lora_B.weight")) for n in adapters)
 

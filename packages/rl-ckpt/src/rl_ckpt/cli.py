@@ -1,4 +1,5 @@
-"""`rl-ckpt convert`: Megatron-core <-> HuggingFace checkpoints (ROLL-compatible flag names)."""
+"""`rl-ckpt convert`: Megatron-core <-> HuggingFace checkpoints (ROLL-compatible flag names); `rl-ckpt merge-lora`:
+a LoRA adapter merged into its HuggingFace base model."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ examples:
       HuggingFace -> Megatron at TP=2 x PP=2, then prove it by comparing logits
   rl-ckpt convert --checkpoint_path ./ckpt/actor_train --output_path ./hf_model --hf_config_path Qwen2.5-0.5B
       DeepSpeed ZeRO 0-3 (detected from its rank files) -> HuggingFace, fp32 master weights
+  rl-ckpt merge-lora --base_model_path Qwen2.5-7B --adapter_path ./output/checkpoint-100/actor_hf/adapter \
+      --output_path ./merged
+      a LoRA adapter (PEFT's folder: adapter_config.json + adapter_model.safetensors) merged into its base model
 
 exit status: 0 = converted (and verified), 1 = --verify found a logits difference over --verify_atol,
 2 = bad arguments or an unreadable / inconsistent checkpoint (the message names the file and the fix).
@@ -56,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust_checkpoint", action="store_true", help="unpickle rank files holding arbitrary objects")
     p.add_argument("--verify", action="store_true", help="compare logits of source and result (needs transformers)")
     p.add_argument("--verify_atol", type=float, default=1e-5, help="largest logits difference --verify accepts")
+    m = sub.add_parser("merge-lora", help="merge a LoRA adapter into its HF base model", epilog=EPILOG,
+                       formatter_class=parser.formatter_class)  # fmt: skip
+    m.add_argument("--base_model_path", required=True, type=Path, help="the HF model folder the adapter was trained on")
+    m.add_argument("--adapter_path", required=True, type=Path, help="PEFT LoRA adapter folder")
+    m.add_argument("--output_path", required=True, type=Path, help="output folder (created)")
+    m.add_argument("--max_shard_size", default="5GB", help="safetensors shard size, e.g. 5GB, 500MB")
     return parser
 
 
@@ -112,11 +122,20 @@ def _convert_deepspeed(ns: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_VERIFY_FAILED
 
 
+def _merge_lora(ns: argparse.Namespace) -> int:
+    from rl_ckpt.lora_merge import merge_lora
+
+    weight_map = merge_lora(ns.base_model_path, ns.adapter_path, ns.output_path, max_shard_size=ns.max_shard_size)
+    print(f"[rl-ckpt] wrote {ns.base_model_path} with {ns.adapter_path} merged ({len(weight_map)} tensors) to "
+          f"{ns.output_path}")  # fmt: skip
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of `rl-ckpt`; returns the exit status."""
     ns = build_parser().parse_args(argv)
     try:
-        return _convert(ns)
+        return _merge_lora(ns) if ns.command == "merge-lora" else _convert(ns)
     except CheckpointError as err:
         print(f"rl-ckpt: error: {err}", file=sys.stderr)
         return EXIT_ERROR
