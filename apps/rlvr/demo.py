@@ -1,8 +1,9 @@
 """The README's first job: RLVR with GRPO on a CPU, visibly learning single-digit addition.
 
-``python -m apps.rlvr.demo [key=value ...]`` builds (once, cached in ``.cache/rlvr_demo``) a tiny model warmed up on
-the task, writes the prompts, runs ``apps/rlvr/configs/rlvr_cpu_demo.yaml`` and prints the mean reward of the first
-and last steps. Overrides go to the config (e.g. ``max_steps=10``).
+``python -m apps.rlvr.demo [--lora] [key=value ...]`` builds (once, cached in ``.cache/rlvr_demo``) a tiny model
+warmed up on the task, writes the prompts, runs ``apps/rlvr/configs/rlvr_cpu_demo.yaml`` (``--lora``:
+``rlvr_cpu_demo_lora.yaml``, the same run training LoRA adapters) and prints the mean reward of the first and last
+steps. Overrides go to the config (e.g. ``max_steps=10``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from apps.rlvr.demo_model import demo_model, problems
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = Path(__file__).resolve().parent / "configs" / "rlvr_cpu_demo.yaml"
+LORA_CONFIG = CONFIG.with_name("rlvr_cpu_demo_lora.yaml")
 WINDOW = 5
 
 
@@ -34,11 +36,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from apps.rlvr.pipeline import RLVRPipeline
 
     start = time.perf_counter()
+    args = list(argv or [])
+    config_file = LORA_CONFIG if "--lora" in args else CONFIG
+    args = [arg for arg in args if arg != "--lora"]
     model = demo_model(ROOT / ".cache" / "rlvr_demo")
-    output = Path(load_config(CONFIG, list(argv or []))["output_dir"])
+    output = Path(load_config(config_file, args)["output_dir"])
     data = write_prompts(output / "train.jsonl")
-    overrides = [f"pretrain={model}", f"actor_train.data_args.file_name={data}", *(argv or [])]
-    config = RLVRConfig.from_dict(load_config(CONFIG, overrides))
+    overrides = [f"pretrain={model}", f"actor_train.data_args.file_name={data}", *args]
+    config = RLVRConfig.from_dict(load_config(config_file, overrides))
     history = RLVRPipeline(config).run()
     scores = [step["critic/score/mean"] for step in history]
     window = min(WINDOW, max(len(scores) // 2, 1))
