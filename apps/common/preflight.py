@@ -14,6 +14,7 @@ from apps.common.config import ROLE_KEYS, SharedConfig, reference_enabled, refer
 from rl_core.batch_size import ParallelLayout, TrainBatchPlan, lr_decay_steps, plan_train_batch
 from rl_engines.config import WorkerConfig
 from rl_engines.placement import PlacementPlan
+from rl_engines.roles import syncs_adapters
 from rl_engines.strategies.train_utils import DECAYING_SCHEDULES
 
 TRAIN_ROLES = ("actor_train", "critic")
@@ -69,7 +70,10 @@ def lora_notes(config: SharedConfig) -> list[str]:
         return []
     args = train.model_args
     receives = ""
-    if infer is not None:
+    if infer is not None and syncs_adapters(infer):
+        receives = (f"; actor_infer ({infer.strategy_args.strategy_name}) serves them: each sync sends the adapters "
+                    "alone")  # fmt: skip
+    elif infer is not None:
         receives = (f"; actor_infer ({infer.strategy_args.strategy_name}) receives the weights with the adapters "
                     "merged in at every sync")  # fmt: skip
     return [
@@ -99,12 +103,23 @@ def check_algorithm_roles(config: SharedConfig) -> None:
 def check_lora_roles(config: SharedConfig) -> None:
     """actor_infer's ``lora_*`` keys describe the adapters actor_train trains: they need a LoRA actor_train."""
     infer, train = config.actor_infer, config.actor_train
-    if infer is not None and infer.model_args.lora and (train is None or not train.model_args.lora):
+    if infer is None or not infer.model_args.lora:
+        return
+    if train is None or not train.model_args.lora:
         raise PreflightError(
             "actor_infer.model_args.lora_target is set, but actor_train trains full weights (its lora_target is "
             "null); set actor_train.model_args.lora_target (and lora_rank / lora_alpha) to train adapters, or remove "
             "actor_infer's lora_* keys."
         )
+    for key in ("lora_rank", "lora_alpha"):
+        mine, theirs = (
+            getattr(section.model_args, key) or 2 * section.model_args.lora_rank for section in (infer, train)
+        )
+        if mine != theirs:
+            raise PreflightError(
+                f"actor_infer.model_args.{key}={mine} but actor_train.model_args.{key}={theirs}: actor_infer serves "
+                f"the adapters actor_train trains; give both the same {key}."
+            )
 
 
 def check_async(config: SharedConfig, placement: PlacementPlan) -> None:

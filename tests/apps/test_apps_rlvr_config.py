@@ -319,18 +319,22 @@ LORA_FILES = roll_target_files("qwen2.5-7B-rlvr_megatron/rlvr_config_lora.yaml",
 
 @pytest.mark.parametrize("roll_file", LORA_FILES, ids=lambda p: p.name)
 def test_the_roll_lora_files_pass_preflight_on_the_torch_native_engines(roll_file):
-    """ROLL's LoRA files (issue 18): fsdp2_train trains the adapters, hf_infer takes the merged weights. The
-    engines whose LoRA is not built here yet (megatron_train's adapters, vLLM's adapter-only sync) are refused
-    naming the key, not run as something else."""
+    """ROLL's LoRA files (issue 18): fsdp2_train trains the adapters, hf_infer takes the merged weights. With
+    their own engines, vLLM (lora_* on actor_infer) takes the adapters alone; megatron_train's LoRA is not built
+    here yet and is refused naming the key, not run as something else."""
     raw = load_config(require_shared(roll_file))
     config = RLVRConfig.from_dict(adapt(raw))
     assert config.actor_train.model_args.lora and config.actor_train.model_args.lora_target == raw["actor_train"][
         "model_args"]["lora_target"]  # fmt: skip
     report = preflight(config)
-    assert any("LoRA adapters on" in note for note in report.notes)
-    with pytest.raises(ValueError, match=r"model_args\.lora_target is set, but .*strategy_name='(megatron_train|vllm)"
-                                         r"' cannot"):  # fmt: skip
-        preflight(RLVRConfig.from_dict(with_cluster(raw)))
+    assert any("merged in at every sync" in note for note in report.notes)
+    own = RLVRConfig.from_dict(with_cluster(raw))
+    if own.actor_train.strategy_args.strategy_name == "megatron_train":
+        with pytest.raises(ValueError, match=r"actor_train\.model_args\.lora_target is set, but actor_train\.strategy"
+                                             r"_args\.strategy_name='megatron_train' cannot train LoRA"):  # fmt: skip
+            preflight(own)
+    else:
+        assert any("(vllm) serves them: each sync sends the adapters alone" in n for n in preflight(own).notes)
 
 
 def test_lora_keys_are_refused_where_nothing_uses_them():
@@ -343,3 +347,8 @@ def test_lora_keys_are_refused_where_nothing_uses_them():
                  "model_args": {"model_name_or_path": "/models/tiny", **lora}}  # fmt: skip
     with pytest.raises(ValueError, match=r"reference\.model_args\.lora_target is set, but LoRA adapters belong"):
         preflight(RLVRConfig.from_dict(with_(base(), reference=reference, use_kl_loss=True)))
+    both = with_(base(), actor_train__model_args={"model_name_or_path": "/m", **lora},
+                 actor_infer__model_args={"model_name_or_path": "/m", **lora, "lora_rank": 8})  # fmt: skip
+    with pytest.raises(PreflightError, match=r"actor_infer\.model_args\.lora_rank=8 but actor_train\.model_args"
+                                             r"\.lora_rank=4"):  # fmt: skip
+        preflight(RLVRConfig.from_dict(both))

@@ -7,6 +7,7 @@ and only the strategy_config checks run. The in-process engines use a small KV c
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 
 import pytest
 import torch
@@ -29,9 +30,9 @@ QUESTIONS = ["1+2=", "10+12=", "what is 3+3?", "4+5="]
 SMALL_KV = {"kv_cache_memory_bytes": 32 << 20}
 
 
-def make_vllm(model_dir, *, strategy_config=None, **generating_args):
+def make_vllm(model_dir, *, strategy_config=None, model_args=None, **generating_args):
     args = {"max_new_tokens": 8, "num_return_sequences": 4, "seed": 0, **generating_args}
-    config = worker_config(model_dir, "actor_infer", generating_args=args,
+    config = worker_config(model_dir, "actor_infer", generating_args=args, model_args=model_args or {},
                            strategy_args={"strategy_name": "vllm",
                                           "strategy_config": {**SMALL_KV, **(strategy_config or {})}})  # fmt: skip
     strategy = create_strategy(config, "actor_infer")
@@ -191,6 +192,63 @@ def test_sync_into_tied_embeddings_updates_scores_and_generations(tiny_model_dir
     strategy.close()
 
 
+LORA = {"lora_target": "q_proj,v_proj,down_proj", "lora_rank": 4, "lora_alpha": 8}
+
+
+def random_adapter(model_dir, seed):
+    """LoRA factors (PEFT's names, as an adapter-only sync sends them) for q/v/down_proj of every layer."""
+    from transformers import AutoModelForCausalLM
+
+    gen = torch.Generator().manual_seed(seed)
+    adapter = {}
+    for name, module in AutoModelForCausalLM.from_pretrained(str(model_dir)).named_modules():
+        if name.rsplit(".", 1)[-1] in ("q_proj", "v_proj", "down_proj"):
+            prefix = f"base_model.model.{name}"
+            adapter[f"{prefix}.lora_A.weight"] = torch.randn(4, module.in_features, generator=gen) * 0.3
+            adapter[f"{prefix}.lora_B.weight"] = torch.randn(module.out_features, 4, generator=gen) * 0.3
+    return adapter
+
+
+def merged_state(model_dir, adapter):
+    """The base weights with ``adapter`` merged in (scale lora_alpha / lora_rank = 2)."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_engines.strategies.lora import merge
+
+    state = AutoModelForCausalLM.from_pretrained(str(model_dir)).state_dict()
+    for name in [n for n in adapter if ".lora_A." in n]:
+        module = name.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        state[f"{module}.weight"] = merge(state[f"{module}.weight"], adapter[name],
+                                          adapter[name.replace(".lora_A.", ".lora_B.")], 2.0)  # fmt: skip
+    return state
+
+
+@needs_vllm
+def test_an_adapter_only_sync_serves_the_adapter_as_its_merged_weights(tiny_model_dir, tmp_path):
+    """actor_infer with ROLL's lora_* keys: vLLM keeps its base model and serves the adapters a sync sends (a
+    few KB here instead of the model); its scores and greedy tokens are the merged model's, a second adapter
+    replaces the first, and closing removes the adapter folder."""
+    strategy = make_vllm(tiny_model_dir, temperature=0.0, num_return_sequences=1, model_args=LORA)
+    batch = rollout_batch(batch_size=3)
+    mask = batch.batch["response_mask"]
+    from engine_fixtures import reference_log_probs
+
+    base = strategy.compute_log_probs(batch).batch["log_probs"]
+    torch.testing.assert_close(base[mask].double(), reference_log_probs(tiny_model_dir, batch)[mask], atol=2e-5,
+                               rtol=0)  # fmt: skip
+    for seed in (1, 2):
+        adapter = random_adapter(tiny_model_dir, seed)
+        assert push(strategy, adapter, bucket_bytes=8_000) == len(adapter)
+        expected = reference_scores(merged_state(tiny_model_dir, adapter), tiny_model_dir, batch, tmp_path / f"{seed}")
+        got = strategy.compute_log_probs(batch).batch["log_probs"]
+        torch.testing.assert_close(got[mask].double(), expected[mask], atol=2e-5, rtol=0)
+        assert float((got - base)[mask].abs().max()) > 1e-2
+    folder = strategy.adapter.folder
+    assert folder is not None and folder.exists()
+    strategy.close()
+    assert not folder.exists()
+
+
 @needs_vllm
 def test_half_synced_layer_is_held_back_and_refused(tiny_model_dir):
     from transformers import AutoModelForCausalLM
@@ -265,5 +323,41 @@ def test_vllm_role_on_ray_generates_trains_syncs_and_generates(tiny_model_dir):
             again_mask = again.batch["response_mask"]
             torch.testing.assert_close(again.batch["rollout_log_probs"][again_mask],
                                        scores(roles, "actor_train", again)[again_mask], atol=1e-5, rtol=0)  # fmt: skip
+    finally:
+        stop_ray(remove_temp_dir=True)
+
+
+@needs_vllm
+def test_a_lora_actor_syncs_its_adapters_alone_into_vllm_on_ray(tiny_model_dir):
+    """LoRA on both roles (ROLL's rlvr_lora_fsdp2.yaml layout): each sync moves the adapters alone (their bytes,
+    not the model's; load_format dummy is overridden, the base comes from the checkpoint), and vLLM's scores
+    follow the trained adapters."""
+    pytest.importorskip("peft")
+    configs = {role: replace(config, model_args=replace(config.model_args, **LORA))
+               for role, config in ray_configs(tiny_model_dir).items()}  # fmt: skip
+    start_ray(num_cpus=2, resources=cpu_device_resources(CLUSTER))
+    try:
+        with Roles(CLUSTER, configs, rpc_timeout=300) as roles:
+            updater = roles.model_updater(bucket_bytes=8_000)
+            assert updater.adapters
+            roles.activate("actor_infer")
+            first = updater.sync()
+            prompts = prompt_batch(tiny_model_dir, [QUESTIONS[0], QUESTIONS[1]] * 2)
+            rollout = roles["actor_infer"].call("generate", prompts, dispatch="dp_split")
+            mask = rollout.batch["response_mask"]
+            old = scores(roles, "actor_train", rollout)
+            torch.testing.assert_close(old[mask], rollout.batch["rollout_log_probs"][mask], atol=1e-5, rtol=0)
+            rollout.batch["old_log_probs"] = old
+            rollout.batch["advantages"] = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0))
+            roles.activate("actor_train")
+            roles["actor_train"].call("train_step", rollout, ActorObjective(), dispatch="dp_split")
+            adapters = sum(t.numel() * t.element_size() for t in random_adapter(tiny_model_dir, 0).values())
+            roles.activate("actor_infer")
+            synced = updater.sync()
+            assert synced["model_update/bytes"] == first["model_update/bytes"] == adapters  # 2 layers x 3 modules
+            assert synced["model_update/tensors"] == 12
+            new_train, new_infer = scores(roles, "actor_train", rollout), scores(roles, "actor_infer", rollout)
+            torch.testing.assert_close(new_infer[mask], new_train[mask], atol=1e-5, rtol=0)
+            assert float((new_train - old)[mask].abs().max()) > 1e-3  # the step moved the adapters
     finally:
         stop_ray(remove_temp_dir=True)

@@ -15,6 +15,7 @@ class ModelUpdater:
     ``colocated=True`` (the roles share devices, hence hosts) goes through shared memory (the object store for
     receivers on another host); ``False`` builds a dedicated broadcast group (gloo / nccl) once, at construction.
     ``dtype`` (fp32, bf16, fp16) casts floating weights before they travel, e.g. fp32 masters into a bf16 engine.
+    ``adapters``: send a LoRA actor's adapters alone (an engine serving LoRA adapters), not the merged weights.
     The train role may be offloaded: its strategy brings the weights back to the device for the sync.
     """
 
@@ -27,6 +28,7 @@ class ModelUpdater:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         dtype: str | None = None,
         timeout_s: float = 600.0,
+        adapters: bool = False,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -35,6 +37,7 @@ class ModelUpdater:
         self.bucket_bytes = bucket_bytes
         self.dtype = dtype
         self.timeout_s = timeout_s
+        self.adapters = adapters
         self.syncs = 0
         self._hosts: list[bool] | None = None
         if not colocated:
@@ -74,10 +77,11 @@ class ModelUpdater:
         start = time.perf_counter()
         if self.colocated:
             shm, store = self._receivers_by_host()
-            results = self.train.call("send_weights_on_host", shm, store, self.bucket_bytes, self.dtype, self.timeout_s)
+            results = self.train.call("send_weights_on_host", shm, store, self.bucket_bytes, self.dtype, self.timeout_s,
+                                      self.adapters)  # fmt: skip
         else:
             receiving = self.infer.call_async("receive_weights_by_broadcast")
-            results = self.train.call("send_weights_by_broadcast", self.bucket_bytes, self.dtype)
+            results = self.train.call("send_weights_by_broadcast", self.bucket_bytes, self.dtype, self.adapters)
             receiving.get()
         metrics = dict(results[0])
         elapsed = time.perf_counter() - start

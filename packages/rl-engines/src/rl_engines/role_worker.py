@@ -7,6 +7,7 @@ Every role (actor_train, actor_infer, reference, critic) uses this one class; th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -118,11 +119,12 @@ class RoleWorker(WorkerBase):
         bucket_bytes: int,
         dtype: str | None = None,
         timeout_s: float | None = None,
+        adapters: bool = False,
     ) -> dict[str, float]:
         """Colocated sync: every rank un-shards; rank 0 sends each bucket through shared memory to receivers on
         its host (falling back to the object store where /dev/shm is missing) and through the object store to
-        the rest."""
-        weights = self.strategy.named_weights()
+        the rest. ``adapters``: the LoRA adapters alone instead of the (merged) weights."""
+        weights = self._weights_to_send(adapters)
         if self.rank != 0:
             for _ in weights:  # take part in each all-gather
                 pass
@@ -137,6 +139,13 @@ class RoleWorker(WorkerBase):
             bucket_bytes=bucket_bytes, dtype=self._sync_dtype(dtype), timeout_s=timeout_s,
         )  # fmt: skip
         return stats.metrics()
+
+    def _weights_to_send(self, adapters: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """The (merged) named weights, or with ``adapters`` a LoRA model's adapters alone."""
+        weights: Iterator[tuple[str, torch.Tensor]] = (
+            self.strategy.adapter_weights() if adapters else self.strategy.named_weights()
+        )
+        return weights
 
     def close_staging(self) -> None:
         """Unlink the shared-memory slots of colocated syncs (also done by Python's resource tracker at exit)."""
@@ -153,9 +162,11 @@ class RoleWorker(WorkerBase):
         """Join the weight-sync group (train rank 0 is its rank 0; inference workers follow)."""
         self._broadcast = BroadcastGroup(master_addr, master_port, rank, world_size, timeout_s)
 
-    def send_weights_by_broadcast(self, bucket_bytes: int, dtype: str | None = None) -> dict[str, float]:
+    def send_weights_by_broadcast(
+        self, bucket_bytes: int, dtype: str | None = None, adapters: bool = False
+    ) -> dict[str, float]:
         """Separate sync, sender side: every rank un-shards, rank 0 broadcasts each bucket."""
-        weights = self.strategy.named_weights()
+        weights = self._weights_to_send(adapters)
         if self.rank != 0:
             for _ in weights:
                 pass

@@ -46,6 +46,15 @@ def check_strategy(role: str, config: WorkerConfig) -> None:
     create_strategy(config, role)  # parses strategy_config, naming bad keys; engines load only in initialize()
 
 
+def syncs_adapters(config: WorkerConfig) -> bool:
+    """Whether an inference role takes the actor's LoRA adapters alone: ``lora_*`` keys on it and an engine that
+    serves adapters (``lora = "adapters"``, vLLM); otherwise it takes merged weights."""
+    from rl_engines.strategies import STRATEGIES
+
+    name = config.strategy_args.strategy_name
+    return config.model_args.lora and getattr(STRATEGIES.get(name), "lora", None) == "adapters"
+
+
 def check_lora(role: str, config: WorkerConfig, support: str | None) -> None:
     """``model_args.lora_*`` only where the role's strategy does what ROLL does with them: a training strategy that
     trains adapters (``lora = "adapters"``), an inference one that takes the actor's merged weights (``"merged"``)."""
@@ -59,9 +68,10 @@ def check_lora(role: str, config: WorkerConfig, support: str | None) -> None:
             f"{key} is set, but LoRA adapters belong to the policy (actor_train trains them, actor_infer receives "
             f"them); {role} takes no adapters. Remove the lora_* keys of {role}."
         )
-    wanted = "adapters" if role == "actor_train" else "merged"
-    if support != wanted:
-        able = sorted(n for n in STRATEGIES.names() if getattr(STRATEGIES.get(n), "lora", None) == wanted)
+    wanted = ("adapters",) if role == "actor_train" else ("merged", "adapters")
+    if support not in wanted:
+        able = sorted(n for n in STRATEGIES.names() if getattr(STRATEGIES.get(n), "lora", None) in wanted
+                      and STRATEGIES.get(n).kind == ("train" if role == "actor_train" else "infer"))  # fmt: skip
         raise ValueError(
             f"{key} is set, but {role}.strategy_args.strategy_name={name!r} cannot "
             f"{'train LoRA adapters' if role == 'actor_train' else 'take the LoRA actor weights'} here; use one of "
@@ -132,10 +142,12 @@ class Roles:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         dtype: str | None = None,
     ) -> ModelUpdater:
-        """A weight sync from ``train`` to ``infer``: shared memory when colocated, a broadcast group when separate."""
+        """A weight sync from ``train`` to ``infer``: shared memory when colocated, a broadcast group when separate.
+        A LoRA ``infer`` role whose engine serves adapters (``lora_*`` keys on it, ROLL's choice) gets the adapters
+        alone; any other gets the weights (merged with the adapters)."""
         colocated = self.plan.is_colocated(train, infer)
         updater = ModelUpdater(self[train], self[infer], colocated=colocated, bucket_bytes=bucket_bytes, dtype=dtype,
-                               timeout_s=self.rpc_timeout)  # fmt: skip
+                               timeout_s=self.rpc_timeout, adapters=syncs_adapters(self.configs[infer]))  # fmt: skip
         self._updaters.append(updater)
         return updater
 

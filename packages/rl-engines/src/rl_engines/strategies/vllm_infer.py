@@ -13,14 +13,18 @@ weights and to rescale logits. Importing this module imports no vLLM: the engine
 - ``load_weights``: HF names from any train strategy, checked against the checkpoint layout, reloaded a whole
   decoder layer at a time (:mod:`rl_engines.strategies.vllm_weights`); the prefix cache is reset after each.
 - ``offload`` / ``reload``: vLLM sleep / wake-up on GPU; no-ops on CPU, where vLLM's sleep does nothing.
+- LoRA (``model_args.lora_*`` on this role): the engine keeps its base model and serves one adapter; syncs send the
+  adapters alone (:mod:`rl_engines.strategies.vllm_lora`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,6 +52,7 @@ from rl_engines.strategies.vllm_config import (
     engine_kwargs,
     parse_vllm_config,
 )
+from rl_engines.strategies.vllm_lora import AdapterSlot, is_adapter_weight, lora_engine_kwargs
 from rl_engines.strategies.vllm_weights import (
     LayerBuffer,
     quiet_partial_reload_warnings,
@@ -56,12 +61,16 @@ from rl_engines.strategies.vllm_weights import (
 )
 from rl_engines.strategies.weight_table import WeightTable, checkpoint_weights
 
+logger = logging.getLogger(__name__)
+
 
 @STRATEGIES.register("vllm")
 class VllmInferStrategy:
     """A vLLM engine in this worker process; weights arrive through :meth:`load_weights`."""
 
     kind = "infer"
+    lora: str | None = "adapters"
+    """LoRA on the actor with ``lora_*`` on this role: syncs carry the adapters alone, vLLM serves them."""
 
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config
@@ -75,6 +84,7 @@ class VllmInferStrategy:
         self._buffer: LayerBuffer | None = None
         self._synced = False
         self._asleep = False
+        self.adapter: AdapterSlot | None = None
 
     @property
     def llm(self) -> Any:
@@ -97,8 +107,35 @@ class VllmInferStrategy:
 
         seed = self.config.training_args.seed + _rank()
         kwargs = engine_kwargs(self.config, self.options, on_cpu=self.device.type == "cpu", seed=seed)
+        if self.config.model_args.lora:
+            kwargs.update(self._lora_setup())
         self.model = EngineModel(LLM(**kwargs), load_generation_config(path))
         quiet_partial_reload_warnings()
+
+    def _lora_setup(self) -> dict[str, Any]:
+        """The adapter slot and engine arguments of LoRA; the base model must come from the checkpoint (ROLL sets
+        load_format auto: an adapter-only sync never sends it)."""
+        root = Path(self.options.cache_dir or default_cache_dir()) / "lora"
+        self.adapter = AdapterSlot(self.config.model_args, root, self.role)
+        kwargs = lora_engine_kwargs(self.config.model_args, self.role)
+        if self.options.load_format == "dummy":
+            logger.warning(
+                "[engines] %s.strategy_args.strategy_config.load_format: dummy - with LoRA the base model is loaded "
+                "from model_name_or_path (load_format auto, as ROLL): adapter syncs do not carry it.",
+                self.role,
+            )
+            kwargs["load_format"] = "auto"
+        return kwargs
+
+    def _lora_request(self) -> Any:
+        """The adapter to serve requests with (activating one received since the last call); None without LoRA."""
+        if self.adapter is None:
+            return None
+        previous = self.adapter.request
+        request = self.adapter.activate()
+        if previous is not None and request is not previous:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+        return request
 
     def generate(self, batch: RolloutBatch, generating_args: GeneratingArgs | None = None) -> RolloutBatch:
         """Sample ``num_return_sequences`` responses per prompt (``input_ids`` / ``attention_mask``, left-padded).
@@ -116,7 +153,7 @@ class VllmInferStrategy:
         params = [self._sampling_params(args, eos, seed) for seed in seeds]
         requests = [{"prompt_token_ids": prompt} for prompt in prompts for _ in range(n)]
         with self._logit_temperature(args.temperature or 1.0):
-            outputs = self.llm.generate(requests, params, use_tqdm=False)
+            outputs = self.llm.generate(requests, params, use_tqdm=False, lora_request=self._lora_request())
         samples = [_engine_sample(output.outputs[0]) for output in outputs]
         pad_id = pad_token_id(self.model, self.tokenizer, eos)
         return build_rollout(batch, samples, args, eos=eos, pad_id=pad_id, tokenizer=self.tokenizer)
@@ -163,7 +200,8 @@ class VllmInferStrategy:
 
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         with self._logit_temperature(temperature):
-            outputs = self.llm.generate([{"prompt_token_ids": sequences[r]} for r in rows], params, use_tqdm=False)
+            outputs = self.llm.generate([{"prompt_token_ids": sequences[r]} for r in rows], params, use_tqdm=False,
+                                        lora_request=self._lora_request())  # fmt: skip
         values: list[list[float]] = [[] for _ in lengths]
         for row, output in zip(rows, outputs):
             sequence, start = sequences[row], len(sequences[row]) - lengths[row]
@@ -221,6 +259,10 @@ class VllmInferStrategy:
         self.reload()
         given = 0
         for name, tensor in weights:
+            if self.adapter is not None and is_adapter_weight(name):
+                self.adapter.add(name, tensor)
+                given += 1
+                continue
             self.table.check(name, tensor, self.role)
             for alias, value in self.table.with_aliases(name, tensor):
                 self._buffer.add(alias, value)
@@ -251,6 +293,8 @@ class VllmInferStrategy:
             self.llm.llm_engine.engine_core.shutdown()
             self.model = None
             gc.collect()
+        if self.adapter is not None:
+            self.adapter.close()
 
 
 def _rank() -> int:
