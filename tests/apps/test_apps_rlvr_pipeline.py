@@ -183,7 +183,8 @@ def test_a_lora_actor_trains_adapters_against_its_own_base_as_the_reference(setu
     trained it is not (a reference that were the adapted actor, or ROLL's old-log-prob stand-in, would stay 0).
     actor_infer receives merged weights under the base names; the checkpoint holds adapters, the export both."""
     overrides = ["max_steps=2", "eval_steps=0", f"output_dir={setup / 'lora'}", "actor_train.device_mapping=[0]",
-                 "+actor_train.model_args.lora_target=all-linear", "+actor_train.model_args.lora_rank=4",
+                 "actor_infer.device_mapping=[0]", "+actor_train.model_args.lora_target=all-linear",
+                 "+actor_train.model_args.lora_rank=4",
                  "actor_train.training_args.learning_rate=2e-2", "entropy_loss_coef=0.1"]  # fmt: skip
     assert main(["--config_path", str(setup), "--config_name", "rlvr", *overrides]) == 0
     assert "[preflight] reference: the actor's base model with its LoRA adapters disabled" in capsys.readouterr().out
