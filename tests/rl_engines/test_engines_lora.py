@@ -246,3 +246,28 @@ def test_deepspeed_trains_the_same_adapters_as_fsdp2(tiny_model_dir, zero_stage)
     for name, value in fsdp2_merged.items():
         torch.testing.assert_close(ds_merged[name], value, atol=1e-6, rtol=0, msg=name)
     assert any(float(v.abs().max()) > 0 for n, v in fsdp2_adapters.items() if ".lora_B." in n)  # they trained
+
+
+def adapted_modules(strategy):
+    return {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in module(strategy).named_parameters() if ".lora_A." in n}
+
+
+def test_a_regular_expression_target_adapts_the_modules_it_matches(strategy_name, tiny_model_dir):
+    strategy = make(strategy_name, tiny_model_dir, model_args={"lora_target": r".*layers\.1\..*(q_proj|up_proj)"})
+    names = [n for n, _ in module(strategy).named_parameters() if ".lora_A." in n]
+    assert adapted_modules(strategy) == {"q_proj", "up_proj"} and all(".layers.1." in n for n in names)
+
+
+def test_lora_dropout_drops_adapter_inputs_in_training_only(tiny_model_dir):
+    """The same seed and batch: with lora_dropout the adapters' gradients see dropped inputs, so one step trains
+    other adapters; scoring (eval mode) applies no dropout."""
+    batch = rollout_batch(batch_size=4, seed=6)
+    adapters = []
+    for dropout in (0.0, 0.5):
+        strategy = make("fsdp2_train", tiny_model_dir, model_args={"lora_dropout": dropout})
+        first = strategy.compute_log_probs(batch).batch["log_probs"]
+        assert torch.equal(first, strategy.compute_log_probs(batch).batch["log_probs"])  # no dropout when scoring
+        train(strategy, batch, steps=1)
+        adapters.append(dict(strategy.adapter_weights()))
+    moved = max(float((adapters[0][n] - adapters[1][n]).abs().max()) for n in adapters[0] if ".lora_B." in n)
+    assert moved > 1e-4
