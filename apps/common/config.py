@@ -231,8 +231,11 @@ def pop_lora_variables(values: dict[str, Any]) -> None:
     """Drop ROLL's top-level LoRA variables, which configure nothing themselves; given without a LoRA actor_train
     (nothing interpolated them where they act) they are refused, naming where they belong."""
     given = [key for key in LORA_VARIABLES if key in values]
+    switched_off = values.get("lora_target", "") is None  # ROLL's files may turn LoRA off through the variable
     for key in given:
         values.pop(key)
+    if switched_off:
+        return
     train = values.get("actor_train")
     if given and not (isinstance(train, dict) and (train.get("model_args") or {}).get("lora_target") is not None):
         raise WorkerConfigError(

@@ -14,7 +14,7 @@ from apps.common.config import ROLE_KEYS, SharedConfig, reference_enabled, refer
 from rl_core.batch_size import ParallelLayout, TrainBatchPlan, lr_decay_steps, plan_train_batch
 from rl_engines.config import WorkerConfig
 from rl_engines.placement import PlacementPlan
-from rl_engines.roles import syncs_adapters
+from rl_engines.roles import check_lora_pair, syncs_adapters
 from rl_engines.strategies.train_utils import DECAYING_SCHEDULES
 
 TRAIN_ROLES = ("actor_train", "critic")
@@ -78,7 +78,7 @@ def lora_notes(config: SharedConfig) -> list[str]:
                     "merged in at every sync")  # fmt: skip
     return [
         f"[preflight] actor_train: LoRA adapters on {args.lora_target} (rank {args.lora_rank}, alpha "
-        f"{args.lora_alpha or 2 * args.lora_rank}) train; the base model stays frozen in {args.dtype}{receives}."
+        f"{args.alpha}) train; the base model stays frozen in {args.dtype}{receives}."
     ]
 
 
@@ -111,15 +111,10 @@ def check_lora_roles(config: SharedConfig) -> None:
             "null); set actor_train.model_args.lora_target (and lora_rank / lora_alpha) to train adapters, or remove "
             "actor_infer's lora_* keys."
         )
-    for key in ("lora_rank", "lora_alpha"):
-        mine, theirs = (
-            getattr(section.model_args, key) or 2 * section.model_args.lora_rank for section in (infer, train)
-        )
-        if mine != theirs:
-            raise PreflightError(
-                f"actor_infer.model_args.{key}={mine} but actor_train.model_args.{key}={theirs}: actor_infer serves "
-                f"the adapters actor_train trains; give both the same {key}."
-            )
+    try:
+        check_lora_pair(train, infer)
+    except ValueError as err:
+        raise PreflightError(str(err)) from None
 
 
 def check_async(config: SharedConfig, placement: PlacementPlan) -> None:

@@ -341,6 +341,8 @@ def test_lora_keys_are_refused_where_nothing_uses_them():
     lora = {"lora_target": "q_proj", "lora_rank": 4}
     with pytest.raises(WorkerConfigError, match=r"top-level \['lora_rank'\] configure nothing on their own"):
         RLVRConfig.from_dict(with_(base(), lora_rank=8))
+    off = RLVRConfig.from_dict(with_(base(), lora_target=None, lora_rank=8))  # LoRA switched off by the variable
+    assert not off.actor_train.model_args.lora
     with pytest.raises(PreflightError, match=r"actor_infer\.model_args\.lora_target is set, but actor_train trains"):
         preflight(RLVRConfig.from_dict(with_(base(), actor_infer__model_args={"model_name_or_path": "/m", **lora})))
     reference = {"device_mapping": [0], "strategy_args": {"strategy_name": "hf_infer"},

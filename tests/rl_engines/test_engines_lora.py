@@ -156,6 +156,16 @@ def test_checkpoints_hold_the_adapters_only_and_resume_equals_uninterrupted(stra
     for (name, a), (_, b) in zip(first.named_weights(), resumed.named_weights()):
         assert torch.equal(a, b), name
 
+    if strategy_name == "deepspeed_train":  # rl-ckpt's DeepSpeed -> HF conversion points at the exports instead
+        from rl_ckpt.deepspeed_to_hf import convert_deepspeed_to_hf
+        from rl_ckpt.errors import CheckpointError
+
+        with pytest.raises(CheckpointError, match=r"holds LoRA adapters only .*rl-ckpt merge-lora"):
+            convert_deepspeed_to_hf(tmp_path / "ckpt", tmp_path / "converted", hf_config_path=tiny_model_dir)
+    for changed in ({"lora_target": "q_proj"}, {"lora_alpha": 64}):  # would drop adapters / rescale them silently
+        other = make(strategy_name, tiny_model_dir, model_args=changed, **schedule)
+        with pytest.raises(ValueError, match=r"holds adapters of .*actor_train\.model_args asks for"):
+            other.load_checkpoint(str(tmp_path / "ckpt"))
     full = create_strategy(worker_config(tiny_model_dir, strategy_args={"strategy_name": strategy_name}),
                            "actor_train")  # fmt: skip
     full.initialize()
@@ -169,6 +179,8 @@ def test_checkpoints_hold_the_adapters_only_and_resume_equals_uninterrupted(stra
         ("q_proj,qkv", r"actor_train\.model_args\.lora_target names \['qkv'\].*linear layers are \[.*'q_proj'"),
         (".*\\.attn\\..*", r"actor_train\.model_args\.lora_target='.*' matches no linear layer"),
         ("lm_head", r"names \['lm_head'\], which match no linear layer"),  # the output head is not adapted
+        (".*(embed_tokens|q_proj)", r"also matches \['model\.embed_tokens'\], which are not linear layers"),
+        (".*(lm_head|q_proj)", r"also matches \['lm_head'\]"),
     ],
 )
 def test_targets_that_match_no_linear_layer_are_named(strategy_name, tiny_model_dir, target, message):

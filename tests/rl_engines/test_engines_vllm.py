@@ -223,6 +223,13 @@ def merged_state(model_dir, adapter):
     return state
 
 
+def test_adapter_sync_with_sleep_level_2_is_refused_naming_the_key(tiny_model_dir):
+    config = worker_config(tiny_model_dir, "actor_infer", model_args=LORA,
+                           strategy_args={"strategy_name": "vllm", "strategy_config": {"sleep_level": 2}})  # fmt: skip
+    with pytest.raises(ValueError, match=r"actor_infer\.strategy_args\.strategy_config\.sleep_level=2 .* never sends"):
+        create_strategy(config, "actor_infer")
+
+
 @needs_vllm
 def test_an_adapter_only_sync_serves_the_adapter_as_its_merged_weights(tiny_model_dir, tmp_path):
     """actor_infer with ROLL's lora_* keys: vLLM keeps its base model and serves the adapters a sync sends (a

@@ -242,6 +242,12 @@ def convert_deepspeed_to_hf(
     """
     _require("deepspeed.utils.zero_to_fp32")  # fail on a missing extra before anything else
     ckpt = open_deepspeed_checkpoint(checkpoint_path, tag=tag, trust_checkpoint=trust_checkpoint)
+    if (ckpt.meta or {}).get("adapters_only"):
+        raise CheckpointError(
+            f"{ckpt.root} holds LoRA adapters only (meta.json: adapters_only), not a model: use the run's exported "
+            "actor_hf/ folder (merged), or merge its actor_hf/adapter/ into the base model with `rl-ckpt merge-lora "
+            "--base_model_path BASE --adapter_path .../actor_hf/adapter --output_path OUT`"
+        )
     target = hf_target(find_hf_config(ckpt, hf_config_path, tokenizer_path))
     state = checked_state(ckpt, target)  # every check passes before the output folder is created
     out = Path(out_path)

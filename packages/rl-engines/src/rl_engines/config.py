@@ -86,9 +86,18 @@ class ModelArgs:
         return self.lora_target is not None
 
     @property
+    def alpha(self) -> int:
+        """``lora_alpha``, with ROLL's default of twice the rank."""
+        return self.lora_alpha or 2 * self.lora_rank
+
+    @property
     def lora_scale(self) -> float:
-        """``lora_alpha / lora_rank``, with ROLL's default alpha of twice the rank."""
-        return (self.lora_alpha or 2 * self.lora_rank) / self.lora_rank
+        """``lora_alpha / lora_rank`` (the adapters' scale)."""
+        return self.alpha / self.lora_rank
+
+    def lora_signature(self) -> dict[str, Any]:
+        """What makes adapters of this config interchangeable (recorded in checkpoints, compared on resume)."""
+        return {"lora_target": self.lora_targets(), "lora_rank": self.lora_rank, "lora_alpha": self.alpha}
 
     def lora_targets(self) -> list[str] | str:
         """``lora_target`` as ROLL reads it: a regular expression stays one string, anything else is split at

@@ -55,6 +55,20 @@ def syncs_adapters(config: WorkerConfig) -> bool:
     return config.model_args.lora and getattr(STRATEGIES.get(name), "lora", None) == "adapters"
 
 
+def check_lora_pair(train: WorkerConfig, infer: WorkerConfig) -> None:
+    """An inference role with ``lora_*`` keys serves the adapters the train role trains: the same rank and alpha
+    (its own keys write the adapter config vLLM loads); a ValueError names both keys otherwise."""
+    if not infer.model_args.lora or not train.model_args.lora:
+        return
+    for key, mine, theirs in (("lora_rank", infer.model_args.lora_rank, train.model_args.lora_rank),
+                              ("lora_alpha", infer.model_args.alpha, train.model_args.alpha)):  # fmt: skip
+        if mine != theirs:
+            raise ValueError(
+                f"actor_infer.model_args.{key}={mine} but actor_train.model_args.{key}={theirs}: actor_infer serves "
+                f"the adapters actor_train trains; give both the same {key}."
+            )
+
+
 def check_lora(role: str, config: WorkerConfig, support: str | None) -> None:
     """``model_args.lora_*`` only where the role's strategy does what ROLL does with them: a training strategy that
     trains adapters (``lora = "adapters"``), an inference one that takes the actor's merged weights (``"merged"``)."""
@@ -146,6 +160,7 @@ class Roles:
         A LoRA ``infer`` role whose engine serves adapters (``lora_*`` keys on it, ROLL's choice) gets the adapters
         alone; any other gets the weights (merged with the adapters)."""
         colocated = self.plan.is_colocated(train, infer)
+        check_lora_pair(self.configs[train], self.configs[infer])
         updater = ModelUpdater(self[train], self[infer], colocated=colocated, bucket_bytes=bucket_bytes, dtype=dtype,
                                timeout_s=self.rpc_timeout, adapters=syncs_adapters(self.configs[infer]))  # fmt: skip
         self._updaters.append(updater)

@@ -289,10 +289,11 @@ def save(strategy: Any, path: str) -> None:
                 raise PeerRankError(f"{strategy.role}: rank(s) {sorted(exc.failures)} failed to write {tmp}") from None
             raise exc.failures[rank][0] from None  # this rank's own error (an OSError, torch's short write, ...)
         meta = {"role": strategy.role, "world_size": dist.get_world_size(), "global_step": strategy.global_step,
-                "adapters_only": adapters_only(strategy)}  # fmt: skip
+                **lora_meta(strategy)}  # fmt: skip
         save_trainer_state(strategy, tmp, rank, meta)
 
-    rank_bytes = tensor_bytes(list(strategy.model.parameters()), list(strategy.optimizer.state.values()))
+    written = [p for p in strategy.model.parameters() if p.requires_grad or not adapters_only(strategy)]
+    rank_bytes = tensor_bytes(written, list(strategy.optimizer.state.values()))
     write_checkpoint_atomically(path, strategy.global_step, write, role=strategy.role, rank_bytes=rank_bytes)
 
 
@@ -309,16 +310,32 @@ def load(strategy: Any, path: str) -> None:
     load_trainer_state(strategy, root)
 
 
+def lora_meta(strategy: Any) -> dict[str, Any]:
+    """What ``meta.json`` records of LoRA: whether the checkpoint holds adapters only, and their keys."""
+    if not adapters_only(strategy):
+        return {"adapters_only": False}
+    return {"adapters_only": True, "lora": strategy.config.model_args.lora_signature()}
+
+
 def check_adapters_only(strategy: Any, root: Path) -> None:
-    """A LoRA checkpoint restores a LoRA model and a full one a full model; a mix is refused naming both."""
+    """A LoRA checkpoint restores a LoRA model with the same lora_target / lora_rank / lora_alpha, and a full one a
+    full model; anything else is refused naming the keys (a mismatch would drop or rescale adapters silently)."""
     meta_file = root / "meta.json"
-    saved = bool(json.loads(meta_file.read_text()).get("adapters_only")) if meta_file.exists() else False
+    meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    saved = bool(meta.get("adapters_only"))
+    prefix = f"{strategy.role}.model_args"
     if saved != adapters_only(strategy):
         kinds = {True: "LoRA adapters only", False: "full weights"}
         raise ValueError(
-            f"{strategy.role}: {root} holds {kinds[saved]}, but {strategy.role}.model_args.lora_target="
+            f"{strategy.role}: {root} holds {kinds[saved]}, but {prefix}.lora_target="
             f"{strategy.config.model_args.lora_target!r} builds a model with {kinds[adapters_only(strategy)]}; "
-            "resume with the lora_* keys the checkpoint was written with."
+            f"resume with the lora_* keys the checkpoint was written with ({meta.get('lora') or 'none'})."
+        )
+    here = lora_meta(strategy).get("lora")
+    if saved and meta.get("lora") != here:
+        raise ValueError(
+            f"{strategy.role}: {root} holds adapters of {meta.get('lora')}, but {prefix} asks for {here}; resume "
+            "with the lora_target / lora_rank / lora_alpha the checkpoint was written with."
         )
 
 

@@ -23,6 +23,7 @@ from rl_engines.strategies.checkpointing import (
     adapters_only,
     check_adapters_only,
     load_trainer_state,
+    lora_meta,
     require_complete,
     save_trainer_state,
     tensor_bytes,
@@ -76,7 +77,7 @@ def save(strategy: Any, path: str) -> None:
         meta = {"role": strategy.role, "world_size": dist.get_world_size(), "zero_stage": strategy.zero_stage,
                 "global_step": strategy.global_step,  # the model folder: rl-ckpt finds config.json through it
                 "model_name_or_path": str(strategy.config.model_args.model_name_or_path),
-                "adapters_only": adapters_only(strategy)}  # fmt: skip
+                **lora_meta(strategy)}  # fmt: skip
         save_trainer_state(strategy, tmp, rank, meta)
 
     write_checkpoint_atomically(path, strategy.global_step, write, role=strategy.role,

@@ -81,6 +81,12 @@ def resolve_targets(model: nn.Module, args: ModelArgs, role: str) -> list[str] |
     key = f"{role}.model_args.lora_target"
     targets = args.lora_targets()
     if isinstance(targets, str):
+        others = [path for path, _ in model.named_modules() if path not in linear and re.fullmatch(targets, path)]
+        if others:
+            raise ValueError(
+                f"{key}={targets!r} also matches {others[:3]}, which are not linear layers LoRA adapts here (the "
+                f"output head and embeddings are not adapted); narrow it to the model's linear layers {names}."
+            )
         if not any(re.fullmatch(targets, path) for path in linear):
             raise ValueError(
                 f"{key}={targets!r} matches no linear layer of {type(model).__name__} (a regular expression is "
@@ -104,7 +110,7 @@ def apply_lora(model: nn.Module, args: ModelArgs, role: str, compute_dtype: torc
     peft = require_peft(role)
     config = peft.LoraConfig(
         r=args.lora_rank,
-        lora_alpha=args.lora_alpha or 2 * args.lora_rank,
+        lora_alpha=args.alpha,
         lora_dropout=args.lora_dropout,
         target_modules=resolve_targets(model, args, role),
         task_type=peft.TaskType.CAUSAL_LM,

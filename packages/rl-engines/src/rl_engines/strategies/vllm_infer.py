@@ -77,6 +77,12 @@ class VllmInferStrategy:
         self.role = role
         require_fixed_micro_batches(config, role, "vllm")
         self.options = parse_vllm_config(config, role)
+        if config.model_args.lora and self.options.sleep_level == 2:
+            raise ValueError(
+                f"{role}.strategy_args.strategy_config.sleep_level=2 discards the model's weights while offloaded, "
+                "and an adapter-only sync (this role's lora_* keys) never sends the base model again; use "
+                "sleep_level: 1, or remove the lora_* keys to sync merged weights."
+            )
         self.device = torch.device("cpu")
         self.model: Any = None  # EngineModel once initialised
         self.tokenizer: Any = None

@@ -92,7 +92,7 @@ class AdapterSlot:
                 f"{sorted(ranks)}: give actor_infer the lora_rank of actor_train."
             )
         config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.args.lora_rank,
-                  "lora_alpha": self.args.lora_alpha or 2 * self.args.lora_rank, "target_modules": modules,
+                  "lora_alpha": self.args.alpha, "target_modules": modules,
                   "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False}  # fmt: skip
         save_file(self.pending, str(folder / "adapter_model.safetensors"))
         (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
