@@ -122,7 +122,7 @@ def main() -> None:
         f"{args.vocab}; LoRA rank {args.rank}; batch {args.batch} x ({args.prompt} + {args.response}) tokens"
     )
     print(
-        "| variant | trainable | vs full | optimizer MB | vs full | params MB | sync MB (merged) | adapter MB | "
+        "| variant | trainable | vs full | optimizer MiB | vs full | params MiB | sync MiB (merged) | adapter MiB | "
         "step s | vs full |"
     )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -133,7 +133,7 @@ def main() -> None:
               f"{mb['optimizer_bytes']:.2f} | {r['optimizer_bytes'] / full['optimizer_bytes']:.4f} | "
               f"{mb['param_bytes']:.2f} | {mb['sync_bytes']:.2f} | {mb['adapter_sync_bytes']:.3f} | "
               f"{r['step_s']:.3f} | {r['step_s'] / full['step_s']:.2f} |")  # fmt: skip
-    print(f"reference copy a LoRA run does not load (hf_infer, {args.dtype}): {reference / 2**20:.2f} MB")
+    print(f"reference copy a LoRA run does not load (hf_infer, {args.dtype}): {reference / 2**20:.2f} MiB")
 
 
 if __name__ == "__main__":
