@@ -24,6 +24,7 @@ RLVR_FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/*.yaml", "docs_example
     "docs_examples/example_gspo.yaml",  # importance_sampling: seq (issue 16)
     "qwen2.5-7B-rlvr-offpolicy/rlvr_config.yaml",  # ActorPGWorker's per-role pg_variant (issue 16)
     "qwen3-8B-rlvr_fsdp2/rlvr_config.yaml",  # fsdp2's use_batched_model_update (issue 16)
+    "qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml",  # MoE on fsdp2: wrap_policy, vLLM's optimization_level (issue 19)
 )
 PG_WORKER = "roll.pipeline.rlvr.actor_pg_worker.ActorPGWorker"
 TORCH_NATIVE = {"megatron_train": "fsdp2_train", "deepspeed_train": "fsdp2_train", "vllm": "hf_infer",

@@ -4,8 +4,9 @@ sections graded in the driver), engines (torch-native), sizes (a small batch, sh
 file with the tags and columns of the file's rewards, outputs in a temp dir) and the two sample masks a random model
 would fail. ROLL's multi-domain example (math, code, LLM judge, instruction following and multiple choice by
 domain_interleave_probs) and the roll-targets files of issue 16: the LLM-judge config, GSPO (importance_sampling: seq),
-the off-policy config (ActorPGWorker with TOPR) and the fsdp2 config; and the two LoRA configs of issue 18 (adapters
-trained, merged weights synced). Every reward section grades its own domain's
+the off-policy config (ActorPGWorker with TOPR) and the fsdp2 config; the two LoRA configs of issue 18 (adapters
+trained, merged weights synced); and the Qwen3-30B-A3B fsdp2 config of issue 19 on a tiny Qwen3-MoE (its Ulysses
+sizes are device counts: one rank). Every reward section grades its own domain's
 samples, each on a timeline track of its own; the LLM judge runs as its own role."""
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from test_apps_rlvr_config import adapt
 from apps.common.yaml_config import load_config
 from apps.rlvr.config import RLVRConfig
 from apps.rlvr.pipeline import RLVRPipeline
+from rl_engines.tiny_model import build_tiny_moe_lm
 from tests.shared_dir import require_shared, roll_example_files, roll_target_files
 
 FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/rlvr_config.yaml") + roll_target_files(
@@ -29,7 +31,10 @@ FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/rlvr_config.yaml") + roll_t
     "qwen3-8B-rlvr_fsdp2/rlvr_config.yaml",
     "qwen2.5-7B-rlvr_megatron/rlvr_config_lora.yaml",  # LoRA (issue 18): all-linear on megatron_train
     "qwen2.5-7B-rlvr_megatron/rlvr_lora_fsdp2.yaml",  # LoRA (issue 18): q/k/v/o on fsdp2_train
+    "qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml",  # MoE (issue 19): Qwen3-MoE on fsdp2_train / fsdp2_infer
 )
+MOE_FILES = {"qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml"}
+"""Files of a mixture-of-experts model: they run a tiny Qwen3-MoE and report the router's load-balancing loss."""
 
 
 def records(tags: set[str]) -> list[dict]:
@@ -66,6 +71,7 @@ def on_cpu(raw: dict, model: str, data: str, out: str) -> dict:
                   max_len_mask=False, difficulty_mask=False)  # fmt: skip
     train, infer = config["actor_train"], config["actor_infer"]
     train["device_mapping"], infer["device_mapping"] = [0], [0]  # a judge takes slot 1
+    infer["num_gpus_per_worker"] = 1  # (vLLM's tensor parallel engines: hf_infer here)
     train["training_args"].update(per_device_train_batch_size=4, gradient_accumulation_steps=5, warmup_steps=0)
     train["data_args"]["file_name"] = [data]
     infer["generating_args"].update(max_new_tokens=8, num_return_sequences=2)
@@ -78,6 +84,8 @@ def on_cpu(raw: dict, model: str, data: str, out: str) -> dict:
         options = section.get("strategy_args", {}).get("strategy_config") or {}
         if "fsdp_size" in options:  # a device count: shard over the one rank
             options["fsdp_size"] = -1
+        if section.get("model_args", {}).get("ulysses_size", 1) > 1:  # a device count too: one rank holds a row
+            section["model_args"]["ulysses_size"] = 1
     for name, section in config["rewards"].items():
         section["model_args"]["model_name_or_path"] = model
         section.pop("world_size", None)  # graded in the driver (reward actors: tests/apps/test_apps_reward_workers.py)
@@ -92,6 +100,9 @@ def test_a_roll_file_runs_two_steps_on_cpu_with_every_reward(roll_file: Path, tm
     raw = load_config(require_shared(roll_file))
     sections = sorted(raw["rewards"])
     setup = make_setup(tmp_path / "setup")
+    moe = f"{roll_file.parent.name}/{roll_file.name}" in MOE_FILES
+    if moe:
+        build_tiny_moe_lm(setup / "model", vocab_size=259)  # over the dense model, the same tokenizer
     data = tmp_path / "data.jsonl"
     tags = {tag for section in raw["rewards"].values() for tag in section["tag_included"]}
     data.write_text("\n".join(json.dumps(row) for row in records(tags)))
@@ -104,6 +115,7 @@ def test_a_roll_file_runs_two_steps_on_cpu_with_every_reward(roll_file: Path, tm
         for section in sections:
             assert f"{section}/critic/score/mean" in step and step[f"time/reward/{section}"] > 0, section
         assert "actor/pg_loss" in step  # trained (nothing masked it all)
+        assert ("actor_train/load_balancing_loss" in step) == moe  # ROLL's name for the router loss
     events = json.loads((out / "timeline.json").read_text())["traceEvents"]
     graded = {(e["name"], e["args"]["step"]) for e in events if e["name"].startswith("reward/")}
     assert graded == {(f"reward/{section}", step) for section in sections for step in (0, 1)}  # a track each

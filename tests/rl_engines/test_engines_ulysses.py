@@ -2,7 +2,8 @@
 
 What it promises: on 2 CPU ranks (gloo all-to-all) with ``ulysses_size: 2`` each rank runs half of every packed row,
 and the log-probs, values, training metrics and updated weights equal ``ulysses_size: 1`` on one rank (fp32, 1e-6),
-for a model with fewer key/value heads than ranks (they are repeated) and one whose key/value heads split; bad sizes
+for a model with fewer key/value heads than ranks (they are repeated), one whose key/value heads split, and a
+mixture-of-experts model whose router loss (its config's coefficient) is summed from the ranks' slices; bad sizes
 fail naming the key.
 """
 
@@ -21,7 +22,7 @@ from rl_core.losses.terms import LossCoefficients
 from rl_engines.objectives import ActorObjective, CriticObjective
 from rl_engines.strategies import create_strategy
 from rl_engines.strategies.ulysses import check_ulysses
-from rl_engines.tiny_model import build_tiny_causal_lm, build_tiny_tokenizer
+from rl_engines.tiny_model import build_tiny_causal_lm, build_tiny_moe_lm, build_tiny_tokenizer
 
 __all__ = ["tiny_model_dir"]
 
@@ -81,12 +82,23 @@ def split_heads_model_dir(tmp_path_factory):
     return path
 
 
-def test_ulysses_on_two_ranks_equals_one_rank(tiny_model_dir, split_heads_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def moe_model_dir(tmp_path_factory):
+    """Qwen3-MoE whose config asks for a router loss coefficient of 0.5 (the default when the key is unset)."""
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("tiny_moe")
+    build_tiny_tokenizer(path, CORPUS, vocab_size=256)
+    build_tiny_moe_lm(path, vocab_size=len(AutoTokenizer.from_pretrained(str(path))), router_aux_loss_coef=0.5)
+    return path
+
+
+def test_ulysses_on_two_ranks_equals_one_rank(tiny_model_dir, split_heads_model_dir, moe_model_dir, tmp_path):
     import torch.multiprocessing as mp
 
     from rl_engines.worker_group import WorkerBase
 
-    models = [str(tiny_model_dir), str(split_heads_model_dir)]
+    models = [str(tiny_model_dir), str(split_heads_model_dir), str(moe_model_dir)]
     mp.spawn(_on_rank, args=(WorkerBase.free_port(), models, str(tmp_path)), nprocs=2)
     mask = varied_batch().batch["response_mask"]
     for index, model in enumerate(models):
@@ -104,8 +116,9 @@ def test_ulysses_on_two_ranks_equals_one_rank(tiny_model_dir, split_heads_model_
         expected = json.loads((tmp_path / f"single{index}.json").read_text())
         for rank in (0, 1):
             got_metrics = json.loads((tmp_path / f"ulysses{index}-{rank}.json").read_text())
-            for key in ("actor/pg_loss", "actor/entropy", "actor/ppo_kl", "grad_norm"):
-                name = next(k for k in expected if k.endswith(key.split("/")[-1]))
+            keys = ["pg_loss", "entropy", "ppo_kl", "grad_norm"] + ["load_balancing_loss"] * (index == 2)
+            for key in keys:
+                name = next(k for k in expected if k.endswith(key))
                 assert got_metrics[name] == pytest.approx(expected[name], rel=1e-6, abs=1e-6), (index, name)
     critic = make("fsdp2_train", tiny_model_dir, "critic")
     batch = critic_batch()

@@ -8,6 +8,7 @@ Pure Python: importing this module pulls no torch or Ray.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -69,6 +70,10 @@ class ModelArgs:
     """LoRA scale numerator: adapters add (lora_alpha / lora_rank) B A x; null = 2 x lora_rank (ROLL)."""
     lora_dropout: float = 0.0
     """Dropout on the adapters' input while training."""
+    moe_aux_loss_coef: float | None = None
+    """Mixture-of-experts models (ROLL's key): coefficient of the router load-balancing loss a training role adds;
+    null = the model config's ``router_aux_loss_coef``, 0 = none (see :mod:`rl_engines.strategies.moe`). Refused on
+    a dense model and on inference roles."""
 
     def attention(self, prefix: str) -> str | None:
         """The transformers ``attn_implementation`` these keys ask for (None = its default)."""
@@ -110,6 +115,11 @@ class ModelArgs:
             return target
         return [t.strip() for t in target.split(",") if t.strip()]
 
+    def _validate_moe(self, prefix: str) -> None:
+        coef = self.moe_aux_loss_coef
+        if coef is not None and not (coef >= 0.0 and math.isfinite(coef)):
+            raise WorkerConfigError(f"{prefix}.moe_aux_loss_coef must be a finite number >= 0 (or null), got {coef}.")
+
     def _validate_lora(self, prefix: str) -> None:
         if self.lora_target is None:
             return
@@ -143,6 +153,7 @@ class ModelArgs:
     def validate(self, prefix: str) -> None:
         """Raise :class:`WorkerConfigError` naming ``<prefix>.<key>`` for the first bad value."""
         self._validate_lora(prefix)
+        self._validate_moe(prefix)
         for key in ("attn_implementation", "flash_attn"):
             value = getattr(self, key)
             if value is not None and value not in ATTENTION_ALIASES and value not in ATTENTION_KERNELS:

@@ -168,4 +168,4 @@ class CriticObjective:
 
 # Metrics that are sums over micro-batches (each micro-batch's share of a mini-batch total); everything else is
 # a per-micro-batch mean and is averaged weighted by its share of the mini-batch's valid tokens.
-ADDITIVE_METRICS = frozenset({"pg_loss", "total_loss", "kl_loss", "entropy", "value_loss"})
+ADDITIVE_METRICS = frozenset({"pg_loss", "total_loss", "kl_loss", "entropy", "value_loss", "load_balancing_loss"})

@@ -31,6 +31,8 @@ from rl_engines.weight_sync import (
 from rl_engines.worker_group import WorkerBase
 
 METRIC_PREFIX = {"actor_train": "actor", "critic": "critic"}
+ROLE_NAMED_METRICS = frozenset({"load_balancing_loss"})
+"""Metrics ROLL logs under the worker's own name (Megatron's router losses: ``actor_train/load_balancing_loss``)."""
 SYNC_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -82,10 +84,11 @@ class RoleWorker(WorkerBase):
         return self.strategy.compute_values(batch)  # type: ignore[no-any-return]
 
     def train_step(self, batch: RolloutBatch, objective: Objective) -> dict[str, float]:
-        """Train on this rank's shard; metrics prefixed ``actor/`` or ``critic/``."""
+        """Train on this rank's shard; metrics prefixed ``actor/`` or ``critic/`` (the router's with the role name)."""
         metrics = self.strategy.train_step(batch, objective)
         prefix = METRIC_PREFIX.get(self.role, self.role)
-        return {f"{prefix}/{name}": value for name, value in metrics.items()}
+        return {f"{self.role if name in ROLE_NAMED_METRICS else prefix}/{name}": value
+                for name, value in metrics.items()}  # fmt: skip
 
     # ---- state ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, path: str) -> None:

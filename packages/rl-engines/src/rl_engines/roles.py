@@ -41,6 +41,7 @@ def check_strategy(role: str, config: WorkerConfig) -> None:
         raise ValueError(f"{key}={name!r} is {words[kind]} strategy, but {role} needs {words[wanted]} strategy: "
                          f"one of {valid}.")  # fmt: skip
     check_lora(role, config, getattr(STRATEGIES.get(name), "lora", None))
+    check_router_loss(role, config)
     from rl_engines.strategies import create_strategy
 
     create_strategy(config, role)  # parses strategy_config, naming bad keys; engines load only in initialize()
@@ -67,6 +68,34 @@ def check_lora_pair(train: WorkerConfig, infer: WorkerConfig) -> None:
                 f"actor_infer.model_args.{key}={mine} but actor_train.model_args.{key}={theirs}: actor_infer serves "
                 f"the adapters actor_train trains; give both the same {key}."
             )
+
+
+def check_sync_names(role: str, config: WorkerConfig) -> None:
+    """A weight sync into an engine that loads checkpoint names (``weight_names = "checkpoint"``: vLLM, SGLang)
+    refuses a mixture-of-experts model (see :func:`rl_engines.strategies.moe.refuse_checkpoint_sync`)."""
+    from rl_engines.strategies import STRATEGIES
+    from rl_engines.strategies.moe import refuse_checkpoint_sync
+
+    name = config.strategy_args.strategy_name
+    if getattr(STRATEGIES.get(name), "weight_names", "module") == "checkpoint":
+        refuse_checkpoint_sync(config.model_args.model_name_or_path, role, name)
+
+
+def check_router_loss(role: str, config: WorkerConfig) -> None:
+    """``model_args.moe_aux_loss_coef`` only on a role whose strategy adds the router loss (``router_loss = True``:
+    the torch-native training strategies, see :mod:`rl_engines.strategies.moe`)."""
+    coef = config.model_args.moe_aux_loss_coef
+    if coef is None:
+        return
+    from rl_engines.strategies import STRATEGIES
+
+    name = config.strategy_args.strategy_name
+    if not getattr(STRATEGIES.get(name), "router_loss", False):
+        able = sorted(n for n in STRATEGIES.names() if getattr(STRATEGIES.get(n), "router_loss", False))
+        raise ValueError(
+            f"{role}.model_args.moe_aux_loss_coef={coef} is set, but {role}.strategy_args.strategy_name={name!r} adds "
+            f"no router loss (only a training role's loss has one, on {able}); remove the key from {role}."
+        )
 
 
 def check_lora(role: str, config: WorkerConfig, support: str | None) -> None:
@@ -161,6 +190,7 @@ class Roles:
         alone; any other gets the weights (merged with the adapters)."""
         colocated = self.plan.is_colocated(train, infer)
         check_lora_pair(self.configs[train], self.configs[infer])
+        check_sync_names(infer, self.configs[infer])
         updater = ModelUpdater(self[train], self[infer], colocated=colocated, bucket_bytes=bucket_bytes, dtype=dtype,
                                timeout_s=self.rpc_timeout, adapters=syncs_adapters(self.configs[infer]))  # fmt: skip
         self._updaters.append(updater)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -87,6 +88,58 @@ def build_tiny_causal_lm(
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = eos_token_id
+    model.generation_config.pad_token_id = pad_token_id
+    model.save_pretrained(str(path))
+
+
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe")
+"""Mixture-of-experts model types :func:`build_tiny_moe_lm` builds."""
+
+
+def build_tiny_moe_lm(
+    path: str | Path,
+    *,
+    model_type: str = "qwen3_moe",
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    moe_intermediate_size: int = 32,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 2,
+    num_key_value_heads: int = 1,
+    router_aux_loss_coef: float = 0.001,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    eos_token_id: int = 2,
+    pad_token_id: int = 0,
+) -> None:
+    """Save a randomly initialised mixture-of-experts LM (``Qwen3MoeForCausalLM`` or ``Qwen2MoeForCausalLM``, fp32
+    safetensors in HF's per-expert layout) to ``path``: every layer an MoE block of ``num_experts`` experts, top
+    ``num_experts_per_tok``; Qwen2-MoE adds its gated shared expert. Untied output head, head size 32 (vLLM's CPU
+    minimum); ids as :func:`build_tiny_tokenizer`'s."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model_type not in MOE_FAMILIES:
+        raise ValueError(f"model_type={model_type!r}: build_tiny_moe_lm builds {list(MOE_FAMILIES)}.")
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, moe_intermediate_size=moe_intermediate_size,
+        num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+        router_aux_loss_coef=router_aux_loss_coef, max_position_embeddings=max_position_embeddings,
+        eos_token_id=eos_token_id, pad_token_id=pad_token_id, bos_token_id=None, tie_word_embeddings=False,
+        decoder_sparse_step=1, mlp_only_layers=[], intermediate_size=2 * moe_intermediate_size,
+    )  # fmt: skip
+    if model_type == "qwen3_moe":
+        common.update(head_dim=hidden_size // num_attention_heads, norm_topk_prob=True)  # as Qwen3-30B-A3B
+    else:
+        common["shared_expert_intermediate_size"] = moe_intermediate_size
+    config = AutoConfig.for_model(model_type, **common)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     model.generation_config.eos_token_id = eos_token_id
     model.generation_config.pad_token_id = pad_token_id
     model.save_pretrained(str(path))

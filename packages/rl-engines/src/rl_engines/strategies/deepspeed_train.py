@@ -31,7 +31,7 @@ import torch.distributed as dist
 from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfig
 from rl_engines.objectives import Objective
-from rl_engines.strategies import deepspeed_state, lora
+from rl_engines.strategies import deepspeed_state, lora, moe
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, require_engine_package, worker_device
 from rl_engines.strategies.deepspeed_config import ZERO_STAGE_KEY, finalize_deepspeed_config, resolve_strategy_config
 from rl_engines.strategies.deepspeed_offload import OffloadRecord, offload_engine, reload_engine
@@ -77,6 +77,8 @@ class DeepSpeedTrainStrategy:
     kind = "train"
     lora: str | None = "adapters"
     """LoRA (``model_args.lora_target``): trains peft adapters (see :mod:`rl_engines.strategies.lora`)."""
+    router_loss = True
+    """Mixture-of-experts models: adds the router load-balancing loss (see :mod:`rl_engines.strategies.moe`)."""
 
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config
@@ -97,6 +99,7 @@ class DeepSpeedTrainStrategy:
         self.device = torch.device("cpu")
         self.global_step = 0
         self.engine: Any = None
+        self.router: moe.RouterLoss | None = None
         self.scheduler: Any = None
         self.tokenizer: Any = None
         self._offloaded: OffloadRecord | None = None
@@ -114,6 +117,7 @@ class DeepSpeedTrainStrategy:
         model = load_model(args, self.role, dtype=torch.float32, value_head=self.value_head)
         if args.lora:  # adapters (fp32 masters in the optimizer) train; DeepSpeed casts the module to dtype
             model = lora.apply_lora(model, args, self.role, TORCH_DTYPES[args.dtype])
+        self.router = moe.router_loss(model, self.config, self.role)
         if not args.disable_gradient_checkpointing:
             enable_activation_checkpointing(model)
         ds_config = self._engine_config()
@@ -188,11 +192,14 @@ class DeepSpeedTrainStrategy:
     def _optimizer_step(self, micros: list[RolloutBatch], objective: Objective, metrics: MetricAccumulator) -> float:
         info = minibatch_info(micros)
         rank_sum = float(dist.get_world_size())  # DeepSpeed averages over DP ranks; the losses want a sum
+        weight = moe.micro_weight(self.router, len(micros))
         for index, micro in enumerate(micros):
             self.engine.set_gradient_accumulation_boundary(index == len(micros) - 1)
-            outputs = self._outputs(micro, self.planners["train"], temperature=objective.temperature,
-                                    with_entropy=objective.needs_entropy)  # fmt: skip
+            with moe.recording(self.router):
+                outputs = self._outputs(micro, self.planners["train"], temperature=objective.temperature,
+                                        with_entropy=objective.needs_entropy)  # fmt: skip
             loss, values = objective(outputs, micro, info)
+            loss = moe.with_router_loss(self.router, loss, weight, values)
             self.engine.backward(loss * rank_sum, scale_wrt_gas=False)
             metrics.add(values, token_share(micro, info))
         metrics.end_minibatch()

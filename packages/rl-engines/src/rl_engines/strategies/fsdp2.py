@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfig
 from rl_engines.objectives import Objective
-from rl_engines.strategies import checkpointing, lora
+from rl_engines.strategies import checkpointing, lora, moe
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, reject_unknown_keys, worker_device
 from rl_engines.strategies.micro_batches import MicroBatchPlanner, planner
 from rl_engines.strategies.model_io import (
@@ -74,6 +74,15 @@ FSDP2_KEYS: dict[str, tuple[type, ...]] = {
     "wrap_policy": (dict,),
     "use_batched_model_update": (bool,),
 }
+WRAP_POLICY_KEYS: dict[str, tuple[type, ...]] = {
+    "transformer_layer_cls_to_wrap": (list, str),
+    "wrap_embeddings": (bool,),
+    "wrap_lm_output": (bool,),
+    "moe_experts": (list, str),
+}
+"""ROLL's ``wrap_policy`` keys: the layer classes sharded as units, the embeddings / output head as units of their
+own, and expert classes (ROLL wraps those apart only with its expert patch or ``ep_size`` > 1, neither of which
+exists here: the experts are sharded with their layer, as in ROLL without them)."""
 HERE_ONLY_NOTES = {
     "offload_policy": "FSDP2's CPUOffloadPolicy keeps parameters, gradients and optimizer state in host memory "
     "between uses; on a CPU device they are in host memory already, so nothing changes",
@@ -85,6 +94,21 @@ logger = logging.getLogger(__name__)
 DTYPE_ALIASES = {**TORCH_DTYPES, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _check_options(options: dict[str, Any], keys: dict[str, tuple[type, ...]], prefix: str) -> None:
+    """Unknown keys and values of the wrong type are refused naming ``<prefix>.<key>``."""
+    reject_unknown_keys(options, set(keys), prefix)
+    for key, value in options.items():
+        types = keys[key]
+        if value is not None and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
+            wanted = " or ".join(t.__name__ for t in types)
+            raise ValueError(f"{prefix}.{key} must be {wanted}, got {type(value).__name__} {value!r}.")
+
+
+def _names(value: str | list[str] | None) -> list[str]:
+    """A class-name option as a list (ROLL takes one name as a string too)."""
+    return [value] if isinstance(value, str) else list(value or [])
+
+
 @STRATEGIES.register("fsdp2_train")
 class Fsdp2TrainStrategy:
     """Train one role's model with FSDP2 over all ranks of the worker's process group."""
@@ -92,6 +116,8 @@ class Fsdp2TrainStrategy:
     kind = "train"
     lora: str | None = "adapters"
     """LoRA (``model_args.lora_target``): trains peft adapters (see :mod:`rl_engines.strategies.lora`)."""
+    router_loss = True
+    """Mixture-of-experts models: adds the router load-balancing loss (see :mod:`rl_engines.strategies.moe`)."""
     phases: tuple[str, ...] = ("train", "infer")
     """The micro-batch plans this strategy runs (training passes, log-prob / value passes)."""
 
@@ -100,12 +126,8 @@ class Fsdp2TrainStrategy:
         self.role = role
         self.options = dict(config.strategy_args.strategy_config)
         prefix = f"{role}.strategy_args.strategy_config"
-        reject_unknown_keys(self.options, set(FSDP2_KEYS), prefix)
-        for key, value in self.options.items():
-            types = FSDP2_KEYS[key]
-            if value is not None and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
-                wanted = " or ".join(t.__name__ for t in types)
-                raise ValueError(f"{prefix}.{key} must be {wanted}, got {type(value).__name__} {value!r}.")
+        _check_options(self.options, FSDP2_KEYS, prefix)
+        _check_options(self.options.get("wrap_policy") or {}, WRAP_POLICY_KEYS, f"{prefix}.wrap_policy")
         if isinstance(config.device_mapping, list) and config.device_mapping:  # checked before any worker starts
             self._fsdp_size(max(len(config.device_mapping) // config.num_gpus_per_worker, 1))
         self.planners = {phase: planner(config, role, phase) for phase in self.phases}
@@ -119,6 +141,7 @@ class Fsdp2TrainStrategy:
         self.device = torch.device("cpu")
         self.global_step = 0
         self.model: Any = None
+        self.router: moe.RouterLoss | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.tokenizer: Any = None
@@ -132,7 +155,13 @@ class Fsdp2TrainStrategy:
         active = [key for key in HERE_ONLY_NOTES if self.options.get(key)]
         if self.options.get("offload_policy") and torch.cuda.is_available():
             active.remove("offload_policy")  # on CUDA it offloads
-        return [f"{prefix}.{key}: true - {HERE_ONLY_NOTES[key]}." for key in active]
+        notes = [f"{prefix}.{key}: true - {HERE_ONLY_NOTES[key]}." for key in active]
+        experts = _names((self.options.get("wrap_policy") or {}).get("moe_experts"))
+        if experts:
+            notes.append(f"{prefix}.wrap_policy.moe_experts: {experts} - ROLL shards these expert modules as units of "
+                         "their own only with apply_expert_patch or ep_size > 1 (neither is set), so they are sharded "
+                         "with their layer, as in ROLL.")  # fmt: skip
+        return notes
 
     def initialize(self) -> None:
         """Load fp32 master weights, shard them, and build AdamW and the LR schedule."""
@@ -145,6 +174,7 @@ class Fsdp2TrainStrategy:
         model = load_model(args, self.role, dtype=torch.float32, value_head=self.value_head)
         if args.lora:  # adapters in fp32 (the only trained and optimized weights), the frozen base in compute dtype
             model = lora.apply_lora(model, args, self.role, TORCH_DTYPES[args.dtype])
+        self.router = moe.router_loss(model, self.config, self.role)
         self._setup_ulysses(model)
         if not args.disable_gradient_checkpointing:
             enable_activation_checkpointing(model)
@@ -224,18 +254,25 @@ class Fsdp2TrainStrategy:
             )
         return int(size)
 
-    def _wrap_targets(self, model: torch.nn.Module) -> list[torch.nn.Module]:
-        """Modules sharded as their own unit: wrap_policy's layer classes, else the model's ``_no_split_modules``."""
+    def _wrap_targets(self, model: Any) -> list[Any]:
+        """Units sharded on their own, in order: the input embeddings (``wrap_embeddings``), wrap_policy's layer
+        classes (else the model's ``_no_split_modules``), the output head (``wrap_lm_output``). Tied embeddings share
+        one parameter, so either flag makes the embeddings and the head one unit."""
         wrap = self.options.get("wrap_policy") or {}
-        names = set(wrap.get("transformer_layer_cls_to_wrap") or getattr(model, "_no_split_modules", None) or [])
-        found = [m for m in model.modules() if type(m).__name__ in names]
-        if wrap and not found:
+        names = set(_names(wrap.get("transformer_layer_cls_to_wrap")) or getattr(model, "_no_split_modules", None)
+                    or [])  # fmt: skip
+        found: list[Any] = [m for m in model.modules() if type(m).__name__ in names]
+        if wrap.get("transformer_layer_cls_to_wrap") and not found:
             native = sorted(getattr(model, "_no_split_modules", None) or [])
             raise ValueError(
                 f"{self.role}.strategy_args.strategy_config.wrap_policy.transformer_layer_cls_to_wrap names "
                 f"{sorted(names)}, but {type(model).__name__} has no such modules; its layer classes are {native}."
             )
-        return found
+        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        if head is not None and head.weight is embed.weight:
+            return [[embed, head], *found] if wrap.get("wrap_embeddings") or wrap.get("wrap_lm_output") else found
+        first = [embed] if wrap.get("wrap_embeddings") else []
+        return first + found + ([head] if wrap.get("wrap_lm_output") and head is not None else [])
 
     # ---- forward -------------------------------------------------------------------------------------------
     def _outputs(
@@ -302,13 +339,18 @@ class Fsdp2TrainStrategy:
         info = minibatch_info(micros, self.ulysses.data_group if self.ulysses is not None else None)
         counted = 1.0 if self.ulysses is None or self.ulysses.rank == 0 else 0.0
         self.optimizer.zero_grad(set_to_none=True)
+        # router loss: a Ulysses group's ranks each add their slice's share, so its micro-batches count once
+        weight = moe.micro_weight(self.router, len(micros), self.ulysses.data_group if self.ulysses else None)
         for index, micro in enumerate(micros):
             self.model.set_requires_gradient_sync(index == len(micros) - 1)  # reduce-scatter once per step
-            outputs = self._outputs(micro, self.planners["train"], temperature=objective.temperature,
-                                    with_entropy=objective.needs_entropy)  # fmt: skip
+            with moe.recording(self.router):
+                outputs = self._outputs(micro, self.planners["train"], temperature=objective.temperature,
+                                        with_entropy=objective.needs_entropy)  # fmt: skip
             loss, values = objective(outputs, micro, info)
+            values = {name: value * counted for name, value in values.items()}
+            loss = moe.with_router_loss(self.router, loss, weight, values)
             loss.backward()  # type: ignore[no-untyped-call]
-            metrics.add({name: value * counted for name, value in values.items()}, token_share(micro, info))
+            metrics.add(values, token_share(micro, info))
         metrics.end_minibatch()
         max_norm = self.config.training_args.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else math.inf)

@@ -30,6 +30,7 @@ class Fsdp2InferStrategy(Fsdp2TrainStrategy):
 
     kind = "infer"
     lora = None
+    router_loss = False
     phases = ("infer",)  # no training passes: only the _forward / _in_infer keys apply
 
     def __init__(self, config: WorkerConfig, role: str) -> None:

@@ -93,6 +93,8 @@ class SglangInferStrategy:
     """An SGLang engine (tokenizer manager here, scheduler in a child process) per worker."""
 
     kind = "infer"
+    weight_names = "checkpoint"
+    """Weight syncs arrive in HF checkpoint names (the engine's own loader maps them)."""
 
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config

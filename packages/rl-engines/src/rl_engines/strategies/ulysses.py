@@ -168,6 +168,13 @@ class _Row:
     """``[1, S]``: the sample of each token (-1: fill)."""
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
 
+    def local_tokens(self) -> torch.Tensor:
+        """``[S/u]``: True for the real tokens (not fill) of this rank's slice of the row."""
+        size = dist.get_world_size(self.group)
+        length = self.segments.shape[1] // size
+        start = dist.get_rank(self.group) * length
+        return self.segments[0, start : start + length] != -1
+
     def mask(self, window: int | None) -> torch.Tensor:
         """sdpa: ``[1, 1, S, S]``, True where a token may attend: causal, within its own sample, and within
         ``window`` positions for a sliding-window layer; built once per row and window."""

@@ -37,6 +37,9 @@ class VllmStrategyConfig:
     enforce_eager: bool | None = None
     """No torch.compile / CUDA graphs. Null: true on CPU (compiling costs ~25 s per engine, buys little there),
     false on GPU."""
+    optimization_level: int | None = None
+    """vLLM's ``-O`` level, 0-3: how much it compiles and captures (0 nothing ... 3 most); null = vLLM's default.
+    With ``enforce_eager`` (the default on CPU) nothing is compiled at any level."""
     enable_prefix_caching: bool = True
     """Reuse the KV cache of shared prompt prefixes (the n samples of a prompt); reset after every weight sync."""
     max_num_seqs: int | None = None
@@ -71,6 +74,8 @@ class VllmStrategyConfig:
                 raise WorkerConfigError(f"{prefix}.{name} must be >= 1 or null, got {value}.")
         if self.load_format not in LOAD_FORMATS:
             raise WorkerConfigError(f"{prefix}.load_format={self.load_format!r}; use one of {list(LOAD_FORMATS)}.")
+        if self.optimization_level is not None and self.optimization_level not in range(4):
+            raise WorkerConfigError(f"{prefix}.optimization_level must be 0, 1, 2 or 3, got {self.optimization_level}.")
         if self.sleep_level not in (1, 2):
             raise WorkerConfigError(f"{prefix}.sleep_level must be 1 or 2, got {self.sleep_level}.")
 
@@ -132,6 +137,6 @@ def engine_kwargs(config: WorkerConfig, options: VllmStrategyConfig, *, on_cpu: 
         "disable_log_stats": options.disable_log_stats,
         "disable_custom_all_reduce": options.disable_custom_all_reduce,
     }
-    optional = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens")
+    optional = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "optimization_level")
     kwargs.update({name: getattr(options, name) for name in optional if getattr(options, name) is not None})
     return {key: value for key, value in kwargs.items() if value is not None}

@@ -69,6 +69,8 @@ class VllmInferStrategy:
     """A vLLM engine in this worker process; weights arrive through :meth:`load_weights`."""
 
     kind = "infer"
+    weight_names = "checkpoint"
+    """Weight syncs arrive in HF checkpoint names (the engine's own loader maps them)."""
     lora: str | None = "adapters"
     """LoRA on the actor with ``lora_*`` on this role: syncs carry the adapters alone, vLLM serves them."""
 
