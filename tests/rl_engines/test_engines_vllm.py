@@ -258,6 +258,55 @@ def test_an_adapter_only_sync_serves_the_adapter_as_its_merged_weights(tiny_mode
     assert not folder.exists()
 
 
+def trained_moe(folder):
+    """A tiny Qwen3-MoE at ``folder`` trained a step on fsdp2_train; its batch and its weights under the model
+    folder's per-expert names (what ``Roles.model_updater`` sends vLLM)."""
+    from transformers import AutoTokenizer
+
+    from rl_engines.objectives import ActorObjective
+    from rl_engines.strategies.model_io import in_checkpoint_names
+    from rl_engines.tiny_model import build_tiny_moe_lm, build_tiny_tokenizer
+
+    build_tiny_tokenizer(folder, [f"{a}+{b}={a + b}" for a in range(20) for b in range(20)], vocab_size=256)
+    build_tiny_moe_lm(folder, vocab_size=len(AutoTokenizer.from_pretrained(str(folder))))
+    train = create_strategy(worker_config(folder, training_args={"learning_rate": 5e-2}), "actor_train")
+    train.initialize()
+    batch = rollout_batch(batch_size=3)
+    batch.batch["old_log_probs"] = train.compute_log_probs(batch).batch["log_probs"]
+    train.train_step(batch, ActorObjective())
+    state = dict(in_checkpoint_names(train.transformers_model(), train.named_weights()))
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in state
+    return train, batch, state
+
+
+@needs_vllm
+def test_a_moe_sync_into_vllm_on_cpu_is_refused_naming_why(tmp_path):
+    """vLLM 0.32's layer-wise reload leaves its CPU expert kernels with untransformed weights (measured: reloading
+    the engine's own checkpoint changes its log-probs), so a sync would serve wrong weights: refused."""
+    *_, state = trained_moe(tmp_path)
+    engine = make_vllm(tmp_path, temperature=0.0, num_return_sequences=1)
+    with pytest.raises(RuntimeError, match=r"actor_infer: weight syncs into vLLM on CPU are refused for the "
+                                           r"mixture-of-experts model"):  # fmt: skip
+        push(engine, state, bucket_bytes=20_000)
+    engine.close()
+
+
+@needs_vllm
+@pytest.mark.gpu
+def test_a_moe_actor_syncs_into_vllm_under_checkpoint_names(tmp_path):
+    """On GPU: the per-expert weights load into vLLM, which then scores as the trained model."""
+    train, batch, state = trained_moe(tmp_path)
+    engine = make_vllm(tmp_path, temperature=0.0, num_return_sequences=1)
+    mask = batch.batch["response_mask"]
+    before = engine.compute_log_probs(batch).batch["log_probs"].cpu()
+    assert push(engine, state, bucket_bytes=20_000) == len(state)
+    expected = train.compute_log_probs(batch).batch["log_probs"].cpu()
+    got = engine.compute_log_probs(batch).batch["log_probs"].cpu()
+    torch.testing.assert_close(got[mask], expected[mask], atol=2e-5, rtol=0)
+    assert float((got - before)[mask].abs().max()) > 1e-2
+    engine.close()
+
+
 @needs_vllm
 def test_half_synced_layer_is_held_back_and_refused(tiny_model_dir):
     from transformers import AutoModelForCausalLM
@@ -309,6 +358,7 @@ def test_vllm_role_on_ray_generates_trains_syncs_and_generates(tiny_model_dir):
     try:
         with Roles(CLUSTER, ray_configs(tiny_model_dir), rpc_timeout=300) as roles:
             updater = roles.model_updater(bucket_bytes=30_000)  # small buckets: decoder layers arrive split
+            assert updater.names == "checkpoint"  # vLLM loads checkpoint names (they differ for MoE experts)
             roles.activate("actor_infer")
             updater.sync()
             prompts = prompt_batch(tiny_model_dir, [QUESTIONS[0], QUESTIONS[1]] * 2)  # rank 0 and 1 get the same
@@ -348,7 +398,7 @@ def test_a_lora_actor_syncs_its_adapters_alone_into_vllm_on_ray(tiny_model_dir):
     try:
         with Roles(CLUSTER, configs, rpc_timeout=300) as roles:
             updater = roles.model_updater(bucket_bytes=8_000)
-            assert updater.adapters
+            assert updater.names == "adapters"
             roles.activate("actor_infer")
             first = updater.sync()
             prompts = prompt_batch(tiny_model_dir, [QUESTIONS[0], QUESTIONS[1]] * 2)

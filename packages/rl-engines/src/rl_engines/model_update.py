@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from rl_engines.weight_sync import DEFAULT_BUCKET_BYTES
+from rl_engines.weight_sync import DEFAULT_BUCKET_BYTES, SYNC_NAMES
 from rl_engines.worker_group import WorkerGroup
 
 
@@ -15,7 +15,10 @@ class ModelUpdater:
     ``colocated=True`` (the roles share devices, hence hosts) goes through shared memory (the object store for
     receivers on another host); ``False`` builds a dedicated broadcast group (gloo / nccl) once, at construction.
     ``dtype`` (fp32, bf16, fp16) casts floating weights before they travel, e.g. fp32 masters into a bf16 engine.
-    ``adapters``: send a LoRA actor's adapters alone (an engine serving LoRA adapters), not the merged weights.
+    ``names`` picks what travels: ``"module"`` the (merged) weights under the train model's own names (engines built
+    on transformers), ``"checkpoint"`` the same under the names a model folder stores (engines with their own
+    loaders: vLLM, SGLang; they differ for transformers' fused MoE experts), ``"adapters"`` a LoRA actor's adapters
+    alone (an engine serving LoRA adapters).
     The train role may be offloaded: its strategy brings the weights back to the device for the sync.
     """
 
@@ -28,16 +31,18 @@ class ModelUpdater:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         dtype: str | None = None,
         timeout_s: float = 600.0,
-        adapters: bool = False,
+        names: str = "module",
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        if names not in SYNC_NAMES:
+            raise ValueError(f"names={names!r}; use one of {list(SYNC_NAMES)}")
         self.train, self.infer = train, infer
         self.colocated = colocated
         self.bucket_bytes = bucket_bytes
         self.dtype = dtype
         self.timeout_s = timeout_s
-        self.adapters = adapters
+        self.names = names
         self.syncs = 0
         self._hosts: list[bool] | None = None
         if not colocated:
@@ -78,10 +83,10 @@ class ModelUpdater:
         if self.colocated:
             shm, store = self._receivers_by_host()
             results = self.train.call("send_weights_on_host", shm, store, self.bucket_bytes, self.dtype, self.timeout_s,
-                                      self.adapters)  # fmt: skip
+                                      self.names)  # fmt: skip
         else:
             receiving = self.infer.call_async("receive_weights_by_broadcast")
-            results = self.train.call("send_weights_by_broadcast", self.bucket_bytes, self.dtype, self.adapters)
+            results = self.train.call("send_weights_by_broadcast", self.bucket_bytes, self.dtype, self.names)
             receiving.get()
         metrics = dict(results[0])
         elapsed = time.perf_counter() - start

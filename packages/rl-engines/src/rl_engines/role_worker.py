@@ -16,6 +16,7 @@ from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs, WorkerConfig
 from rl_engines.objectives import Objective
 from rl_engines.strategies.base import create_strategy
+from rl_engines.strategies.model_io import in_checkpoint_names
 from rl_engines.weight_sync import (
     BroadcastGroup,
     SharedStaging,
@@ -122,12 +123,12 @@ class RoleWorker(WorkerBase):
         bucket_bytes: int,
         dtype: str | None = None,
         timeout_s: float | None = None,
-        adapters: bool = False,
+        names: str = "module",
     ) -> dict[str, float]:
         """Colocated sync: every rank un-shards; rank 0 sends each bucket through shared memory to receivers on
         its host (falling back to the object store where /dev/shm is missing) and through the object store to
-        the rest. ``adapters``: the LoRA adapters alone instead of the (merged) weights."""
-        weights = self._weights_to_send(adapters)
+        the rest. ``names``: see :func:`_weights_to_send`."""
+        weights = self._weights_to_send(names)
         if self.rank != 0:
             for _ in weights:  # take part in each all-gather
                 pass
@@ -143,11 +144,17 @@ class RoleWorker(WorkerBase):
         )  # fmt: skip
         return stats.metrics()
 
-    def _weights_to_send(self, adapters: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        """The (merged) named weights, or with ``adapters`` a LoRA model's adapters alone."""
-        weights: Iterator[tuple[str, torch.Tensor]] = (
-            self.strategy.adapter_weights() if adapters else self.strategy.named_weights()
-        )
+    def _weights_to_send(self, names: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """``module``: the (merged) named weights; ``checkpoint``: the same under a model folder's names (a strategy
+        on a transformers model, ``transformers_model()``, converts them; others name them so already);
+        ``adapters``: a LoRA model's adapters alone."""
+        if names == "adapters":
+            adapters: Iterator[tuple[str, torch.Tensor]] = self.strategy.adapter_weights()
+            return adapters
+        weights: Iterator[tuple[str, torch.Tensor]] = self.strategy.named_weights()
+        model = getattr(self.strategy, "transformers_model", None)
+        if names == "checkpoint" and model is not None:
+            return in_checkpoint_names(model(), weights)
         return weights
 
     def close_staging(self) -> None:
@@ -166,10 +173,10 @@ class RoleWorker(WorkerBase):
         self._broadcast = BroadcastGroup(master_addr, master_port, rank, world_size, timeout_s)
 
     def send_weights_by_broadcast(
-        self, bucket_bytes: int, dtype: str | None = None, adapters: bool = False
+        self, bucket_bytes: int, dtype: str | None = None, names: str = "module"
     ) -> dict[str, float]:
         """Separate sync, sender side: every rank un-shards, rank 0 broadcasts each bucket."""
-        weights = self._weights_to_send(adapters)
+        weights = self._weights_to_send(names)
         if self.rank != 0:
             for _ in weights:
                 pass

@@ -56,6 +56,17 @@ def syncs_adapters(config: WorkerConfig) -> bool:
     return config.model_args.lora and getattr(STRATEGIES.get(name), "lora", None) == "adapters"
 
 
+def sync_names(config: WorkerConfig) -> str:
+    """What a weight sync into this inference role sends (:class:`ModelUpdater`'s ``names``): the adapters alone
+    (:func:`syncs_adapters`), weights under checkpoint names for an engine with its own loader (``weight_names =
+    "checkpoint"``: vLLM, SGLang), else weights under the train model's own names."""
+    from rl_engines.strategies import STRATEGIES
+
+    if syncs_adapters(config):
+        return "adapters"
+    return str(getattr(STRATEGIES.get(config.strategy_args.strategy_name), "weight_names", "module"))
+
+
 def check_lora_pair(train: WorkerConfig, infer: WorkerConfig) -> None:
     """An inference role with ``lora_*`` keys serves the adapters the train role trains: the same rank and alpha
     (its own keys write the adapter config vLLM loads); a ValueError names both keys otherwise."""
@@ -68,17 +79,6 @@ def check_lora_pair(train: WorkerConfig, infer: WorkerConfig) -> None:
                 f"actor_infer.model_args.{key}={mine} but actor_train.model_args.{key}={theirs}: actor_infer serves "
                 f"the adapters actor_train trains; give both the same {key}."
             )
-
-
-def check_sync_names(role: str, config: WorkerConfig) -> None:
-    """A weight sync into an engine that loads checkpoint names (``weight_names = "checkpoint"``: vLLM, SGLang)
-    refuses a mixture-of-experts model (see :func:`rl_engines.strategies.moe.refuse_checkpoint_sync`)."""
-    from rl_engines.strategies import STRATEGIES
-    from rl_engines.strategies.moe import refuse_checkpoint_sync
-
-    name = config.strategy_args.strategy_name
-    if getattr(STRATEGIES.get(name), "weight_names", "module") == "checkpoint":
-        refuse_checkpoint_sync(config.model_args.model_name_or_path, role, name)
 
 
 def check_router_loss(role: str, config: WorkerConfig) -> None:
@@ -190,9 +190,8 @@ class Roles:
         alone; any other gets the weights (merged with the adapters)."""
         colocated = self.plan.is_colocated(train, infer)
         check_lora_pair(self.configs[train], self.configs[infer])
-        check_sync_names(infer, self.configs[infer])
         updater = ModelUpdater(self[train], self[infer], colocated=colocated, bucket_bytes=bucket_bytes, dtype=dtype,
-                               timeout_s=self.rpc_timeout, adapters=syncs_adapters(self.configs[infer]))  # fmt: skip
+                               timeout_s=self.rpc_timeout, names=sync_names(self.configs[infer]))  # fmt: skip
         self._updaters.append(updater)
         return updater
 

@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+SYNC_NAMES = ("module", "checkpoint", "adapters")
+"""What a weight sync sends (:class:`rl_engines.model_update.ModelUpdater`'s ``names``)."""
 _DTYPES = {str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64,
                                torch.int32, torch.uint8, torch.bool)}  # fmt: skip
 

@@ -231,6 +231,11 @@ class DeepSpeedTrainStrategy:
         weights = self.full_weights()
         yield from lora.merged_weights(weights, args.lora_scale) if args.lora else weights
 
+    def transformers_model(self) -> Any:
+        """The transformers model trained (inside peft's wrapper with LoRA): its weight conversions name synced
+        weights as a model folder does (:func:`rl_engines.strategies.model_io.in_checkpoint_names`)."""
+        return self.engine.module
+
     def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """LoRA: the adapters alone under PEFT's file names (``...q_proj.lora_A.weight``); a collective as above."""
         lora.require_lora(self.config, self.role)

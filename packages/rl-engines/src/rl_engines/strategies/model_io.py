@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,24 @@ def load_tokenizer(path: str) -> Any | None:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError):
         return None
+
+
+def unwrapped(model: Any) -> Any:
+    """The transformers model inside a peft wrapper (the model itself otherwise)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def in_checkpoint_names(model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` under the names a model folder stores them in: transformers 5 loads some checkpoints into other
+    tensors than it stores (a MoE layer's per-expert ``experts.<e>.gate_proj.weight`` / ``up_proj`` / ``down_proj``
+    become ``experts.gate_up_proj [E, 2I, H]`` / ``experts.down_proj``); this undoes that for engines that load
+    checkpoint names (vLLM, SGLang), one tensor at a time, as ``save_pretrained`` does. Other tensors pass as they
+    are."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    hf_model = unwrapped(model)
+    for name, tensor in weights:
+        yield from revert_weight_conversion(hf_model, {name: tensor}).items()
 
 
 def response_length(batch: RolloutBatch) -> int:

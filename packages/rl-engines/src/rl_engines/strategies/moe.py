@@ -20,11 +20,9 @@ HF MoE blocks are dropless: every token reaches its k experts, so no token is dr
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -189,26 +187,6 @@ def router_loss(model: nn.Module, config: WorkerConfig, role: str) -> RouterLoss
         role, experts, top_k, coef, source, role,
     )  # fmt: skip
     return RouterLoss(model, top_k, float(coef), *found)
-
-
-def refuse_checkpoint_sync(model_path: str | None, role: str, engine: str) -> None:
-    """Engines loading HF checkpoint names (vLLM, SGLang) cannot take a MoE model's weight sync yet: the torch-native
-    trainers send transformers' fused expert tensors (``experts.gate_up_proj [E, 2I, H]``), not the checkpoint's
-    per-expert ones. Raises naming the role and the model for a MoE folder."""
-    if not model_path:
-        return
-    config_file = Path(model_path) / "config.json"
-    if not config_file.is_file():
-        return
-    config = json.loads(config_file.read_text(encoding="utf-8"))
-    config = config.get("text_config") or config
-    experts = next((int(config[key]) for key in EXPERT_COUNT_KEYS if config.get(key)), 0)
-    if experts:
-        raise WorkerConfigError(
-            f"{role}.model_args.model_name_or_path={model_path!r} is a mixture-of-experts model ({experts} experts), "
-            f"and syncing one into {engine} is not built yet (the trainers send transformers' fused expert tensors, "
-            f"{engine} loads per-expert checkpoint names); use hf_infer for {role}, or serve the model without syncs."
-        )
 
 
 def micro_weight(router: RouterLoss | None, micros: int, group: Any = None) -> float:

@@ -62,6 +62,12 @@ from rl_engines.strategies.vllm_weights import (
 from rl_engines.strategies.weight_table import WeightTable, checkpoint_weights
 
 logger = logging.getLogger(__name__)
+MOE_CPU_RELOAD = (
+    "{role}: weight syncs into vLLM on CPU are refused for the mixture-of-experts model {model}: vLLM 0.32's "
+    "layer-wise reload leaves its CPU expert kernels (CPUUnquantizedExperts) with the weights in checkpoint layout "
+    "instead of the layout they compute with (reloading the engine's own checkpoint changes its log-probs by 0.03), "
+    "so it would generate from wrong weights. Use hf_infer for {role} on CPU."
+)
 
 
 @STRATEGIES.register("vllm")
@@ -264,6 +270,8 @@ class VllmInferStrategy:
         """
         if self.table is None or self._buffer is None:
             raise RuntimeError(f"{self.role}: the vllm strategy is not initialised; call initialize() first")
+        if self.table.has_experts and self.device.type == "cpu" and not self.config.model_args.lora:
+            raise RuntimeError(MOE_CPU_RELOAD.format(role=self.role, model=self.config.model_args.model_name_or_path))
         self.reload()
         given = 0
         for name, tensor in weights:

@@ -8,10 +8,15 @@ is a ``KeyError`` naming the weight, a shape mismatch a ``ValueError`` naming bo
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from rl_engines.strategies.model_io import in_checkpoint_names
+
+EXPERT_NAME = re.compile(r"\.experts\.\d+\.")
 
 
 @dataclass(frozen=True)
@@ -27,13 +32,15 @@ class WeightTable:
 
     @classmethod
     def from_model_dir(cls, path: str) -> WeightTable:
-        """Read ``config.json`` at ``path`` and build the model on the meta device (no memory, no weights read)."""
+        """Read ``config.json`` at ``path`` and build the model on the meta device (no memory, no weights read);
+        names as the folder stores them (a MoE layer's experts one by one, not transformers' fused tensors)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         config = AutoConfig.from_pretrained(path)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-        return cls.from_state_dict(type(model).__name__, model.state_dict(keep_vars=True))
+        state = dict(in_checkpoint_names(model, iter(model.state_dict(keep_vars=True).items())))
+        return cls.from_state_dict(type(model).__name__, state)
 
     @classmethod
     def from_state_dict(cls, architecture: str, state: dict[str, torch.Tensor]) -> WeightTable:
@@ -64,6 +71,11 @@ class WeightTable:
                 "here; the two roles must load the same model."
             )
 
+    @property
+    def has_experts(self) -> bool:
+        """Whether the model has mixture-of-experts layers (checkpoint names ``...mlp.experts.<e>...``)."""
+        return any(EXPERT_NAME.search(name) for name in self.shapes)
+
     def with_aliases(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` and the same tensor under every name tied to it (engines repack each separately)."""
         yield name, tensor
@@ -72,8 +84,8 @@ class WeightTable:
 
 
 def checkpoint_weights(path: str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """The HF checkpoint at ``path`` under HF names (tied weights under each name), loaded on the CPU."""
+    """The HF checkpoint at ``path`` under its own names (tied weights under each name), loaded on the CPU."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    yield from model.state_dict().items()
+    yield from in_checkpoint_names(model, iter(model.state_dict().items()))
