@@ -30,11 +30,12 @@ def moe_dir(request, tmp_path_factory):
     return path
 
 
-def make(model_dir, strategy_name="fsdp2_train", role="actor_train", model_args=None, **training_args):
+def make(model_dir, strategy_name="fsdp2_train", role="actor_train", model_args=None, options=None, **training_args):
     args = {"learning_rate": 1e-2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
             **training_args}  # fmt: skip
     config = worker_config(model_dir, role, training_args=args, model_args=model_args or {},
-                           strategy_args={"strategy_name": require_engine(strategy_name)})  # fmt: skip
+                           strategy_args={"strategy_name": require_engine(strategy_name),
+                                          "strategy_config": options or {}})  # fmt: skip
     strategy = create_strategy(config, role)
     strategy.initialize()
     return strategy
@@ -118,13 +119,18 @@ def test_the_router_loss_alone_balances_the_router(moe_dir, tmp_path):
     assert routers[0.0] and all(routers[0.0]) and not any(routers[1.0])
 
 
-def test_fsdp2_and_deepspeed_train_a_moe_model_alike(moe_dir):
-    """Two steps with the router loss on: the same router metrics and scores (1e-6), the same weights (1e-5: Adam's
-    normalised steps scale float rounding up by lr / eps at near-zero gradients)."""
+@pytest.mark.parametrize(
+    ("moe_dir", "zero_stage"), [("qwen3_moe", 1), ("qwen3_moe", 3), ("qwen2_moe", 1)], indirect=["moe_dir"]
+)
+def test_fsdp2_and_deepspeed_train_a_moe_model_alike(moe_dir, zero_stage):
+    """Two steps (lr 1e-2) with the router loss on: the same router metrics and scores (1e-6) and weights within
+    1e-4, 1 % of a step (Adam's m / (sqrt(v) + eps) of a near-zero gradient element turns the last bits of its
+    reduction order, which ZeRO-3's flat partitions change, into visible differences); ZeRO-3 partitions the router
+    and the fused experts too."""
     batch = rollout_batch(4)
     results = {}
-    for name in ("fsdp2_train", "deepspeed_train"):
-        strategy = make(moe_dir, name, model_args={"moe_aux_loss_coef": 0.5})
+    for name, options in (("fsdp2_train", {}), ("deepspeed_train", {"zero_stage": zero_stage})):
+        strategy = make(moe_dir, name, model_args={"moe_aux_loss_coef": 0.5}, options=options)
         metrics = [step(strategy, batch)["load_balancing_loss"] for _ in range(2)]
         scores = strategy.compute_log_probs(batch).batch["log_probs"] * batch.batch["response_mask"]
         results[name] = metrics, scores, {name: weight.clone() for name, weight in strategy.named_weights()}
@@ -132,7 +138,7 @@ def test_fsdp2_and_deepspeed_train_a_moe_model_alike(moe_dir):
     assert fsdp_metrics == pytest.approx(ds_metrics, abs=1e-6)
     assert float((fsdp_scores - ds_scores).abs().max()) < 1e-6
     assert fsdp.keys() == ds.keys()
-    assert max(float((fsdp[n] - ds[n]).abs().max()) for n in fsdp) < 1e-5
+    assert max(float((fsdp[n] - ds[n]).abs().max()) for n in fsdp) < 1e-4
 
 
 def test_synced_weights_score_alike_in_hf_infer_and_exports_keep_the_per_expert_layout(moe_dir, tmp_path):
