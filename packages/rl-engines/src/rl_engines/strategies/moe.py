@@ -11,6 +11,8 @@ the mean router probability of expert e over the layer's tokens, both over real 
 perfectly even router gives 1.0 per layer. The loss added to a micro-batch is ``coef * sum over layers`` times the
 micro-batch's weight (1 / the number of micro-batches in the mini-batch, over all ranks), i.e. the mean over
 micro-batches, as Megatron's; ``{role}/load_balancing_loss`` reports its unscaled per-layer mean (ROLL's metric).
+Under Ulysses each rank routes a slice of the packed row: counts and tokens are summed over the group and each rank
+adds its slice's share, so the group's loss equals the one-rank loss.
 
 ``coef`` is ``model_args.moe_aux_loss_coef`` (ROLL's key) or, unset, the model config's ``router_aux_loss_coef``
 (what ROLL's Megatron path uses; ROLL's fsdp2 / DeepSpeed strategies set it on the config but never add the loss).
@@ -173,8 +175,9 @@ def router_loss(model: nn.Module, config: WorkerConfig, role: str) -> RouterLoss
     found = router_recorder(model)
     if found is None:
         raise WorkerConfigError(
-            f"{role}: {type(model).__name__} has {experts} experts but transformers exposes no router_logits for it, "
-            "so its load-balancing loss cannot be computed; train it with megatron_train."
+            f"{role}: {type(model).__name__} has {experts} experts but transformers exposes no router_logits for it "
+            "(its _can_record_outputs), so fsdp2_train / deepspeed_train cannot compute its load-balancing loss; "
+            "this model family is not supported for training here."
         )
     top_k = int(getattr(hf, "num_experts_per_tok", 0) or getattr(hf, "moe_topk", 0) or 1)
     source = "model_args.moe_aux_loss_coef"
