@@ -1,0 +1,326 @@
+"""verl's current rollout correction (verl 0.9.1, ``verl/trainer/ppo/rollout_corr_helper.py``), next to the seed's
+:mod:`rl_core.rollout_is` (verl 0.6's API), which stays as it is.
+
+verl split rollout correction into two independent parts, both reading ``log_ratio = old_log_prob -
+rollout_log_prob`` (log pi_train / pi_rollout) and the original response mask:
+
+- **IS weights** (``rollout_is``: ``token`` or ``sequence``) bounded by ``rollout_is_threshold``: a number truncates
+  the weights at it (TIS); a ``"lower_upper"`` string zeroes weights outside ``[lower, upper]`` (IcePop) and leaves
+  the mask alone. ``rollout_is_batch_normalize`` then divides the (detached) weights by their batch mean.
+- **Rejection sampling** (``rollout_rs``, comma-separated options, every one must keep a token) with
+  ``rollout_rs_threshold`` (one spec, or one per option): per-token divergences ``k1 = -l``, ``k2 = l^2 / 2``,
+  ``k3 = exp(l) - 1 - l`` of the clamped log ratio ``l``, taken per token, summed, averaged or maxed per sequence.
+  A ``k1`` spec bounds ``exp(k1) = pi_rollout / pi_train`` (verl's direction: ``"0.1_1.2"`` keeps ratios
+  pi_train / pi_rollout in [1/1.2, 1/0.1]); a single value ``u`` means ``1/u _ u``. ``k2`` / ``k3`` specs are upper
+  bounds. Rejected tokens leave the returned mask only; their IS weights stay.
+
+Means follow verl's ``masked_mean`` (``sum / (count + 1e-8)``), log ratios are clamped to +-20 before ``exp``, and a
+NaN log ratio of a real token propagates (verl does not clean it) and is rejected by every rejection option. One
+deliberate difference: a padding position's weight is 0 even when its log ratio is NaN (verl gives NaN there,
+which its token-sum losses ignore). The metrics verl logs with these are not built here yet.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SAFETY_BOUND = 20.0
+"""|log ratio| is clamped to this before ``exp`` (verl's ``SAFETY_BOUND``)."""
+EPS = 1e-8
+"""verl's ``masked_mean`` denominator guard and batch-normalisation floor."""
+IS_LEVELS = ("token", "sequence")
+RS_OPTIONS = (
+    "token_k1", "token_k2", "token_k3",
+    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
+    "seq_max_k2", "seq_max_k3",
+)  # fmt: skip
+"""verl's ``SUPPORTED_ROLLOUT_RS_OPTIONS``."""
+
+
+def _preset(
+    rollout_is: str | None = None, threshold: str | float = 2.0, rs: str | None = None, rs_threshold: Any = None,
+    bypass: bool = False, loss_type: str = "ppo_clip",
+) -> dict[str, Any]:  # fmt: skip
+    return {"rollout_is": rollout_is, "rollout_is_threshold": threshold, "rollout_is_batch_normalize": False,
+            "rollout_rs": rs, "rollout_rs_threshold": rs_threshold, "bypass_mode": bypass,
+            "loss_type": loss_type}  # fmt: skip
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "decoupled_token_is": _preset("token"),
+    "decoupled_seq_is": _preset("sequence"),
+    "decoupled_token_icepop": _preset("token", "0.5_5.0"),
+    "decoupled_seq_is_rs": _preset("sequence", 2.0, "seq_sum_k1", "0.5_2.0"),
+    "decoupled_geo_rs": _preset(None, 2.0, "seq_mean_k1", "0.999_1.001"),
+    "bypass_ppo_clip": _preset(bypass=True),
+    "bypass_ppo_clip_geo_rs": _preset(None, 2.0, "seq_mean_k1", "0.999_1.001", bypass=True),
+    "bypass_ppo_clip_k3_rs": _preset(None, 2.0, "seq_mean_k3", 0.01, bypass=True),
+    "bypass_pg_is": _preset("sequence", bypass=True, loss_type="reinforce"),
+    "bypass_pg_token_icepop": _preset("token", "0.5_5.0", bypass=True, loss_type="reinforce"),
+    "bypass_pg_geo_rs": _preset(None, 2.0, "seq_mean_k1", "0.999_1.001", bypass=True, loss_type="reinforce"),
+    "decoupled_geo_rs_seq_tis": _preset("sequence", 2.0, "seq_mean_k1", "0.999_1.001"),
+    "decoupled_geo_rs_token_tis": _preset("token", 2.0, "seq_mean_k1", "0.999_1.001"),
+    "bypass_pg_geo_rs_seq_tis": _preset("sequence", 2.0, "seq_mean_k1", "0.999_1.001", True, "reinforce"),
+    "bypass_pg_geo_rs_token_tis": _preset("token", 2.0, "seq_mean_k1", "0.999_1.001", True, "reinforce"),
+    "decoupled_k3_rs": _preset(None, 2.0, "seq_mean_k3", 0.01),
+    "decoupled_k3_rs_seq_tis": _preset("sequence", 2.0, "seq_mean_k3", 0.01),
+    "decoupled_k3_rs_token_tis": _preset("token", 2.0, "seq_mean_k3", 0.01),
+    "disabled": _preset(),
+}
+"""verl's ``RolloutCorrectionConfig`` presets at their default arguments: name -> every key's value."""
+
+
+# ---- thresholds ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ISBounds:
+    """``rollout_is_threshold`` parsed: ``upper`` always; ``lower`` for IcePop (a ``"lower_upper"`` string)."""
+
+    upper: float
+    lower: float | None = None
+
+
+def parse_is_threshold(spec: object) -> ISBounds:
+    """A number or numeric string: TIS at that upper bound; ``"lower_upper"``: IcePop. Both bounds > 0, lower <=
+    upper (an upper bound below 1 is allowed, as in verl). Errors name ``rollout_is_threshold``."""
+    if isinstance(spec, bool):
+        raise TypeError(f"rollout_is_threshold={spec!r} must be a number or a 'lower_upper' string, not a boolean.")
+    if isinstance(spec, numbers.Real):
+        bounds = ISBounds(float(spec))
+    elif isinstance(spec, str) and spec.strip():
+        text = spec.strip()
+        try:
+            if "_" in text:
+                low, high = text.split("_", 1)
+                bounds = ISBounds(float(high), float(low))
+            else:
+                bounds = ISBounds(float(text))
+        except ValueError:
+            raise ValueError(
+                f"Invalid rollout_is_threshold {spec!r}: give a number (TIS) or 'lower_upper' such as '0.5_5.0' "
+                "(IcePop)."
+            ) from None
+    else:
+        raise TypeError(f"rollout_is_threshold={spec!r} must be a number or a 'lower_upper' string.")
+    if not bounds.upper > 0 or (bounds.lower is not None and not 0 < bounds.lower <= bounds.upper):
+        raise ValueError(f"rollout_is_threshold={spec!r}: bounds must be > 0 with lower <= upper.")
+    return bounds
+
+
+@dataclass(frozen=True)
+class RSBounds:
+    """One rejection option and its bounds (``lower`` for the k1 options only)."""
+
+    option: str
+    upper: float
+    lower: float | None = None
+
+
+def parse_rs(rollout_rs: object, rollout_rs_threshold: object) -> list[RSBounds]:
+    """``rollout_rs`` (comma-separated options, duplicates dropped keeping the first) paired with
+    ``rollout_rs_threshold`` (one spec for all, or one per option, comma-separated). Errors name the key."""
+    if not isinstance(rollout_rs, str):
+        raise ValueError(f"rollout_rs={rollout_rs!r} must be a comma-separated string of {list(RS_OPTIONS)}.")
+    if rollout_rs_threshold is None:
+        raise ValueError(f"rollout_rs={rollout_rs!r} needs rollout_rs_threshold (no default): set it explicitly.")
+    options = list(dict.fromkeys(o.strip() for o in rollout_rs.split(",") if o.strip()))
+    if not options:
+        raise ValueError(f"rollout_rs={rollout_rs!r} names no option; use one or more of {list(RS_OPTIONS)}.")
+    unknown = [o for o in options if o not in RS_OPTIONS]
+    if unknown:
+        raise ValueError(f"Invalid rollout_rs option(s) {unknown}; valid: {list(RS_OPTIONS)}.")
+    specs = _rs_specs(rollout_rs_threshold)
+    if len(specs) not in (1, len(options)):
+        raise ValueError(
+            f"rollout_rs_threshold={rollout_rs_threshold!r} gives {len(specs)} specs for {len(options)} options "
+            f"{options}: give one spec for all, or one per option."
+        )
+    pairs = specs * len(options) if len(specs) == 1 else specs
+    return [_rs_bounds(option, spec) for option, spec in zip(options, pairs)]
+
+
+def _rs_specs(value: object) -> list[str]:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        return [str(value)]
+    if not isinstance(value, str):
+        raise TypeError(f"rollout_rs_threshold={value!r} must be a number or a string.")
+    specs = [part.strip() for part in value.split(",") if part.strip()]
+    if not specs:
+        raise ValueError(f"rollout_rs_threshold={value!r} holds no spec.")
+    return specs
+
+
+def _rs_bounds(option: str, spec: str) -> RSBounds:
+    k1 = option.endswith("k1")
+    if not k1 and "_" in spec:
+        raise ValueError(f"rollout_rs_threshold {spec!r} for {option}: k2 / k3 take one upper bound, no '_'.")
+    try:
+        if k1 and "_" in spec:
+            low, high = spec.split("_", 1)
+            bounds = RSBounds(option, float(high), float(low))
+        elif k1:  # one value u: the symmetric band [1/u, u]
+            upper = float(spec)
+            bounds = RSBounds(option, upper, 1.0 / upper if upper > 0 else math.nan)
+        else:
+            bounds = RSBounds(option, float(spec))
+    except ValueError:
+        raise ValueError(f"Invalid rollout_rs_threshold {spec!r} for {option}: not a number.") from None
+    lower = bounds.lower
+    if not bounds.upper > 0 or (lower is not None and not 0 < lower <= bounds.upper):
+        raise ValueError(f"rollout_rs_threshold {spec!r} for {option}: bounds must be > 0 with lower <= upper.")
+    return bounds
+
+
+# ---- masked reductions (verl's semantics) --------------------------------------------------------------------
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum over the mask; values outside it (NaN / Inf included) contribute nothing."""
+    m = mask.to(values.dtype) if values.is_floating_point() else mask.float()
+    picked = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device)) * m
+    return picked.sum() if dim is None else picked.sum(dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """verl's ``masked_mean``: ``masked_sum / (count + 1e-8)`` (an empty row gives 0)."""
+    count = mask.to(values.dtype).sum() if dim is None else mask.to(values.dtype).sum(dim)
+    return masked_sum(values, mask, dim) / (count + EPS)
+
+
+# ---- IS weights -------------------------------------------------------------------------------------------------
+def raw_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str) -> torch.Tensor:
+    """``[B, T]`` unbounded weights: per token ``exp(clamp(l))``, per sequence ``exp(clamp(sum of l))`` on every
+    token of the row; 0 at padding."""
+    if level not in IS_LEVELS:
+        raise ValueError(f"Invalid rollout_is: {level!r}. Must be one of {list(IS_LEVELS)} (or null).")
+    valid = response_mask.bool()
+    if level == "token":
+        raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+    else:
+        total = masked_sum(log_ratio, response_mask, dim=-1)
+        raw = torch.exp(total.clamp(-SAFETY_BOUND, SAFETY_BOUND)).unsqueeze(-1).expand_as(log_ratio)
+    return torch.where(valid, raw, torch.zeros((), dtype=raw.dtype, device=raw.device))
+
+
+def bound_weights(raw: torch.Tensor, bounds: ISBounds) -> torch.Tensor:
+    """TIS: ``min(raw, upper)``; IcePop: ``raw`` inside ``[lower, upper]`` (inclusive), 0 outside."""
+    if bounds.lower is None:
+        return raw.clamp(max=bounds.upper)
+    keep = (raw >= bounds.lower) & (raw <= bounds.upper)
+    return torch.where(keep, raw, torch.zeros((), dtype=raw.dtype, device=raw.device))
+
+
+def batch_normalize(weights: torch.Tensor, response_mask: torch.Tensor, level: str) -> tuple[torch.Tensor, float]:
+    """Divide by the batch mean weight (token level: over real tokens; sequence level: each non-empty sequence's
+    mean counted once) when it exceeds 1e-8; returns the weights and the factor divided by (1.0 when skipped)."""
+    if level == "token":
+        mean = masked_mean(weights, response_mask)
+    else:
+        per_row = masked_mean(weights, response_mask, dim=-1)
+        rows = (response_mask.to(weights.dtype).sum(-1) > 0).to(weights.dtype)
+        mean = (per_row * rows).sum() / rows.sum().clamp_min(EPS)
+    factor = float(mean)
+    if factor > EPS:
+        return weights / mean, factor
+    return weights, 1.0
+
+
+def rollout_correction_weights(
+    log_ratio: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_is: str = "token",
+    rollout_is_threshold: object = 2.0,
+    rollout_is_batch_normalize: bool = False,
+) -> tuple[torch.Tensor, float | None]:
+    """verl's ``compute_rollout_correction_weights`` without its metrics: detached ``[B, T]`` weights and the
+    batch-normalisation factor (None without normalisation)."""
+    bounds = parse_is_threshold(rollout_is_threshold)
+    weights = bound_weights(raw_weights(log_ratio, response_mask, rollout_is), bounds).detach()
+    if not rollout_is_batch_normalize:
+        return weights, None
+    return batch_normalize(weights, response_mask, rollout_is)
+
+
+# ---- rejection sampling -------------------------------------------------------------------------------------
+def divergence(log_ratio: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token ``k1 = -l``, ``k2 = l^2 / 2`` or ``k3 = exp(l) - 1 - l`` of ``l = clamp(log_ratio, +-20)``."""
+    clamped = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+    if kind == "k1":
+        return -clamped
+    if kind == "k2":
+        return 0.5 * clamped * clamped
+    return torch.exp(clamped) - 1.0 - clamped
+
+
+def _statistic(log_ratio: torch.Tensor, response_mask: torch.Tensor, option: str) -> torch.Tensor:
+    """The option's statistic, ``[B, T]`` (token options) or ``[B, 1]`` (sequence options)."""
+    level, kind = option.rsplit("_", 1)
+    values = divergence(log_ratio, kind)
+    if level == "token":
+        return values
+    if level == "seq_sum":
+        return masked_sum(values, response_mask, dim=-1).unsqueeze(-1)
+    if level == "seq_mean":
+        return masked_mean(values, response_mask, dim=-1).unsqueeze(-1)
+    filled = values.masked_fill(~response_mask.bool(), -math.inf).amax(dim=-1, keepdim=True)
+    return torch.where(torch.isneginf(filled), torch.zeros_like(filled), filled)  # an empty row: 0
+
+
+def option_keep(log_ratio: torch.Tensor, response_mask: torch.Tensor, bounds: RSBounds) -> torch.Tensor:
+    """``[B, T]`` bool: the tokens this option keeps (sequence decisions on every token of the row; NaN rejected)."""
+    stat = _statistic(log_ratio, response_mask, bounds.option)
+    if bounds.lower is not None:  # k1: log(lower) <= stat <= log(upper)
+        keep = (stat >= math.log(bounds.lower)) & (stat <= math.log(bounds.upper))
+    else:
+        keep = stat <= bounds.upper
+    return keep.expand_as(log_ratio)
+
+
+def rejection_mask(
+    log_ratio: torch.Tensor, response_mask: torch.Tensor, rollout_rs: object, rollout_rs_threshold: object
+) -> torch.Tensor:
+    """verl's ``compute_rollout_rejection_mask`` without its metrics: ``response_mask`` (same dtype) with every token
+    some option rejects set to 0; never adds a token."""
+    options = parse_rs(rollout_rs, rollout_rs_threshold)
+    if log_ratio.shape[0] == 0:
+        return response_mask
+    keep = torch.ones_like(log_ratio, dtype=torch.bool)
+    for bounds in options:
+        keep &= option_keep(log_ratio, response_mask, bounds)
+    return (response_mask.bool() & keep).to(response_mask.dtype)
+
+
+# ---- off-policy metrics ----------------------------------------------------------------------------------------
+def offpolicy_metrics(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """verl's ``compute_offpolicy_metrics`` (no prefix; verl logs them under ``rollout_corr/``): perplexities of the
+    training (and rollout) policy per sequence averaged over all rows, ``kl`` (k1 of KL(rollout || train)),
+    ``k3_kl``, log-perplexity differences, ``ppl_ratio``, ``chi2_token`` and ``chi2_seq``."""
+    if not bool(response_mask.bool().any()):
+        raise ValueError("response_mask must contain at least one valid token.")
+    train_mean = masked_mean(old_log_prob, response_mask, dim=-1)
+    out = {"training_ppl": torch.exp(-train_mean).mean(), "training_log_ppl": (-train_mean).mean()}
+    if rollout_log_prob is not None:
+        log_ratio = old_log_prob - rollout_log_prob
+        rollout_mean = masked_mean(rollout_log_prob, response_mask, dim=-1)
+        diff = rollout_mean - train_mean
+        clamped = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        seq_sum = masked_sum(log_ratio, response_mask, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        out.update(
+            kl=masked_mean(rollout_log_prob - old_log_prob, response_mask),
+            k3_kl=masked_mean(torch.exp(log_ratio) - log_ratio - 1.0, response_mask),
+            rollout_ppl=torch.exp(-rollout_mean).mean(),
+            rollout_log_ppl=(-rollout_mean).mean(),
+            log_ppl_diff=diff.mean(),
+            log_ppl_abs_diff=diff.abs().mean(),
+            log_ppl_diff_max=diff.max(),
+            log_ppl_diff_min=diff.min(),
+            ppl_ratio=torch.exp(diff).mean(),
+            chi2_token=masked_mean(torch.exp(clamped) ** 2, response_mask) - 1.0,
+            chi2_seq=torch.exp(2.0 * seq_sum).mean() - 1.0,
+        )
+    return {name: float(value) for name, value in out.items()}

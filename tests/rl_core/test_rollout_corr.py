@@ -1,0 +1,172 @@
+"""verl 0.9.1's rollout correction in rl_core.rollout_corr: the numbers verl's own tests pin
+(tests/trainer/ppo/test_rollout_corr*.py), numbers verl 0.9.1's helper produces for the same inputs, and cases
+worked by hand. Inputs are written out; expected values are verl's or derived in the comments."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rl_core.rollout_corr import (
+    PRESETS,
+    RS_OPTIONS,
+    ISBounds,
+    RSBounds,
+    offpolicy_metrics,
+    parse_is_threshold,
+    parse_rs,
+    rejection_mask,
+    rollout_correction_weights,
+)
+
+# verl's extra reference inputs: log ratio [[0.2, -0.5, pad], [-0.7, 0, 0]]
+OLD = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]])
+ROLLOUT = torch.tensor([[-1.2, -1.5, -0.5], [-0.3, -1.0, -1.0]])
+MASK = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.float32)
+
+
+def close(got: torch.Tensor, expected: list, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=got.dtype), atol=atol, rtol=0)
+
+
+def test_verls_mask_mode_case_token_tis_with_token_k1_rejection():
+    """verl test_mask_mode: ratios exp(-1) and exp(0.5); "0.5_2.0" bounds pi_rollout / pi_train in [0.5, 2]."""
+    old = torch.full((2, 5), -2.0)
+    rollout = torch.tensor([[-1.0] * 5, [-2.5] * 5])
+    mask = torch.ones(2, 5)
+    weights, factor = rollout_correction_weights(old - rollout, mask, "token", 2.0)
+    assert factor is None
+    assert weights[0, 0] == pytest.approx(math.exp(-1.0), abs=1e-6) and weights[1, 0] == pytest.approx(math.exp(0.5))
+    kept = rejection_mask(old - rollout, mask, "token_k1", "0.5_2.0")
+    assert kept.tolist() == [[0.0] * 5, [1.0] * 5]  # exp(k1) = e^1 > 2 rejected; e^-0.5 in [0.5, 2] kept
+    assert bool((weights[0] > 0).all())  # a rejected token keeps its weight: rejection lives in the mask only
+
+
+def test_icepop_zeroes_weights_outside_its_band_and_leaves_the_mask():
+    """verl test_exact_icepop_zeroes_weights_without_changing_mask: ratios 0.4, 0.8, 6.0 in "0.5_5.0"."""
+    log_ratio = torch.log(torch.tensor([[0.4, 0.8, 6.0]]))
+    weights, _ = rollout_correction_weights(log_ratio, torch.ones(1, 3), "token", "0.5_5.0")
+    close(weights, [[0.0, 0.8, 0.0]])
+
+
+def test_icepop_weights_of_verls_integration_case():
+    """verl test_exact_icepop_matches_filtered_weighted_ppo_loss: log ratios -0.5, 2.5, -0.2."""
+    old, rollout = torch.tensor([[-1.0, -1.0, -1.0]]), torch.tensor([[-0.5, -3.5, -0.8]])
+    weights, _ = rollout_correction_weights(old - rollout, torch.ones(1, 3), "token", "0.5_5.0")
+    close(weights, [[0.60653067, 0.0, 0.81873075]])
+
+
+def test_token_tis_weights_ignore_padding_and_truncate():
+    weights, _ = rollout_correction_weights(OLD - ROLLOUT, MASK, "token", 1.5)
+    close(weights, [[1.221403, 0.606531, 0.0], [0.496585, 1.0, 1.0]])
+
+
+def test_sequence_weights_with_batch_normalisation():
+    """Rows' sums 0.2 - 0.5 = -0.3 and -0.7: weights e^-0.3, e^-0.7; each non-empty row's mean counts once:
+    factor (0.740818 + 0.496585) / 2 = 0.618702 (verl's helper: the same)."""
+    weights, factor = rollout_correction_weights(OLD - ROLLOUT, MASK, "sequence", 1.5, rollout_is_batch_normalize=True)
+    assert factor == pytest.approx(0.618702, abs=1e-6)
+    close(weights, [[1.197375, 1.197375, 0.0], [0.802625, 0.802625, 0.802625]])
+
+
+def test_token_batch_normalisation_is_the_mean_over_real_tokens():
+    log_ratio = torch.log(torch.tensor([[1.0, 3.0], [2.0, 9.0]]))
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    weights, factor = rollout_correction_weights(log_ratio, mask, "token", 10.0, rollout_is_batch_normalize=True)
+    assert factor == pytest.approx(2.0, rel=1e-6)  # (1 + 3 + 2) / 3; the padded 9 does not count
+    close(weights, [[0.5, 1.5], [1.0, 0.0]])
+
+
+def test_combined_rejection_options_every_one_must_keep_a_token():
+    """verl's helper on these inputs: token IcePop "0.7_1.5" with seq_sum_k1 "0.5_1.6" and token_k3 0.1 ->
+    weights [[1.221403, 0, 0], [0, 1, 1]], mask [[1, 0, 0], [0, 0, 0]]."""
+    weights, _ = rollout_correction_weights(OLD - ROLLOUT, MASK, "token", "0.7_1.5")
+    close(weights, [[1.221403, 0.0, 0.0], [0.0, 1.0, 1.0]])
+    kept = rejection_mask(OLD - ROLLOUT, MASK, "seq_sum_k1,token_k3", "0.5_1.6,0.1")
+    assert kept.tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    # row 0: sum of k1 = 0.3, exp 1.35 in [0.5, 1.6]: kept; its k3 of l=-0.5 is 0.1065 > 0.1: token 1 rejected.
+    # row 1: sum of k1 = 0.7, exp 2.01 > 1.6: the whole row rejected.
+
+
+def test_k1_bounds_pi_rollout_over_pi_train_as_verl_does():
+    """verl's direction: "0.1_1.2" keeps train / rollout ratios in [1/1.2, 1/0.1] = [0.833, 10]."""
+    ratios = torch.tensor([[0.5, 0.9, 1.1, 1.5, 5.0, 12.0]])
+    kept = rejection_mask(ratios.log(), torch.ones(1, 6), "token_k1", "0.1_1.2")
+    assert kept.tolist() == [[0.0, 1.0, 1.0, 1.0, 1.0, 0.0]]
+    one_value = rejection_mask(ratios.log(), torch.ones(1, 6), "token_k1", 2.0)  # u = 2: ratios in [0.5, 2]
+    assert one_value.tolist() == [[1.0, 1.0, 1.0, 1.0, 0.0, 0.0]]
+
+
+def test_sequence_statistics_by_hand():
+    """Row 0 log ratios (0.2, -0.5), row 1 (-0.7, 0, 0). k2 = l^2 / 2: row 0 (0.02, 0.125): sum 0.145, mean 0.0725,
+    max 0.125; row 1 (0.245, 0, 0): sum 0.245, mean 0.0817, max 0.245."""
+    log_ratio = OLD - ROLLOUT
+    cases = {("seq_sum_k2", 0.2): [1, 0], ("seq_mean_k2", 0.08): [1, 0], ("seq_max_k2", 0.2): [1, 0],
+             ("seq_max_k2", 0.1): [0, 0], ("seq_mean_k2", 0.09): [1, 1]}  # fmt: skip
+    for (option, bound), rows in cases.items():
+        kept = rejection_mask(log_ratio, MASK, option, bound)
+        assert kept.tolist() == [[rows[0]] * 2 + [0], [rows[1]] * 3], option
+    # seq_mean_k1 is the geometric mean of pi_rollout / pi_train: row 0 exp(0.15) = 1.16, row 1 exp(0.233) = 1.26
+    assert rejection_mask(log_ratio, MASK, "seq_mean_k1", "0.9_1.2")[:, 0].tolist() == [1.0, 0.0]
+
+
+def test_padding_never_decides_and_nan_in_a_real_token_is_rejected():
+    log_ratio = torch.tensor([[0.1, math.nan], [math.nan, 0.1]])
+    mask = torch.tensor([[True, False], [True, True]])
+    for option in RS_OPTIONS:
+        bound = "0.5_2.0" if option.endswith("k1") else 5.0
+        kept = rejection_mask(log_ratio, mask, option, bound)
+        assert kept.dtype == torch.bool and kept[0, 0] and not kept[1, 0], option
+        assert kept[1, 1] == option.startswith("token"), option  # a sequence option rejects the NaN's row
+    weights, _ = rollout_correction_weights(log_ratio, mask, "token", 2.0)
+    assert weights[0, 1] == 0.0 and math.isnan(weights[1, 0])  # padding 0; a real NaN propagates (as in verl)
+
+
+def test_offpolicy_metrics_equal_verls():
+    got = offpolicy_metrics(OLD, ROLLOUT, MASK)
+    expected = {"training_ppl": 3.599985, "training_log_ppl": 1.25, "kl": 0.2, "k3_kl": 0.064904,
+                "rollout_ppl": 3.005002, "rollout_log_ppl": 1.058333, "log_ppl_diff": 0.191667,
+                "log_ppl_abs_diff": 0.191667, "log_ppl_diff_max": 0.233333, "log_ppl_diff_min": 0.15,
+                "ppl_ratio": 1.212318, "chi2_token": -0.17874, "chi2_seq": -0.602296}  # fmt: skip
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, abs=2e-6), name
+    icepop = offpolicy_metrics(torch.zeros(1, 3), -torch.log(torch.tensor([[0.4, 0.8, 6.0]])), torch.ones(1, 3))
+    assert icepop["kl"] == pytest.approx(-0.217442, abs=1e-6) and icepop["chi2_seq"] == pytest.approx(2.686401)
+    assert set(offpolicy_metrics(OLD, None, MASK)) == {"training_ppl", "training_log_ppl"}
+    with pytest.raises(ValueError, match="at least one valid token"):
+        offpolicy_metrics(OLD, ROLLOUT, torch.zeros_like(MASK))
+
+
+def test_thresholds_parse_as_verl_does_and_bad_ones_name_the_key():
+    assert parse_is_threshold(2) == ISBounds(2.0) and parse_is_threshold(" 0.5_5.0 ") == ISBounds(5.0, 0.5)
+    assert parse_is_threshold("0.5") == ISBounds(0.5)  # an upper bound below 1 is allowed (verl)
+    assert parse_rs("token_k1, seq_max_k3 ,token_k1", "0.4_1.8,3.0") == [
+        RSBounds("token_k1", 1.8, 0.4), RSBounds("seq_max_k3", 3.0)]  # fmt: skip
+    assert parse_rs("token_k1", 1.3) == [RSBounds("token_k1", 1.3, 1 / 1.3)]
+    with pytest.raises(TypeError, match="not a boolean"):
+        parse_is_threshold(True)
+    for spec in ("5.0_0.5", "0_2", "-1", "abc"):
+        with pytest.raises(ValueError, match="rollout_is_threshold"):
+            parse_is_threshold(spec)
+    bad = [("token_k4", 1.0, "Invalid rollout_rs option"), ("token_k2", "0.5_2", "no '_'"),
+           ("token_k1,token_k2", "1,2,3", "3 specs for 2 options"), ("token_k1", None, "needs rollout_rs_threshold"),
+           ("seq_sum_k1", "2_1", "lower <= upper"), (" , ", 1.0, "names no option")]  # fmt: skip
+    for options, threshold, message in bad:
+        with pytest.raises(ValueError, match=message):
+            parse_rs(options, threshold)
+
+
+def test_presets_set_every_key_as_verls():
+    keys = {"rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs", "rollout_rs_threshold",
+            "bypass_mode", "loss_type"}  # fmt: skip
+    assert len(PRESETS) == 19 and all(set(values) == keys for values in PRESETS.values())
+    icepop = PRESETS["decoupled_token_icepop"]
+    assert (icepop["rollout_is"], icepop["rollout_is_threshold"]) == ("token", "0.5_5.0")
+    assert PRESETS["bypass_pg_geo_rs_token_tis"] == {
+        "rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": False,
+        "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001", "bypass_mode": True,
+        "loss_type": "reinforce"}  # fmt: skip
+    assert PRESETS["decoupled_k3_rs"]["rollout_rs_threshold"] == 0.01 and not PRESETS["disabled"]["bypass_mode"]
