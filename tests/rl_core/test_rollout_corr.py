@@ -18,6 +18,7 @@ from rl_core.rollout_corr import (
     parse_is_threshold,
     parse_rs,
     rejection_mask,
+    rollout_correction,
     rollout_correction_weights,
 )
 
@@ -170,3 +171,99 @@ def test_presets_set_every_key_as_verls():
         "rollout_rs": "seq_mean_k1", "rollout_rs_threshold": "0.999_1.001", "bypass_mode": True,
         "loss_type": "reinforce"}  # fmt: skip
     assert PRESETS["decoupled_k3_rs"]["rollout_rs_threshold"] == 0.01 and not PRESETS["disabled"]["bypass_mode"]
+
+
+def metrics_of(**keys) -> dict[str, float]:
+    _, _, metrics = rollout_correction(OLD, ROLLOUT, MASK, **keys)
+    return {name.removeprefix("rollout_corr/"): value for name, value in metrics.items()}
+
+
+def assert_metrics(got: dict[str, float], expected: dict[str, float]) -> None:
+    for name, value in expected.items():
+        assert got[name] == pytest.approx(value, abs=2e-6), name
+
+
+def test_token_is_metrics_equal_verls():
+    got = metrics_of(rollout_is="token", rollout_is_threshold=1.5)
+    assert_metrics(got, {"rollout_is_mean": 0.864904, "rollout_is_max": 1.221403, "rollout_is_min": 0.496585,
+                         "rollout_is_ratio_fraction_high": 0.0, "rollout_is_ratio_fraction_low": 0.4,
+                         "rollout_is_std": 0.270558, "rollout_is_eff_sample_size": 0.910867,
+                         "rollout_is_seq_mean": 0.873081, "rollout_is_seq_std": 0.057821,
+                         "rollout_is_seq_max": 0.913967, "rollout_is_seq_min": 0.832195,
+                         "rollout_is_seq_max_deviation": 0.167805, "rollout_is_seq_fraction_high": 0.0,
+                         "rollout_is_seq_fraction_low": 0.0, "kl": 0.2, "chi2_seq": -0.602296})  # fmt: skip
+    assert "rollout_is_oob_ratio" not in got and "rollout_is_batch_norm_factor" not in got
+
+
+def test_sequence_is_metrics_with_batch_normalisation_equal_verls():
+    got = metrics_of(rollout_is="sequence", rollout_is_threshold=1.5, rollout_is_batch_normalize=True)
+    assert_metrics(got, {"rollout_is_max": 0.740818, "rollout_is_min": 0.496585, "rollout_is_mean": 0.594279,
+                         "rollout_is_ratio_fraction_high": 0.0, "rollout_is_ratio_fraction_low": 0.5,
+                         "rollout_is_std": 0.119649, "rollout_is_eff_sample_size": 0.961043,
+                         "rollout_is_seq_mean": 0.618702, "rollout_is_seq_std": 0.172699,
+                         "rollout_is_seq_max": 0.740818, "rollout_is_seq_min": 0.496585,
+                         "rollout_is_seq_max_deviation": 0.503415, "rollout_is_seq_fraction_high": 0.0,
+                         "rollout_is_seq_fraction_low": 0.5, "rollout_is_batch_norm_factor": 0.618702})  # fmt: skip
+
+
+def test_icepop_and_rejection_metrics_equal_verls():
+    keys = {"rollout_is": "token", "rollout_is_threshold": "0.7_1.5", "rollout_rs": "seq_sum_k1,token_k3",
+            "rollout_rs_threshold": "0.5_1.6,0.1"}  # fmt: skip
+    weights, kept, metrics = rollout_correction(OLD, ROLLOUT, MASK, **keys)
+    assert kept.tolist() == [[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]] and weights is not None
+    got = {name.removeprefix("rollout_corr/"): value for name, value in metrics.items()}
+    assert_metrics(got, {
+        "rollout_is_mean": 0.644281, "rollout_is_min": 0.0, "rollout_is_std": 0.532229,
+        "rollout_is_eff_sample_size": 0.594385, "rollout_is_oob_ratio": 0.4, "rollout_is_seq_mean": 0.638684,
+        "rollout_is_seq_std": 0.039573, "rollout_is_seq_max": 0.666667, "rollout_is_seq_min": 0.610701,
+        "rollout_rs_seq_sum_k1_mean": 0.54, "rollout_rs_seq_sum_k1_max": 0.7, "rollout_rs_seq_sum_k1_min": 0.3,
+        "rollout_rs_seq_sum_k1_fraction_high": 0.5, "rollout_rs_seq_sum_k1_fraction_low": 0.0,
+        "rollout_rs_seq_sum_k1_std": 0.083284, "rollout_rs_seq_sum_k1_seq_mean": 0.5,
+        "rollout_rs_seq_sum_k1_seq_std": 0.282843, "rollout_rs_seq_sum_k1_seq_fraction_high": 0.5,
+        "rollout_rs_seq_sum_k1_seq_fraction_low": 0.0, "rollout_rs_seq_sum_k1_masked_fraction": 0.6,
+        "rollout_rs_seq_sum_k1_seq_masked_fraction": 0.5,
+        "rollout_rs_token_k3_mean": 0.064904, "rollout_rs_token_k3_max": 0.196585, "rollout_rs_token_k3_min": 0.0,
+        "rollout_rs_token_k3_fraction_high": 0.4, "rollout_rs_token_k3_std": 0.046161,
+        "rollout_rs_token_k3_seq_mean": 0.064748, "rollout_rs_token_k3_seq_std": 0.001104,
+        "rollout_rs_token_k3_seq_max": 0.065528, "rollout_rs_token_k3_seq_min": 0.063967,
+        "rollout_rs_token_k3_seq_fraction_high": 0.0, "rollout_rs_token_k3_masked_fraction": 0.4,
+        "rollout_rs_token_k3_seq_masked_fraction": 1.0,
+        "rollout_rs_masked_fraction": 0.8, "rollout_rs_seq_masked_fraction": 1.0,
+    })  # fmt: skip
+    assert "rollout_rs_token_k3_seq_fraction_low" not in got  # k2 / k3 options have no lower bound
+
+
+def test_verls_pinned_metric_values():
+    """verl's tests: IcePop std / ESS / out-of-band ratio; token_k1 rejection's masked fraction; the sequence
+    fraction above the bound from raw per-row means; the sequence max over every row (an empty one gives 1)."""
+    _, _, icepop = rollout_correction(torch.zeros(1, 3), -torch.log(torch.tensor([[0.4, 0.8, 6.0]])),
+                                      torch.ones(1, 3), rollout_is="token", rollout_is_threshold="0.5_5.0")  # fmt: skip
+    assert icepop["rollout_corr/rollout_is_oob_ratio"] == pytest.approx(2 / 3, abs=1e-6)
+    assert icepop["rollout_corr/rollout_is_std"] == pytest.approx(0.3771236, abs=1e-6)
+    assert icepop["rollout_corr/rollout_is_eff_sample_size"] == pytest.approx(1 / 3, abs=1e-6)
+    old, rollout = torch.full((2, 5), -2.0), torch.tensor([[-1.0] * 5, [-2.5] * 5])
+    _, _, rejected = rollout_correction(old, rollout, torch.ones(2, 5), rollout_is="token", rollout_rs="token_k1",
+                                        rollout_rs_threshold="0.5_2.0")  # fmt: skip
+    assert rejected["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(0.5, abs=1e-6)
+    raw = torch.tensor([[1.0, 6.0], [0.9, 1.1]])
+    _, _, fractions = rollout_correction(raw.log(), torch.zeros(2, 2), torch.ones(2, 2), rollout_is="token")
+    assert fractions["rollout_corr/rollout_is_seq_fraction_high"] == 0.5  # row means 3.5 and 1.0 against 2.0
+    one_row = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    _, _, seq = rollout_correction(OLD, ROLLOUT, one_row, rollout_is="sequence", rollout_is_threshold=1.5)
+    assert seq["rollout_corr/rollout_is_max"] == 1.0 and seq["rollout_corr/rollout_is_seq_min"] == 0.0
+
+
+def test_no_correction_asked_gives_no_weights_the_same_mask_and_off_policy_metrics():
+    weights, kept, metrics = rollout_correction(OLD, ROLLOUT, MASK)
+    assert weights is None and torch.equal(kept, MASK)
+    assert set(metrics) == {f"rollout_corr/{name}" for name in offpolicy_metrics(OLD, ROLLOUT, MASK)}
+    every = ",".join(RS_OPTIONS)
+    _, _, all_options = rollout_correction(OLD, ROLLOUT, MASK, rollout_rs=every, rollout_rs_threshold="2.0")
+    assert all(f"rollout_corr/rollout_rs_{option}_mean" in all_options for option in RS_OPTIONS)
+    with pytest.raises(ValueError, match="at least one valid token"):
+        rollout_correction(OLD, ROLLOUT, torch.zeros_like(MASK), rollout_is="token")
+    with pytest.raises(ValueError, match="must have one shape"):
+        rollout_correction(OLD, ROLLOUT[:, :2], MASK)
+    _, _, zeroed = rollout_correction(torch.zeros(1, 2), torch.tensor([[-3.0, 3.0]]), torch.ones(1, 2),
+                                      rollout_is="token", rollout_is_threshold="0.5_2.0")  # fmt: skip
+    assert zeroed["rollout_corr/rollout_is_eff_sample_size"] == 0.0  # verl divides by zero here

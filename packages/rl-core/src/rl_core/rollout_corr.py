@@ -17,7 +17,8 @@ rollout_log_prob`` (log pi_train / pi_rollout) and the original response mask:
 Means follow verl's ``masked_mean`` (``sum / (count + 1e-8)``), log ratios are clamped to +-20 before ``exp``, and a
 NaN log ratio of a real token propagates (verl does not clean it) and is rejected by every rejection option. One
 deliberate difference: a padding position's weight is 0 even when its log ratio is NaN (verl gives NaN there,
-which its token-sum losses ignore). The metrics verl logs with these are not built here yet.
+which its token-sum losses ignore). :func:`rollout_correction` runs both parts and returns verl's metrics
+(:mod:`rl_core.rollout_corr_metrics`) under ``rollout_corr/``.
 """
 
 from __future__ import annotations
@@ -29,10 +30,19 @@ from typing import Any
 
 import torch
 
+from rl_core.rollout_corr_metrics import (
+    EPS,
+    Metrics,
+    is_metrics,
+    masked_mean,
+    masked_sum,
+    rs_option_metrics,
+    rs_overall_metrics,
+)
+
 SAFETY_BOUND = 20.0
 """|log ratio| is clamped to this before ``exp`` (verl's ``SAFETY_BOUND``)."""
-EPS = 1e-8
-"""verl's ``masked_mean`` denominator guard and batch-normalisation floor."""
+METRIC_PREFIX = "rollout_corr/"
 IS_LEVELS = ("token", "sequence")
 RS_OPTIONS = (
     "token_k1", "token_k2", "token_k3",
@@ -176,20 +186,6 @@ def _rs_bounds(option: str, spec: str) -> RSBounds:
     return bounds
 
 
-# ---- masked reductions (verl's semantics) --------------------------------------------------------------------
-def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum over the mask; values outside it (NaN / Inf included) contribute nothing."""
-    m = mask.to(values.dtype) if values.is_floating_point() else mask.float()
-    picked = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device)) * m
-    return picked.sum() if dim is None else picked.sum(dim)
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """verl's ``masked_mean``: ``masked_sum / (count + 1e-8)`` (an empty row gives 0)."""
-    count = mask.to(values.dtype).sum() if dim is None else mask.to(values.dtype).sum(dim)
-    return masked_sum(values, mask, dim) / (count + EPS)
-
-
 # ---- IS weights -------------------------------------------------------------------------------------------------
 def raw_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str) -> torch.Tensor:
     """``[B, T]`` unbounded weights: per token ``exp(clamp(l))``, per sequence ``exp(clamp(sum of l))`` on every
@@ -269,14 +265,13 @@ def _statistic(log_ratio: torch.Tensor, response_mask: torch.Tensor, option: str
     return torch.where(torch.isneginf(filled), torch.zeros_like(filled), filled)  # an empty row: 0
 
 
-def option_keep(log_ratio: torch.Tensor, response_mask: torch.Tensor, bounds: RSBounds) -> torch.Tensor:
-    """``[B, T]`` bool: the tokens this option keeps (sequence decisions on every token of the row; NaN rejected)."""
-    stat = _statistic(log_ratio, response_mask, bounds.option)
+def option_keep(stat: torch.Tensor, bounds: RSBounds) -> torch.Tensor:
+    """``[B, T]`` or ``[B, 1]`` bool: what this option keeps of its statistic (NaN rejected)."""
     if bounds.lower is not None:  # k1: log(lower) <= stat <= log(upper)
         keep = (stat >= math.log(bounds.lower)) & (stat <= math.log(bounds.upper))
     else:
         keep = stat <= bounds.upper
-    return keep.expand_as(log_ratio)
+    return keep
 
 
 def rejection_mask(
@@ -289,7 +284,7 @@ def rejection_mask(
         return response_mask
     keep = torch.ones_like(log_ratio, dtype=torch.bool)
     for bounds in options:
-        keep &= option_keep(log_ratio, response_mask, bounds)
+        keep &= option_keep(_statistic(log_ratio, response_mask, bounds.option), bounds)
     return (response_mask.bool() & keep).to(response_mask.dtype)
 
 
@@ -324,3 +319,51 @@ def offpolicy_metrics(
             chi2_seq=torch.exp(2.0 * seq_sum).mean() - 1.0,
         )
     return {name: float(value) for name, value in out.items()}
+
+
+# ---- the whole correction -------------------------------------------------------------------------------------
+def rollout_correction(
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    rollout_is: str | None = None,
+    rollout_is_threshold: object = 2.0,
+    rollout_is_batch_normalize: bool = False,
+    rollout_rs: str | None = None,
+    rollout_rs_threshold: object = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, Metrics]:
+    """verl's ``compute_rollout_correction_and_rejection_mask``: the detached IS weights (None when ``rollout_is`` or
+    ``rollout_is_threshold`` is None), the response mask with rejected tokens removed, and every metric verl logs
+    (IS, rejection per option and overall, off-policy) prefixed ``rollout_corr/``. IS and rejection both read the
+    original mask. A batch without a real token, or inputs of different shapes, raise ``ValueError``."""
+    if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != response_mask.shape:
+        raise ValueError(
+            f"old_log_prob {tuple(old_log_prob.shape)}, rollout_log_prob {tuple(rollout_log_prob.shape)} and "
+            f"response_mask {tuple(response_mask.shape)} must have one shape."
+        )
+    if not bool(response_mask.bool().any()):
+        raise ValueError("response_mask must contain at least one valid token (1).")
+    log_ratio = old_log_prob - rollout_log_prob
+    metrics: Metrics = {}
+    weights = None
+    if rollout_is is not None and rollout_is_threshold is not None:
+        bounds = parse_is_threshold(rollout_is_threshold)
+        raw = raw_weights(log_ratio, response_mask, rollout_is)
+        bounded = bound_weights(raw, bounds)
+        metrics.update(is_metrics(bounded, raw, log_ratio, response_mask, rollout_is, bounds))
+        weights = bounded.detach()
+        if rollout_is_batch_normalize:
+            weights, metrics["rollout_is_batch_norm_factor"] = batch_normalize(weights, response_mask, rollout_is)
+    new_mask = response_mask.clone()
+    if rollout_rs is not None:
+        keep = torch.ones_like(log_ratio, dtype=torch.bool)
+        for option in parse_rs(rollout_rs, rollout_rs_threshold):
+            stat = _statistic(log_ratio, response_mask, option.option)
+            kept = option_keep(stat, option).expand_as(log_ratio)
+            metrics.update(rs_option_metrics(stat, kept, response_mask, option))
+            keep &= kept
+        metrics.update(rs_overall_metrics(keep, response_mask))
+        new_mask = (response_mask.bool() & keep).to(response_mask.dtype)
+    metrics.update(offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask))
+    return weights, new_mask, {METRIC_PREFIX + name: value for name, value in metrics.items()}
