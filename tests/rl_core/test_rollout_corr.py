@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from rl_core.losses.policy_bypass import compute_policy_loss_bypass_mode
 from rl_core.rollout_corr import (
     PRESETS,
     RS_OPTIONS,
@@ -267,3 +268,57 @@ def test_no_correction_asked_gives_no_weights_the_same_mask_and_off_policy_metri
     _, _, zeroed = rollout_correction(torch.zeros(1, 2), torch.tensor([[-3.0, 3.0]]), torch.ones(1, 2),
                                       rollout_is="token", rollout_is_threshold="0.5_2.0")  # fmt: skip
     assert zeroed["rollout_corr/rollout_is_eff_sample_size"] == 0.0  # verl divides by zero here
+
+
+def bypass(loss_type: str, **keys):
+    from rl_core.losses import PolicyLossConfig
+    from rl_core.rollout_corr import RolloutCorrectionConfig
+
+    correction = RolloutCorrectionConfig(bypass_mode=True, loss_type=loss_type, **keys)
+    correction.validate()
+    return PolicyLossConfig(rollout_correction=correction)
+
+
+def test_bypass_reinforce_is_the_weighted_policy_gradient_by_hand():
+    """log_prob (-1, -2) against rollout (-1.5, -2): token weights (e^0.5, 1); loss mean(-A log_prob w)."""
+    log_prob = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    rollout, advantages = torch.tensor([[-1.5, -2.0]]), torch.tensor([[1.0, 2.0]])
+    loss, metrics = compute_policy_loss_bypass_mode(rollout, log_prob, advantages, torch.ones(1, 2),
+                                                    config=bypass("reinforce", rollout_is="token"))  # fmt: skip
+    assert float(loss) == pytest.approx((math.exp(0.5) * 1.0 + 4.0) / 2, rel=1e-6)
+    loss.backward()
+    close(log_prob.grad, [[-math.exp(0.5) / 2, -1.0]])  # d/d log_prob of -A w log_prob / n, w detached
+    assert float(metrics["ppo_kl"]) == pytest.approx(-0.25) and float(metrics["rollout_corr/kl"]) == -0.25
+
+
+def test_bypass_ppo_clip_is_vanilla_ppo_against_the_rollout_policy_on_the_kept_tokens():
+    from rl_core.losses import get_policy_loss
+
+    gen = torch.Generator().manual_seed(0)
+    rollout = -torch.rand(3, 4, generator=gen) - 0.5
+    log_prob = rollout + 0.4 * torch.randn(3, 4, generator=gen)
+    advantages, mask = torch.randn(3, 4, generator=gen), torch.ones(3, 4)
+    config = bypass("ppo_clip", rollout_is="token", rollout_rs="token_k2", rollout_rs_threshold=0.05)
+    loss, metrics = compute_policy_loss_bypass_mode(rollout, log_prob, advantages, mask, config=config)
+    kept = rejection_mask(log_prob - rollout, mask, "token_k2", 0.05)
+    assert 0 < float(kept.sum()) < 12  # some tokens rejected, some kept
+    expected, _ = get_policy_loss("vanilla")(rollout, log_prob, advantages, kept, config=config)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)  # IS weights computed, not applied
+    assert "rollout_corr/rollout_is_mean" in metrics and "pg_clipfrac" in metrics
+
+
+def test_bypass_mode_without_its_config_is_refused():
+    from rl_core.losses import PolicyLossConfig
+    from rl_core.rollout_corr import RolloutCorrectionConfig
+
+    args = (torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
+    with pytest.raises(ValueError, match="needs the rollout correction config with bypass_mode: true"):
+        compute_policy_loss_bypass_mode(*args, config=PolicyLossConfig())
+    with pytest.raises(ValueError, match="computes its own IS weights"):
+        compute_policy_loss_bypass_mode(*args, config=bypass("reinforce"), rollout_is_weights=torch.ones(1, 2))
+    with pytest.raises(ValueError, match=r"rollout_correction\.loss_type='pg'"):
+        RolloutCorrectionConfig(loss_type="pg").validate()
+    with pytest.raises(ValueError, match=r"rollout_correction: Invalid rollout_rs option"):
+        RolloutCorrectionConfig(rollout_rs="k9", rollout_rs_threshold=1.0).validate()
+    assert RolloutCorrectionConfig.preset("bypass_pg_is") == RolloutCorrectionConfig(
+        rollout_is="sequence", bypass_mode=True, loss_type="reinforce")  # fmt: skip

@@ -86,6 +86,53 @@ PRESETS: dict[str, dict[str, Any]] = {
 """verl's ``RolloutCorrectionConfig`` presets at their default arguments: name -> every key's value."""
 
 
+@dataclass
+class RolloutCorrectionConfig:
+    """verl's ``algorithm.rollout_correction`` keys (verl 0.9.1 ``RolloutCorrectionConfig``, yaml defaults)."""
+
+    rollout_is: str | None = None
+    """IS level, ``token`` or ``sequence``; null = no IS weights."""
+    rollout_is_threshold: str | float | None = 2.0
+    """A number: TIS upper bound; ``"lower_upper"``: IcePop band; null = no IS weights."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the weights by their batch mean."""
+    rollout_rs: str | None = None
+    """Comma-separated rejection options (:data:`RS_OPTIONS`); null = no rejection."""
+    rollout_rs_threshold: str | float | None = None
+    """One spec for all options or one per option (required with ``rollout_rs``)."""
+    bypass_mode: bool = False
+    """Train against the rollout log-probs as the old policy (no old-log-prob pass) with the ``bypass_mode`` loss."""
+    loss_type: str = "ppo_clip"
+    """Bypass mode's loss: ``ppo_clip`` (clipped PPO against the rollout policy) or ``reinforce`` (IS-weighted PG)."""
+
+    @classmethod
+    def preset(cls, name: str) -> RolloutCorrectionConfig:
+        """One of verl's presets by name (:data:`PRESETS`)."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown rollout correction preset {name!r}; valid: {sorted(PRESETS)}.")
+        return cls(**PRESETS[name])
+
+    def validate(self, prefix: str = "rollout_correction") -> None:
+        """Raise ``ValueError`` / ``TypeError`` naming ``<prefix>.<key>`` for the first bad value."""
+        if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
+            raise ValueError(f"{prefix}.rollout_is={self.rollout_is!r}; use one of {list(IS_LEVELS)} or null.")
+        if self.rollout_is is not None and self.rollout_is_threshold is not None:
+            try:
+                parse_is_threshold(self.rollout_is_threshold)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{prefix}.{err}") from None
+        if self.rollout_rs is not None:
+            try:
+                parse_rs(self.rollout_rs, self.rollout_rs_threshold)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"{prefix}: {err}") from None
+        if self.loss_type not in BYPASS_LOSS_TYPES:
+            raise ValueError(f"{prefix}.loss_type={self.loss_type!r}; use one of {list(BYPASS_LOSS_TYPES)}.")
+
+
+BYPASS_LOSS_TYPES = ("ppo_clip", "reinforce")
+
+
 # ---- thresholds ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ISBounds:

@@ -49,6 +49,9 @@ class PolicyLossConfig:
     """Kimi k1.5 (2025, eq. 3): weight tau of the squared log-ratio regulariser."""
     seed: int | None = None
     """Seed for the random token choice of Clip-Cov; None uses torch's global generator."""
+    rollout_correction: Any = None
+    """verl's bypass mode (loss ``bypass_mode``): the :class:`rl_core.rollout_corr.RolloutCorrectionConfig` whose IS
+    weights / rejections it applies against the rollout policy; None elsewhere."""
 
     @property
     def low(self) -> float:
