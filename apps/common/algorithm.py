@@ -18,6 +18,7 @@ from rl_core.batch import RolloutBatch
 from rl_core.kl_control import build_kl_controller
 from rl_core.losses import LossCoefficients, PolicyLossConfig
 from rl_core.rewards import RewardConfig, RunningMoments, build_token_level_rewards, process_sequence_rewards
+from rl_core.rollout_corr import RolloutCorrectionConfig, rollout_correction
 from rl_core.rollout_is import RolloutISConfig, compute_rollout_is_weights
 from rl_engines.objectives import ActorObjective, CriticObjective
 
@@ -32,6 +33,8 @@ class AlgorithmSettings:
     rollout_is: RolloutISConfig
     actor: ActorObjective
     critic: CriticObjective
+    correction: RolloutCorrectionConfig | None = None
+    """verl 0.9.1's rollout correction (``rollout_correction``), applied before the advantages."""
 
     @classmethod
     def from_config(cls, config: Any, temperature: float = 1.0) -> AlgorithmSettings:
@@ -60,7 +63,7 @@ class AlgorithmSettings:
                                policy_loss_config=policy, coefficients=coefficients, use_kl_loss=config.use_kl_loss,
                                kl_loss_type=config.kl_loss_type, temperature=temperature)  # fmt: skip
         critic = CriticObjective(value_clip=config.value_clip, loss_agg_mode=config.loss_agg_mode)
-        return cls(config.adv_estimator, advantage, reward, rollout_is, actor, critic)
+        return cls(config.adv_estimator, advantage, reward, rollout_is, actor, critic, config.rollout_correction)
 
 
 class TargetBuilder:
@@ -90,10 +93,12 @@ class TargetBuilder:
         """
         scores = sequence_rewards if scores is None else scores
         tensors = batch.batch
+        corrected = _rollout_correction(batch, self.settings.correction)  # verl: rejections precede advantages
         if not self.domain_running:
             rewards, metrics = self._targets(tensors, sequence_rewards, scores, group_index, self.running)
         else:
             rewards, metrics = self._by_domain(tensors, sequence_rewards, scores, group_index, domains)
+        metrics.update(corrected)
         metrics.update(_is_weights(batch, self.settings.rollout_is))
         metrics.update(_summary(tensors, scores, rewards))
         return metrics
@@ -178,6 +183,24 @@ def _summary(tensors: dict[str, torch.Tensor], scores: torch.Tensor, rewards: to
         "critic/advantages/mean": float(advantages[valid].mean()) if valid.any() else 0.0,
         "critic/returns/mean": float(returns[valid].mean()) if valid.any() else 0.0,
     }  # fmt: skip
+
+
+def _rollout_correction(batch: RolloutBatch, config: RolloutCorrectionConfig | None) -> dict[str, float]:
+    """verl 0.9.1's decoupled rollout correction: IS weights into the batch, the rejection mask as its
+    ``response_mask``, ``rollout_corr/`` metrics (nothing without rollout log-probs, as in verl)."""
+    tensors = batch.batch
+    if config is None or "rollout_log_probs" not in tensors:
+        return {}
+    weights, mask, metrics = rollout_correction(
+        tensors["old_log_probs"], tensors["rollout_log_probs"], tensors["response_mask"],
+        rollout_is=config.rollout_is, rollout_is_threshold=config.rollout_is_threshold,
+        rollout_is_batch_normalize=config.rollout_is_batch_normalize, rollout_rs=config.rollout_rs,
+        rollout_rs_threshold=config.rollout_rs_threshold,
+    )  # fmt: skip
+    tensors["response_mask"] = mask
+    if weights is not None:
+        tensors["rollout_is_weights"] = weights
+    return metrics
 
 
 def _is_weights(batch: RolloutBatch, config: RolloutISConfig) -> dict[str, float]:

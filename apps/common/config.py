@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from apps.common.policy_args import ActorPolicyArgs, pop_policy_args
+from rl_core.rollout_corr import RolloutCorrectionConfig
 from rl_engines.config import WorkerConfig, WorkerConfigError, build_dataclass
 
 ROLE_KEYS = ("actor_train", "actor_infer", "reference", "critic")
@@ -173,6 +174,11 @@ class SharedConfig:
     """truncate, clip or mask."""
     rollout_is_veto_threshold: float | None = 1e-4
     """Veto a sequence when any token ratio is below this."""
+    rollout_correction: RolloutCorrectionConfig | None = None
+    """verl 0.9.1's rollout correction (its ``algorithm.rollout_correction`` keys: rollout_is, rollout_is_threshold,
+    rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold, bypass_mode, loss_type; see
+    docs/rollout-importance-sampling.md): weights and rejections applied before the advantages, ``rollout_corr/``
+    metrics. Instead of the rollout_is_* keys above, not with them."""
     # ---- sections --------------------------------------------------------------------------------------------
     actor_train: WorkerConfig = field(default_factory=WorkerConfig)
     """Policy training role."""

@@ -1,0 +1,66 @@
+"""verl 0.9.1's rollout correction in the apps (``rollout_correction``, both pipelines' shared keys): the section
+loads typed, bad values and combinations are refused naming the key, and the targets step applies it before the
+advantages (rejected tokens leave the mask and get no advantage; IS weights go into the batch) with verl's
+``rollout_corr/`` metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apps.agentic.config import AgenticConfig
+from apps.common.algorithm import AlgorithmSettings, TargetBuilder
+from apps.common.yaml_config import load_config
+from apps.rlvr.config import RLVRConfig
+from rl_core.batch import RolloutBatch
+from rl_core.rollout_corr import RolloutCorrectionConfig, rollout_correction
+from rl_engines.config import WorkerConfigError
+from tests.shared_dir import ROLL_EXAMPLES, require_shared
+
+REWARDS = {"math": {"worker_cls": "x.ExactMatchRewardWorker"}}
+CORRECTION = {"rollout_is": "token", "rollout_is_threshold": 1.5, "rollout_rs": "token_k1",
+              "rollout_rs_threshold": "0.5_2.0"}  # fmt: skip
+
+
+def test_the_section_loads_typed_in_both_pipelines():
+    rlvr = RLVRConfig.from_dict({"rewards": REWARDS, "rollout_correction": CORRECTION})
+    assert rlvr.rollout_correction == RolloutCorrectionConfig(**CORRECTION)
+    raw = load_config(require_shared(ROLL_EXAMPLES / "qwen2.5-0.5B-agentic" / "agentic_sokoban_rollout_mock_dump.yaml"))
+    raw["rollout_correction"] = {"rollout_is": "sequence", "rollout_is_threshold": "0.5_5.0"}
+    agentic = AgenticConfig.from_dict(raw).base.rollout_correction
+    assert agentic == RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold="0.5_5.0")
+    assert RLVRConfig.from_dict({"rewards": REWARDS}).rollout_correction is None
+
+
+@pytest.mark.parametrize(
+    ("section", "extra", "message"),
+    [
+        ({"rollout_is": "tokens"}, {}, r"rollout_correction\.rollout_is='tokens'; use one of \['token', 'sequence'\]"),
+        ({"rollout_is": "token", "rollout_is_threshold": "5_0.5"}, {}, r"rollout_correction\.rollout_is_threshold"),
+        ({"rollout_rs": "token_k1"}, {}, r"rollout_correction: rollout_rs='token_k1' needs rollout_rs_threshold"),
+        ({"rollout_is_thresold": 2.0}, {}, r"unknown key\(s\) \['rollout_correction\.rollout_is_thresold'\]"),
+        ({"bypass_mode": True}, {}, r"rollout_correction\.bypass_mode: true is not built in the pipelines yet"),
+        ({"rollout_is": "token"}, {"rollout_is_threshold": 2.0}, r"rollout_correction and rollout_is_threshold=2\.0"),
+    ],
+    ids=["level", "icepop-bounds", "rs-threshold", "unknown-key", "bypass", "both-apis"],
+)
+def test_bad_sections_are_refused_naming_the_key(section, extra, message):
+    with pytest.raises(WorkerConfigError, match=message):
+        RLVRConfig.from_dict({"rewards": REWARDS, "rollout_correction": section, **extra})
+
+
+def test_the_targets_step_applies_it_before_the_advantages():
+    """Row 0's tokens have pi_rollout / pi_train = e (outside [0.5, 2]): rejected, so they leave the mask and get
+    no advantage; row 1 (e^-0.5) is kept. The weights are rl-core's (truncated at 1.5)."""
+    config = RLVRConfig.from_dict({"adv_estimator": "reinforce", "rewards": REWARDS, "rollout_correction": CORRECTION})
+    old, rollout = torch.full((2, 3), -2.0), torch.tensor([[-1.0] * 3, [-2.5] * 3])
+    mask = torch.ones(2, 3)
+    batch = RolloutBatch.from_dict({"response_mask": mask.clone(), "old_log_probs": old, "rollout_log_probs": rollout},
+                                   {})  # fmt: skip
+    metrics = TargetBuilder(AlgorithmSettings.from_config(config), config)(batch, torch.tensor([1.0, 2.0]), [0, 1])
+    weights, kept, expected = rollout_correction(old, rollout, mask, **CORRECTION)
+    assert kept.tolist() == [[0.0] * 3, [1.0] * 3]
+    assert torch.equal(batch.batch["response_mask"], kept) and torch.equal(batch.batch["rollout_is_weights"], weights)
+    assert bool((batch.batch["advantages"][0] == 0).all()) and bool((batch.batch["advantages"][1] != 0).all())
+    assert {name: metrics[name] for name in expected} == expected
+    assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(0.5, abs=1e-6)
