@@ -189,8 +189,8 @@ def _rollout_correction(batch: RolloutBatch, config: RolloutCorrectionConfig | N
     """verl 0.9.1's decoupled rollout correction: IS weights into the batch, the rejection mask as its
     ``response_mask``, ``rollout_corr/`` metrics (nothing without rollout log-probs, as in verl)."""
     tensors = batch.batch
-    if config is None or "rollout_log_probs" not in tensors:
-        return {}
+    if config is None or "rollout_log_probs" not in tensors or not bool(tensors["response_mask"].bool().any()):
+        return {}  # (a batch the sample masks emptied trains on nothing: nothing to correct)
     weights, mask, metrics = rollout_correction(
         tensors["old_log_probs"], tensors["rollout_log_probs"], tensors["response_mask"],
         rollout_is=config.rollout_is, rollout_is_threshold=config.rollout_is_threshold,

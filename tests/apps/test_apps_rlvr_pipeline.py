@@ -88,11 +88,16 @@ def test_prompts_need_not_divide_over_the_inference_workers(setup):
     (row,) = _rows(setup / "odd")
     assert row["dynamic_sampling/generated_groups"] == 5.0 and row["dynamic_sampling/rounds"] == 1.0
     assert "actor/pg_loss" in row
-    # generate_opt_level 1: one prompt per request, at most 2 in flight, to whichever worker has room
+    # generate_opt_level 1: one prompt per request, at most 2 in flight, to whichever worker has room; and verl
+    # 0.9.1's rollout_correction instead of the rollout_is_* keys (its metrics reach the step's)
     scheduler = ["generate_opt_level=1", "max_running_requests=2", "actor_infer.infer_batch_size=1"]
-    assert main([*config, *scheduler, f"output_dir={setup / 'scheduled'}"]) == 0
+    correction = ["rollout_is_threshold=null", "+rollout_correction.rollout_is=token",
+                  "+rollout_correction.rollout_rs=token_k1",
+                  "+rollout_correction.rollout_rs_threshold=0.5_2.0"]  # fmt: skip
+    assert main([*config, *scheduler, *correction, f"output_dir={setup / 'scheduled'}"]) == 0
     (row,) = _rows(setup / "scheduled")
     assert "actor/pg_loss" in row and row["response_length/mean"] > 0
+    assert row["rollout_corr/rollout_rs_masked_fraction"] == 0.0 and "mismatch/mismatch_kl" not in row
 
 
 def test_dump_then_mock_gives_identical_training_metrics(setup, dumped):
