@@ -51,9 +51,11 @@ class AlgorithmSettings:
             rollout_is_mode=config.rollout_is_mode, rollout_is_veto_threshold=config.rollout_is_veto_threshold,
         )  # fmt: skip
         rollout_is.validate()
+        correction = config.rollout_correction
         policy = PolicyLossConfig(
             clip_ratio=config.pg_clip, clip_ratio_low=config.pg_clip_low, clip_ratio_high=config.pg_clip_high,
             clip_ratio_c=1.0 + 2.0 * config.pg_clip if config.dual_clip_loss else None,  # ROLL's dual clip
+            rollout_correction=correction if correction is not None and correction.bypass_mode else None,
             **config.actor_policy.loss_knobs(),  # actor_train's tis_* / topr_* / cispo_* / kimi15_tau
         )  # fmt: skip
         policy.validate()
@@ -187,10 +189,13 @@ def _summary(tensors: dict[str, torch.Tensor], scores: torch.Tensor, rewards: to
 
 def _rollout_correction(batch: RolloutBatch, config: RolloutCorrectionConfig | None) -> dict[str, float]:
     """verl 0.9.1's decoupled rollout correction: IS weights into the batch, the rejection mask as its
-    ``response_mask``, ``rollout_corr/`` metrics (nothing without rollout log-probs, as in verl)."""
+    ``response_mask``, ``rollout_corr/`` metrics (nothing without rollout log-probs, as in verl; nothing in bypass
+    mode, where the actor's loss corrects each micro-batch)."""
     tensors = batch.batch
-    if config is None or "rollout_log_probs" not in tensors or not bool(tensors["response_mask"].bool().any()):
-        return {}  # (a batch the sample masks emptied trains on nothing: nothing to correct)
+    if config is None or config.bypass_mode or "rollout_log_probs" not in tensors:
+        return {}  # (bypass mode: the actor's loss corrects, per micro-batch)
+    if not bool(tensors["response_mask"].bool().any()):
+        return {}  # a batch the sample masks emptied trains on nothing: nothing to correct
     weights, mask, metrics = rollout_correction(
         tensors["old_log_probs"], tensors["rollout_log_probs"], tensors["response_mask"],
         rollout_is=config.rollout_is, rollout_is_threshold=config.rollout_is_threshold,

@@ -72,8 +72,8 @@ def _check_registry(registry: Any, key: str, value: str | None, allow_none: bool
 
 
 def check_rollout_correction(config: Any) -> None:
-    """``rollout_correction`` (verl 0.9.1's keys) is valid, not combined with the older rollout_is_* keys, and not in
-    bypass mode (whose pipeline side, training against the rollout log-probs, is not built yet)."""
+    """``rollout_correction`` (verl 0.9.1's keys) is valid, not combined with the older rollout_is_* keys, and in
+    bypass mode not combined with another policy loss (verl's bypass mode replaces the loss)."""
     correction = config.rollout_correction
     if correction is None:
         return
@@ -86,10 +86,11 @@ def check_rollout_correction(config: Any) -> None:
             f"rollout_correction and rollout_is_threshold={config.rollout_is_threshold} are both set: they are two "
             "versions of verl's rollout correction (0.9.1's and the older rollout_is_* keys); keep one."
         )
-    if correction.bypass_mode:
+    if correction.bypass_mode and policy_loss_name(config) not in ("vanilla", "ppo"):
         fail(
-            "rollout_correction.bypass_mode: true is not built in the pipelines yet (it trains against the rollout "
-            "log-probs without an old-log-prob pass); set it to false (decoupled mode)."
+            f"rollout_correction.bypass_mode: true trains with verl's bypass-mode loss (loss_type "
+            f"{correction.loss_type!r}), but the configured policy loss is {policy_loss_name(config)!r}; use the "
+            "default pg_variant (ppo) with bypass mode, or bypass_mode: false."
         )
 
 

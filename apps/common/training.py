@@ -21,11 +21,19 @@ PIPELINE_STATE = "pipeline_state.json"
 
 
 def score_with_roles(roles: Roles, rollout: RolloutBatch, config: Any, temperature: float) -> None:
-    """``old_log_probs`` (actor_train), ``ref_log_probs`` (reference) and ``values`` (critic) into ``rollout``."""
+    """``old_log_probs`` (actor_train), ``ref_log_probs`` (reference) and ``values`` (critic) into ``rollout``.
+    In verl's bypass mode (``rollout_correction.bypass_mode``) the old log-probs are the rollout engine's: no pass."""
     roles.activate("actor_train")
-    rollout.batch["old_log_probs"] = (
-        roles["actor_train"].call("compute_log_probs", rollout, temperature, dispatch="dp_split").batch["log_probs"]
-    )
+    correction = getattr(config, "rollout_correction", None)
+    if correction is not None and correction.bypass_mode:
+        if "rollout_log_probs" not in rollout.batch:
+            raise ValueError("rollout_correction.bypass_mode: true trains against the rollout log-probs, but this "
+                             "rollout has none (its engine or replay did not record them).")  # fmt: skip
+        rollout.batch["old_log_probs"] = rollout.batch["rollout_log_probs"].clone()
+    else:
+        rollout.batch["old_log_probs"] = (
+            roles["actor_train"].call("compute_log_probs", rollout, temperature, dispatch="dp_split").batch["log_probs"]
+        )
     if "reference" in roles.groups:
         rollout.batch["ref_log_probs"] = (
             roles["reference"].call("compute_log_probs", rollout, temperature, dispatch="dp_split").batch["log_probs"]

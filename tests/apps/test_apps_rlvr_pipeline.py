@@ -76,7 +76,7 @@ def test_a_bad_config_exits_2_before_anything_starts(setup, capsys):
 def test_prompts_need_not_divide_over_the_inference_workers(setup):
     """3 prompts plus 2 additional ones (dynamic sampling) on 2 inference workers (ROLL runs 64 on 12): generation
     is padded, the padding dropped, the surplus group dropped; or, with generate_opt_level 1, scheduled prompt by
-    prompt."""
+    prompt. The two runs also use verl 0.9.1's rollout_correction, in bypass mode and in decoupled mode."""
     overrides = ["max_steps=1", "eval_steps=0", "rollout_batch_size=3", *LEAN,
                  "actor_train.training_args.per_device_train_batch_size=3",
                  "actor_train.training_args.gradient_accumulation_steps=1"]  # fmt: skip
@@ -84,10 +84,12 @@ def test_prompts_need_not_divide_over_the_inference_workers(setup):
                   "+rewards.math_rule.query_filter_config.type=mean_filter",
                   "+rewards.math_rule.query_filter_config.filter_args.threshold_down=-1"]  # fmt: skip
     config = ["--config_path", str(setup), "--config_name", "rlvr", *overrides]
-    assert main([*config, *additional, f"output_dir={setup / 'odd'}"]) == 0
+    bypass = ["rollout_is_threshold=null", "+rollout_correction.bypass_mode=true",  # verl's bypass mode too
+              "+rollout_correction.rollout_is=token", "+rollout_correction.loss_type=reinforce"]  # fmt: skip
+    assert main([*config, *additional, *bypass, f"output_dir={setup / 'odd'}"]) == 0
     (row,) = _rows(setup / "odd")
     assert row["dynamic_sampling/generated_groups"] == 5.0 and row["dynamic_sampling/rounds"] == 1.0
-    assert "actor/pg_loss" in row
+    assert "actor/pg_loss" in row and "rollout_corr/rollout_is_mean" in row  # from the actor's bypass loss
     # generate_opt_level 1: one prompt per request, at most 2 in flight, to whichever worker has room; and verl
     # 0.9.1's rollout_correction instead of the rollout_is_* keys (its metrics reach the step's)
     scheduler = ["generate_opt_level=1", "max_running_requests=2", "actor_infer.infer_batch_size=1"]

@@ -1,7 +1,8 @@
 """verl 0.9.1's rollout correction in the apps (``rollout_correction``, both pipelines' shared keys): the section
-loads typed, bad values and combinations are refused naming the key, and the targets step applies it before the
+loads typed, bad values and combinations are refused naming the key, the targets step applies it before the
 advantages (rejected tokens leave the mask and get no advantage; IS weights go into the batch) with verl's
-``rollout_corr/`` metrics."""
+``rollout_corr/`` metrics, and in bypass mode the actor's objective is verl's bypass-mode loss. (Runs of both modes:
+tests/apps/test_apps_rlvr_pipeline.py.)"""
 
 from __future__ import annotations
 
@@ -39,7 +40,11 @@ def test_the_section_loads_typed_in_both_pipelines():
         ({"rollout_is": "token", "rollout_is_threshold": "5_0.5"}, {}, r"rollout_correction\.rollout_is_threshold"),
         ({"rollout_rs": "token_k1"}, {}, r"rollout_correction: rollout_rs='token_k1' needs rollout_rs_threshold"),
         ({"rollout_is_thresold": 2.0}, {}, r"unknown key\(s\) \['rollout_correction\.rollout_is_thresold'\]"),
-        ({"bypass_mode": True}, {}, r"rollout_correction\.bypass_mode: true is not built in the pipelines yet"),
+        (
+            {"bypass_mode": True},
+            {"pg_variant": "cispo"},
+            r"bypass_mode: true trains with verl's bypass-mode loss .*'cispo'",
+        ),
         ({"rollout_is": "token"}, {"rollout_is_threshold": 2.0}, r"rollout_correction and rollout_is_threshold=2\.0"),
     ],
     ids=["level", "icepop-bounds", "rs-threshold", "unknown-key", "bypass", "both-apis"],
@@ -64,3 +69,31 @@ def test_the_targets_step_applies_it_before_the_advantages():
     assert bool((batch.batch["advantages"][0] == 0).all()) and bool((batch.batch["advantages"][1] != 0).all())
     assert {name: metrics[name] for name in expected} == expected
     assert metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(0.5, abs=1e-6)
+
+
+def test_bypass_mode_leaves_the_batch_alone_and_the_actor_trains_with_the_bypass_loss():
+    from rl_core.losses import GlobalBatchInfo
+    from rl_core.losses.policy_bypass import compute_policy_loss_bypass_mode
+
+    section = {"bypass_mode": True, "loss_type": "reinforce", "rollout_is": "token", "rollout_rs": "token_k1",
+               "rollout_rs_threshold": "0.5_2.0"}  # fmt: skip
+    config = RLVRConfig.from_dict({"adv_estimator": "reinforce", "rewards": REWARDS, "rollout_correction": section})
+    settings = AlgorithmSettings.from_config(config)
+    rollout = torch.tensor([[-1.0] * 3, [-2.5] * 3])
+    batch = RolloutBatch.from_dict({"response_mask": torch.ones(2, 3), "old_log_probs": rollout.clone(),
+                                    "rollout_log_probs": rollout}, {})  # fmt: skip
+    metrics = TargetBuilder(settings, config)(batch, torch.tensor([1.0, 2.0]), [0, 1])
+    assert "rollout_is_weights" not in batch.batch and bool(batch.batch["response_mask"].all())
+    assert not any(name.startswith("rollout_corr/") for name in metrics)  # the actor's loss corrects
+    log_probs = torch.full((2, 3), -2.0)  # the current policy: row 0 is rejected against the rollout's -1.0
+    info = GlobalBatchInfo.from_mask(batch.batch["response_mask"])
+    loss, got = settings.actor({"log_probs": log_probs}, batch, info)
+    mask, advantages, policy = (
+        batch.batch["response_mask"],
+        batch.batch["advantages"],
+        settings.actor.policy_loss_config,
+    )
+    expected, _ = compute_policy_loss_bypass_mode(
+        rollout, log_probs, advantages, mask, config=policy, global_batch=info
+    )
+    assert float(loss) == pytest.approx(float(expected)) and got["rollout_corr/rollout_rs_masked_fraction"] == 0.5

@@ -9,7 +9,7 @@ loss of the whole mini-batch, however it is split. Objectives are plain dataclas
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -24,6 +24,7 @@ from rl_core.losses import (
     compute_value_loss,
     get_policy_loss,
 )
+from rl_core.losses.policy_bypass import compute_policy_loss_bypass_mode
 
 Metrics = dict[str, torch.Tensor]
 
@@ -80,6 +81,14 @@ class ActorObjective:
     temperature: float = 1.0
     """Generation temperature; log-probs are of logits / temperature."""
 
+    def _policy_loss(self) -> Any:
+        """The registered loss, or verl's bypass-mode loss when ``policy_loss_config.rollout_correction`` asks for
+        bypass mode (old_log_probs are then the rollout's; see rl_core.losses.policy_bypass)."""
+        correction = self.policy_loss_config.rollout_correction
+        if correction is not None and getattr(correction, "bypass_mode", False):
+            return compute_policy_loss_bypass_mode
+        return get_policy_loss(self.policy_loss)
+
     def __post_init__(self) -> None:
         get_policy_loss(self.policy_loss)  # unknown names fail here, on the driver, with the valid names listed
         self.policy_loss_config.validate()
@@ -105,7 +114,7 @@ class ActorObjective:
         old = _tensor(micro_batch, "old_log_probs", "the policy ratio needs").to(log_prob.device)
         adv = _tensor(micro_batch, "advantages", "the policy gradient needs").to(log_prob.device)
         weights = micro_batch.batch.get("rollout_is_weights")
-        pg_loss, metrics = get_policy_loss(self.policy_loss)(
+        pg_loss, metrics = self._policy_loss()(
             old, log_prob, adv, mask,
             loss_agg_mode=self.loss_agg_mode, config=self.policy_loss_config,
             rollout_is_weights=None if weights is None else weights.to(log_prob.device),

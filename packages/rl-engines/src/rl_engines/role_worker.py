@@ -85,10 +85,11 @@ class RoleWorker(WorkerBase):
         return self.strategy.compute_values(batch)  # type: ignore[no-any-return]
 
     def train_step(self, batch: RolloutBatch, objective: Objective) -> dict[str, float]:
-        """Train on this rank's shard; metrics prefixed ``actor/`` or ``critic/`` (the router's with the role name)."""
+        """Train on this rank's shard; metrics prefixed ``actor/`` or ``critic/`` (the router's with the role name;
+        names already namespaced, such as verl's ``rollout_corr/...`` from the bypass-mode loss, as they are)."""
         metrics = self.strategy.train_step(batch, objective)
         prefix = METRIC_PREFIX.get(self.role, self.role)
-        return {f"{self.role if name in ROLE_NAMED_METRICS else prefix}/{name}": value
+        return {name if "/" in name else f"{self.role if name in ROLE_NAMED_METRICS else prefix}/{name}": value
                 for name, value in metrics.items()}  # fmt: skip
 
     # ---- state ---------------------------------------------------------------------------------------------
