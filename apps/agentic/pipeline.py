@@ -233,7 +233,10 @@ class AgenticPipeline:
             normalized, reward_metrics = step_sample_rewards(rollout, self.config)
             metrics = self.targets(rollout, normalized, groups)
         with timer("train"):
-            metrics.update(train_roles(self.roles, rollout, self.base, self.settings, plans, step))
+            if metrics.get("mask/final_mask_sum_eq_0"):  # rollout_correction rejected every token: nothing to learn
+                self.log(f"[agentic] step {step}: no token is left to train on; skipping training")
+            else:
+                metrics.update(train_roles(self.roles, rollout, self.base, self.settings, plans, step))
         with timer("sync"):
             metrics.update(self._sync(step))
         timings["time/step"] = sum(timings.values())

@@ -18,7 +18,8 @@ from rl_core.batch import RolloutBatch
 from rl_core.kl_control import build_kl_controller
 from rl_core.losses import LossCoefficients, PolicyLossConfig
 from rl_core.rewards import RewardConfig, RunningMoments, build_token_level_rewards, process_sequence_rewards
-from rl_core.rollout_corr import RolloutCorrectionConfig, rollout_correction
+from rl_core.rollout_corr import rollout_correction
+from rl_core.rollout_corr_config import RolloutCorrectionConfig
 from rl_core.rollout_is import RolloutISConfig, compute_rollout_is_weights
 from rl_engines.objectives import ActorObjective, CriticObjective
 
@@ -95,12 +96,13 @@ class TargetBuilder:
         """
         scores = sequence_rewards if scores is None else scores
         tensors = batch.batch
-        corrected = _rollout_correction(batch, self.settings.correction)  # verl: rejections precede advantages
+        correction = _rollout_correction(tensors, self.settings.correction)
         if not self.domain_running:
             rewards, metrics = self._targets(tensors, sequence_rewards, scores, group_index, self.running)
         else:
             rewards, metrics = self._by_domain(tensors, sequence_rewards, scores, group_index, domains)
-        metrics.update(corrected)
+        if correction is not None:
+            metrics.update(_apply_correction(tensors, *correction))
         metrics.update(_is_weights(batch, self.settings.rollout_is))
         metrics.update(_summary(tensors, scores, rewards))
         return metrics
@@ -187,24 +189,50 @@ def _summary(tensors: dict[str, torch.Tensor], scores: torch.Tensor, rewards: to
     }  # fmt: skip
 
 
-def _rollout_correction(batch: RolloutBatch, config: RolloutCorrectionConfig | None) -> dict[str, float]:
-    """verl 0.9.1's decoupled rollout correction: IS weights into the batch, the rejection mask as its
-    ``response_mask``, ``rollout_corr/`` metrics (nothing without rollout log-probs, as in verl; nothing in bypass
-    mode, where the actor's loss corrects each micro-batch)."""
-    tensors = batch.batch
+Correction = tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]
+"""verl's decoupled correction of a batch: IS weights (or None), the response mask without rejected tokens, metrics."""
+
+
+def _rollout_correction(tensors: dict[str, torch.Tensor], config: RolloutCorrectionConfig | None) -> Correction | None:
+    """verl 0.9.1's decoupled rollout correction of the batch's rows that hold a real token (rows the sample masks
+    emptied are not samples of this step: verl drops them before it corrects). None without a config, in bypass mode
+    (the actor's loss corrects each micro-batch), without rollout log-probs (as in verl) or without a real token."""
     if config is None or config.bypass_mode or "rollout_log_probs" not in tensors:
-        return {}  # (bypass mode: the actor's loss corrects, per micro-batch)
-    if not bool(tensors["response_mask"].bool().any()):
-        return {}  # a batch the sample masks emptied trains on nothing: nothing to correct
-    weights, mask, metrics = rollout_correction(
-        tensors["old_log_probs"], tensors["rollout_log_probs"], tensors["response_mask"],
+        return None
+    mask = tensors["response_mask"]
+    rows = mask.bool().any(dim=-1)
+    if not bool(rows.any()):
+        return None
+    weights, kept, metrics = rollout_correction(
+        tensors["old_log_probs"][rows], tensors["rollout_log_probs"][rows], mask[rows],
         rollout_is=config.rollout_is, rollout_is_threshold=config.rollout_is_threshold,
         rollout_is_batch_normalize=config.rollout_is_batch_normalize, rollout_rs=config.rollout_rs,
         rollout_rs_threshold=config.rollout_rs_threshold,
     )  # fmt: skip
-    tensors["response_mask"] = mask
+    full_mask = mask.clone()
+    full_mask[rows] = kept
+    full_weights = None
+    if weights is not None:
+        full_weights = torch.zeros(mask.shape, dtype=weights.dtype)
+        full_weights[rows] = weights
+    return full_weights, full_mask, metrics
+
+
+def _apply_correction(
+    tensors: dict[str, torch.Tensor], weights: torch.Tensor | None, kept: torch.Tensor, metrics: dict[str, float]
+) -> dict[str, float]:
+    """After the advantages (computed on the mask as generated, so every sample's score still counts in its group,
+    as in verl where rewards sit on the generated tokens): rejected tokens leave ``response_mask`` and get no
+    advantage or return; the IS weights go into the batch. A batch left without a token reports
+    ``mask/final_mask_sum_eq_0`` (the pipelines then skip training, as for the sample masks)."""
+    tensors["response_mask"] = kept
+    keep = kept.to(tensors["advantages"].dtype)
+    tensors["advantages"] = tensors["advantages"] * keep
+    tensors["returns"] = tensors["returns"] * keep.to(tensors["returns"].dtype)
     if weights is not None:
         tensors["rollout_is_weights"] = weights
+    if not bool(kept.bool().any()):
+        return {**metrics, "mask/final_mask_sum_eq_0": 1.0}
     return metrics
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from apps.common.policy_args import ActorPolicyArgs, pop_policy_args
-from rl_core.rollout_corr import RolloutCorrectionConfig
+from rl_core.rollout_corr_config import RolloutCorrectionConfig
 from rl_engines.config import WorkerConfig, WorkerConfigError, build_dataclass
 
 ROLE_KEYS = ("actor_train", "actor_infer", "reference", "critic")

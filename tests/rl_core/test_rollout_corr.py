@@ -11,7 +11,6 @@ import torch
 
 from rl_core.losses.policy_bypass import compute_policy_loss_bypass_mode
 from rl_core.rollout_corr import (
-    PRESETS,
     RS_OPTIONS,
     ISBounds,
     RSBounds,
@@ -22,6 +21,7 @@ from rl_core.rollout_corr import (
     rollout_correction,
     rollout_correction_weights,
 )
+from rl_core.rollout_corr_config import PRESETS
 
 # verl's extra reference inputs: log ratio [[0.2, -0.5, pad], [-0.7, 0, 0]]
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, -1.0, -1.0]])
@@ -272,7 +272,7 @@ def test_no_correction_asked_gives_no_weights_the_same_mask_and_off_policy_metri
 
 def bypass(loss_type: str, **keys):
     from rl_core.losses import PolicyLossConfig
-    from rl_core.rollout_corr import RolloutCorrectionConfig
+    from rl_core.rollout_corr_config import RolloutCorrectionConfig
 
     correction = RolloutCorrectionConfig(bypass_mode=True, loss_type=loss_type, **keys)
     correction.validate()
@@ -309,7 +309,7 @@ def test_bypass_ppo_clip_is_vanilla_ppo_against_the_rollout_policy_on_the_kept_t
 
 def test_bypass_mode_without_its_config_is_refused():
     from rl_core.losses import PolicyLossConfig
-    from rl_core.rollout_corr import RolloutCorrectionConfig
+    from rl_core.rollout_corr_config import RolloutCorrectionConfig
 
     args = (torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2))
     with pytest.raises(ValueError, match="needs the rollout correction config with bypass_mode: true"):
@@ -322,3 +322,10 @@ def test_bypass_mode_without_its_config_is_refused():
         RolloutCorrectionConfig(rollout_rs="k9", rollout_rs_threshold=1.0).validate()
     assert RolloutCorrectionConfig.preset("bypass_pg_is") == RolloutCorrectionConfig(
         rollout_is="sequence", bypass_mode=True, loss_type="reinforce")  # fmt: skip
+
+
+def test_bypass_on_a_micro_batch_without_a_real_token_trains_on_nothing_without_failing():
+    args = (torch.zeros(2, 3), torch.zeros(2, 3, requires_grad=True), torch.ones(2, 3), torch.zeros(2, 3))
+    for loss_type in ("ppo_clip", "reinforce"):
+        loss, metrics = compute_policy_loss_bypass_mode(*args, config=bypass(loss_type, rollout_is="token"))
+        assert float(loss) == 0.0 and not any(name.startswith("rollout_corr/") for name in metrics)

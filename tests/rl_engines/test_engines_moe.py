@@ -184,6 +184,20 @@ def test_moe_keys_are_refused_where_they_would_do_nothing(moe_dir, tiny_model_di
         check_strategy("actor_infer", infer)
 
 
+def test_a_family_with_another_router_is_refused_for_training(tmp_path, tiny_model_dir):
+    """Only the tested softmax top-k routers (Qwen2/3-MoE) get the router loss; another family is refused by name,
+    not trained with a loss built for a different router."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("mixtral", vocab_size=259, hidden_size=64, intermediate_size=32, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, num_local_experts=4)  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((tiny_model_dir / name).read_bytes())
+    with pytest.raises(WorkerConfigError, match=r"is a 'mixtral' mixture-of-experts model; the router loss here is"):
+        make(tmp_path)
+
+
 def test_wrap_policy_shards_embeddings_and_head_as_units_without_changing_a_step(tiny_model_dir, tiny_untied_model_dir):
     from torch.distributed.fsdp import FSDPModule
 

@@ -285,6 +285,7 @@ def test_a_moe_sync_into_vllm_on_cpu_is_refused_naming_why(tmp_path):
     the engine's own checkpoint changes its log-probs), so a sync would serve wrong weights: refused."""
     *_, state = trained_moe(tmp_path)
     engine = make_vllm(tmp_path, temperature=0.0, num_return_sequences=1)
+    assert "mixture-of-experts" in engine.sync_refusal()  # what Roles.model_updater asks before any sync
     with pytest.raises(RuntimeError, match=r"actor_infer: weight syncs into vLLM on CPU are refused for the "
                                            r"mixture-of-experts model"):  # fmt: skip
         push(engine, state, bucket_bytes=20_000)

@@ -37,9 +37,6 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return masked_sum(values, mask, dim) / (count + EPS)
 
 
-_masked_mean = masked_mean
-
-
 def _valid_extreme(values: torch.Tensor, valid: torch.Tensor, largest: bool) -> float:
     picked = values[valid]
     return float(picked.max() if largest else picked.min())
@@ -50,7 +47,7 @@ def _clamped_std(values: torch.Tensor, mask: torch.Tensor, low: float, high: flo
     if float(mask.float().sum()) <= 1:
         return 0.0
     clamped = values.clamp(low, high)
-    variance = _masked_mean(clamped * clamped, mask) - _masked_mean(clamped, mask) ** 2
+    variance = masked_mean(clamped * clamped, mask) - masked_mean(clamped, mask) ** 2
     return float(variance.clamp_min(0.0).sqrt())
 
 
@@ -73,7 +70,7 @@ def is_metrics(
     valid = mask.bool()
     upper = bounds.upper
     lower = bounds.lower if bounds.lower is not None else 1.0 / upper
-    out: Metrics = {"rollout_is_mean": float(_masked_mean(weights, mask))}
+    out: Metrics = {"rollout_is_mean": float(masked_mean(weights, mask))}
     if level == "sequence":
         sums = masked_sum(log_ratio, mask, dim=-1)
         out["rollout_is_max"] = math.exp(min(float(sums.max()), 20.0))
@@ -83,11 +80,11 @@ def is_metrics(
     else:
         out["rollout_is_max"] = _valid_extreme(weights, valid, largest=True)
         out["rollout_is_min"] = _valid_extreme(weights, valid, largest=False)
-        out["rollout_is_ratio_fraction_high"] = float(_masked_mean((raw > upper).to(weights.dtype), mask))
-        out["rollout_is_ratio_fraction_low"] = float(_masked_mean((raw < lower).to(weights.dtype), mask))
+        out["rollout_is_ratio_fraction_high"] = float(masked_mean((raw > upper).to(weights.dtype), mask))
+        out["rollout_is_ratio_fraction_low"] = float(masked_mean((raw < lower).to(weights.dtype), mask))
     out["rollout_is_std"] = _clamped_std(weights, mask, 0.0, upper)
     out["rollout_is_eff_sample_size"] = _effective_sample_size(weights.clamp(0.0, upper), mask)
-    row_means = _masked_mean(weights, mask, dim=-1)
+    row_means = masked_mean(weights, mask, dim=-1)
     out.update(
         rollout_is_seq_mean=float(row_means.mean()),
         rollout_is_seq_std=_row_std(row_means),
@@ -95,19 +92,19 @@ def is_metrics(
         rollout_is_seq_min=float(row_means.min()),
         rollout_is_seq_max_deviation=float((row_means - 1.0).abs().max()),
     )
-    raw_means = _masked_mean(raw, mask, dim=-1)
+    raw_means = masked_mean(raw, mask, dim=-1)
     out["rollout_is_seq_fraction_high"] = float((raw_means > upper).float().mean())
     out["rollout_is_seq_fraction_low"] = float((raw_means < lower).float().mean())
     if bounds.lower is not None:
         outside = (raw < bounds.lower) | (raw > upper)
-        out["rollout_is_oob_ratio"] = float(_masked_mean(outside.to(weights.dtype), mask))
+        out["rollout_is_oob_ratio"] = float(masked_mean(outside.to(weights.dtype), mask))
     return out
 
 
 def _effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> float:
     """``1 / mean((w / mean w)^2)`` over real tokens, i.e. ``(mean w)^2 / mean(w^2)`` (0 when every weight is 0)."""
-    mean = _masked_mean(weights, mask)
-    second = float(_masked_mean((weights / (mean + EPS)) ** 2, mask))
+    mean = masked_mean(weights, mask)
+    second = float(masked_mean((weights / (mean + EPS)) ** 2, mask))
     return 1.0 / second if second > 0 else 0.0
 
 
@@ -122,9 +119,9 @@ def rs_option_metrics(stat: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor
     per_token = stat.expand_as(mask).float()
     valid = mask.bool()
     rows_with_tokens = valid.any(dim=-1)
-    row_values = (stat[:, 0].float() if sequence else _masked_mean(per_token, mask, dim=-1))[rows_with_tokens]
+    row_values = (stat[:, 0].float() if sequence else masked_mean(per_token, mask, dim=-1))[rows_with_tokens]
     name = f"rollout_rs_{bounds.option}_"
-    out: Metrics = {f"{name}mean": float(_masked_mean(per_token, mask))}
+    out: Metrics = {f"{name}mean": float(masked_mean(per_token, mask))}
     if sequence:
         out[f"{name}max"], out[f"{name}min"] = float(row_values.max()), float(row_values.min())
         out[f"{name}fraction_high"] = float((row_values > high).float().mean())
@@ -132,8 +129,8 @@ def rs_option_metrics(stat: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor
     else:
         out[f"{name}max"] = _valid_extreme(per_token, valid, largest=True)
         out[f"{name}min"] = _valid_extreme(per_token, valid, largest=False)
-        out[f"{name}fraction_high"] = float(_masked_mean((per_token > high).float(), mask))
-        out[f"{name}fraction_low"] = float(_masked_mean((per_token < low).float(), mask)) if k1 else 0.0
+        out[f"{name}fraction_high"] = float(masked_mean((per_token > high).float(), mask))
+        out[f"{name}fraction_low"] = float(masked_mean((per_token < low).float(), mask)) if k1 else 0.0
     out[f"{name}std"] = _clamped_std(per_token, mask, low if k1 else 0.0, high)
     out.update({
         f"{name}seq_mean": float(row_values.mean()), f"{name}seq_std": _row_std(row_values),
@@ -144,7 +141,7 @@ def rs_option_metrics(stat: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor
     if k1:
         out[f"{name}seq_fraction_low"] = float((row_values < low).float().mean())
     rejected = valid & ~keep
-    out[f"{name}masked_fraction"] = float(_masked_mean(rejected.float(), mask))
+    out[f"{name}masked_fraction"] = float(masked_mean(rejected.float(), mask))
     out[f"{name}seq_masked_fraction"] = float(rejected.any(dim=-1)[rows_with_tokens].float().mean())
     return out
 
@@ -153,6 +150,6 @@ def rs_overall_metrics(keep: torch.Tensor, mask: torch.Tensor) -> Metrics:
     """``rollout_rs_masked_fraction`` (token-weighted) and ``rollout_rs_seq_masked_fraction`` (over every row)."""
     rejected = mask.bool() & ~keep
     return {
-        "rollout_rs_masked_fraction": float(_masked_mean(rejected.float(), mask)),
+        "rollout_rs_masked_fraction": float(masked_mean(rejected.float(), mask)),
         "rollout_rs_seq_masked_fraction": float(rejected.any(dim=-1).float().mean()),
     }

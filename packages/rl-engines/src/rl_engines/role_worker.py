@@ -113,6 +113,11 @@ class RoleWorker(WorkerBase):
         """Take the device back."""
         self.strategy.reload()
 
+    def sync_refusal(self) -> str | None:
+        """Why this inference worker's engine cannot take weight syncs, or None (most engines take them)."""
+        refusal = getattr(self.strategy, "sync_refusal", None)
+        return None if refusal is None else refusal()
+
     # ---- weight sync: sender side (train roles) ------------------------------------------------------------
     def _sync_dtype(self, dtype: str | None) -> torch.dtype | None:
         return None if dtype is None else SYNC_DTYPES[dtype]

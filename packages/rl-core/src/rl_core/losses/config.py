@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rl_core.rollout_corr_config import RolloutCorrectionConfig
 
 
 @dataclass
@@ -49,7 +52,7 @@ class PolicyLossConfig:
     """Kimi k1.5 (2025, eq. 3): weight tau of the squared log-ratio regulariser."""
     seed: int | None = None
     """Seed for the random token choice of Clip-Cov; None uses torch's global generator."""
-    rollout_correction: Any = None
+    rollout_correction: RolloutCorrectionConfig | None = None
     """verl's bypass mode (loss ``bypass_mode``): the :class:`rl_core.rollout_corr.RolloutCorrectionConfig` whose IS
     weights / rejections it applies against the rollout policy; None elsewhere."""
 

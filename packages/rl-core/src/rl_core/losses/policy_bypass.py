@@ -26,7 +26,8 @@ import torch
 from rl_core.losses.aggregation import GlobalBatchInfo
 from rl_core.losses.config import PolicyLossConfig
 from rl_core.losses.policy import LossInputs, Metrics, apply_is_weights, compute_policy_loss_vanilla
-from rl_core.rollout_corr import RolloutCorrectionConfig, rollout_correction
+from rl_core.rollout_corr import rollout_correction
+from rl_core.rollout_corr_config import RolloutCorrectionConfig
 
 
 def _correction(config: PolicyLossConfig | None) -> RolloutCorrectionConfig:
@@ -56,24 +57,44 @@ def compute_policy_loss_bypass_mode(
     correction = _correction(config)
     if rollout_is_weights is not None:
         raise ValueError("the bypass_mode loss computes its own IS weights; pass rollout_is_weights=None.")
-    with torch.no_grad():
-        weights, kept, corr_metrics = rollout_correction(
-            log_prob.detach(), old_log_prob.detach(), response_mask,
-            rollout_is=correction.rollout_is, rollout_is_threshold=correction.rollout_is_threshold,
-            rollout_is_batch_normalize=correction.rollout_is_batch_normalize, rollout_rs=correction.rollout_rs,
-            rollout_rs_threshold=correction.rollout_rs_threshold,
-        )  # fmt: skip
-    if correction.loss_type == "ppo_clip":
-        loss, metrics = compute_policy_loss_vanilla(old_log_prob, log_prob, advantages, kept,
-                                                    loss_agg_mode=loss_agg_mode, config=config,
-                                                    global_batch=global_batch)  # fmt: skip
-    elif correction.loss_type == "reinforce":
-        x = LossInputs(old_log_prob, log_prob, advantages, kept)
-        pg_losses = apply_is_weights(-x.advantages * x.log_prob, weights)
-        loss = x.aggregate(pg_losses, loss_agg_mode, global_batch)
-        metrics = {"ppo_kl": x.mean(x.old_log_prob - x.log_prob)}
-    else:
-        raise ValueError(f"Invalid loss_type {correction.loss_type!r}; use 'ppo_clip' or 'reinforce'.")
+    weights: torch.Tensor | None = None
+    kept, corr_metrics = response_mask, dict[str, float]()
+    if bool(response_mask.bool().any()):  # a micro-batch the sample masks emptied has nothing to correct
+        with torch.no_grad():
+            weights, kept, corr_metrics = rollout_correction(
+                log_prob.detach(), old_log_prob.detach(), response_mask,
+                rollout_is=correction.rollout_is, rollout_is_threshold=correction.rollout_is_threshold,
+                rollout_is_batch_normalize=correction.rollout_is_batch_normalize, rollout_rs=correction.rollout_rs,
+                rollout_rs_threshold=correction.rollout_rs_threshold,
+            )  # fmt: skip
+    loss, metrics = BYPASS_LOSSES[correction.loss_type](
+        old_log_prob, log_prob, advantages, kept, weights, loss_agg_mode, config, global_batch
+    )
     device = log_prob.device
     metrics.update({name: torch.tensor(value, device=device) for name, value in corr_metrics.items()})
     return loss, metrics
+
+
+def _ppo_clip(
+    rollout: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, kept: torch.Tensor,
+    _weights: torch.Tensor | None, loss_agg_mode: str, config: PolicyLossConfig | None,
+    global_batch: GlobalBatchInfo | None,
+) -> tuple[torch.Tensor, Metrics]:  # fmt: skip
+    """Clipped PPO against the rollout policy on the kept tokens; the IS weights are not applied (verl)."""
+    return compute_policy_loss_vanilla(rollout, log_prob, advantages, kept, loss_agg_mode=loss_agg_mode,
+                                       config=config, global_batch=global_batch)  # fmt: skip
+
+
+def _reinforce(
+    rollout: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, kept: torch.Tensor,
+    weights: torch.Tensor | None, loss_agg_mode: str, _config: PolicyLossConfig | None,
+    global_batch: GlobalBatchInfo | None,
+) -> tuple[torch.Tensor, Metrics]:  # fmt: skip
+    """``-A * log_prob * w`` on the kept tokens (``w`` detached; 1 without IS)."""
+    x = LossInputs(rollout, log_prob, advantages, kept)
+    loss = x.aggregate(apply_is_weights(-x.advantages * x.log_prob, weights), loss_agg_mode, global_batch)
+    return loss, {"ppo_kl": x.mean(x.old_log_prob - x.log_prob)}
+
+
+BYPASS_LOSSES = {"ppo_clip": _ppo_clip, "reinforce": _reinforce}
+"""Bypass mode's ``loss_type`` -> its loss (keys: :data:`rl_core.rollout_corr_config.BYPASS_LOSS_TYPES`)."""

@@ -30,7 +30,8 @@ from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfig
 from rl_engines.objectives import Objective
 from rl_engines.strategies import checkpointing, lora, moe
-from rl_engines.strategies.base import STRATEGIES, ensure_process_group, reject_unknown_keys, worker_device
+from rl_engines.strategies.base import STRATEGIES, ensure_process_group, worker_device
+from rl_engines.strategies.fsdp2_wrap import WRAP_POLICY_KEYS, check_options, class_names, wrap_units
 from rl_engines.strategies.micro_batches import MicroBatchPlanner, planner
 from rl_engines.strategies.model_io import (
     TORCH_DTYPES,
@@ -74,15 +75,6 @@ FSDP2_KEYS: dict[str, tuple[type, ...]] = {
     "wrap_policy": (dict,),
     "use_batched_model_update": (bool,),
 }
-WRAP_POLICY_KEYS: dict[str, tuple[type, ...]] = {
-    "transformer_layer_cls_to_wrap": (list, str),
-    "wrap_embeddings": (bool,),
-    "wrap_lm_output": (bool,),
-    "moe_experts": (list, str),
-}
-"""ROLL's ``wrap_policy`` keys: the layer classes sharded as units, the embeddings / output head as units of their
-own, and expert classes (ROLL wraps those apart only with its expert patch or ``ep_size`` > 1, neither of which
-exists here: the experts are sharded with their layer, as in ROLL without them)."""
 HERE_ONLY_NOTES = {
     "offload_policy": "FSDP2's CPUOffloadPolicy keeps parameters, gradients and optimizer state in host memory "
     "between uses; on a CPU device they are in host memory already, so nothing changes",
@@ -92,21 +84,6 @@ HERE_ONLY_NOTES = {
 """Accepted ROLL options that change no result here, with what they do and what happens here instead."""
 logger = logging.getLogger(__name__)
 DTYPE_ALIASES = {**TORCH_DTYPES, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _check_options(options: dict[str, Any], keys: dict[str, tuple[type, ...]], prefix: str) -> None:
-    """Unknown keys and values of the wrong type are refused naming ``<prefix>.<key>``."""
-    reject_unknown_keys(options, set(keys), prefix)
-    for key, value in options.items():
-        types = keys[key]
-        if value is not None and (not isinstance(value, types) or (bool not in types and isinstance(value, bool))):
-            wanted = " or ".join(t.__name__ for t in types)
-            raise ValueError(f"{prefix}.{key} must be {wanted}, got {type(value).__name__} {value!r}.")
-
-
-def _names(value: str | list[str] | None) -> list[str]:
-    """A class-name option as a list (ROLL takes one name as a string too)."""
-    return [value] if isinstance(value, str) else list(value or [])
 
 
 @STRATEGIES.register("fsdp2_train")
@@ -126,8 +103,8 @@ class Fsdp2TrainStrategy:
         self.role = role
         self.options = dict(config.strategy_args.strategy_config)
         prefix = f"{role}.strategy_args.strategy_config"
-        _check_options(self.options, FSDP2_KEYS, prefix)
-        _check_options(self.options.get("wrap_policy") or {}, WRAP_POLICY_KEYS, f"{prefix}.wrap_policy")
+        check_options(self.options, FSDP2_KEYS, prefix)
+        check_options(self.options.get("wrap_policy") or {}, WRAP_POLICY_KEYS, f"{prefix}.wrap_policy")
         if isinstance(config.device_mapping, list) and config.device_mapping:  # checked before any worker starts
             self._fsdp_size(max(len(config.device_mapping) // config.num_gpus_per_worker, 1))
         self.planners = {phase: planner(config, role, phase) for phase in self.phases}
@@ -156,7 +133,7 @@ class Fsdp2TrainStrategy:
         if self.options.get("offload_policy") and torch.cuda.is_available():
             active.remove("offload_policy")  # on CUDA it offloads
         notes = [f"{prefix}.{key}: true - {HERE_ONLY_NOTES[key]}." for key in active]
-        experts = _names((self.options.get("wrap_policy") or {}).get("moe_experts"))
+        experts = class_names((self.options.get("wrap_policy") or {}).get("moe_experts"))
         if experts:
             notes.append(f"{prefix}.wrap_policy.moe_experts: {experts} - ROLL shards these expert modules as units of "
                          "their own only with apply_expert_patch or ep_size > 1 (neither is set), so they are sharded "
@@ -255,24 +232,8 @@ class Fsdp2TrainStrategy:
         return int(size)
 
     def _wrap_targets(self, model: Any) -> list[Any]:
-        """Units sharded on their own, in order: the input embeddings (``wrap_embeddings``), wrap_policy's layer
-        classes (else the model's ``_no_split_modules``), the output head (``wrap_lm_output``). Tied embeddings share
-        one parameter, so either flag makes the embeddings and the head one unit."""
-        wrap = self.options.get("wrap_policy") or {}
-        names = set(_names(wrap.get("transformer_layer_cls_to_wrap")) or getattr(model, "_no_split_modules", None)
-                    or [])  # fmt: skip
-        found: list[Any] = [m for m in model.modules() if type(m).__name__ in names]
-        if wrap.get("transformer_layer_cls_to_wrap") and not found:
-            native = sorted(getattr(model, "_no_split_modules", None) or [])
-            raise ValueError(
-                f"{self.role}.strategy_args.strategy_config.wrap_policy.transformer_layer_cls_to_wrap names "
-                f"{sorted(names)}, but {type(model).__name__} has no such modules; its layer classes are {native}."
-            )
-        embed, head = model.get_input_embeddings(), model.get_output_embeddings()
-        if head is not None and head.weight is embed.weight:
-            return [[embed, head], *found] if wrap.get("wrap_embeddings") or wrap.get("wrap_lm_output") else found
-        first = [embed] if wrap.get("wrap_embeddings") else []
-        return first + found + ([head] if wrap.get("wrap_lm_output") and head is not None else [])
+        """See :func:`rl_engines.strategies.fsdp2_wrap.wrap_units`."""
+        return wrap_units(model, self.options.get("wrap_policy") or {}, f"{self.role}.strategy_args.strategy_config")
 
     # ---- forward -------------------------------------------------------------------------------------------
     def _outputs(

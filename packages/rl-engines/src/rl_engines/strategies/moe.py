@@ -1,8 +1,9 @@
 """Mixture-of-experts HF models in the torch-native training strategies: the router's load-balancing loss.
 
-A transformers MoE model (Qwen3-MoE, Qwen2-MoE, ...) routes every token to ``k = num_experts_per_tok`` of its
-``E = num_experts`` experts. Training adds the Switch-Transformer load-balancing loss of every MoE layer, as Megatron
-does (``moe_router_load_balancing_type: aux_loss``), so that the two engines train one model alike:
+A transformers MoE model of :data:`SOFTMAX_TOP_K_ROUTERS` (Qwen3-MoE, Qwen2-MoE) routes every token to
+``k = num_experts_per_tok`` of its ``E = num_experts`` experts. Training adds the Switch-Transformer load-balancing
+loss of every MoE layer, as Megatron does (``moe_router_load_balancing_type: aux_loss``), so that the two engines
+train one model alike:
 
     L_layer = E / k * sum_e f_e * P_e
 
@@ -36,6 +37,9 @@ from rl_engines.strategies.train_utils import all_reduce_sum
 logger = logging.getLogger(__name__)
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 """HF config fields that hold the number of routed experts (the first one set counts)."""
+SOFTMAX_TOP_K_ROUTERS = frozenset({"qwen2_moe", "qwen3_moe"})
+"""Model types whose router is a softmax over the experts' logits followed by top-k (what the loss assumes; tested).
+Others (DeepSeek-V3's sigmoid scores with a correction bias and group-limited routing, ...) are refused."""
 
 
 def text_config(model: nn.Module) -> Any:
@@ -172,6 +176,13 @@ def router_loss(model: nn.Module, config: WorkerConfig, role: str) -> RouterLoss
                 f"has none of {list(EXPERT_COUNT_KEYS)}): there is no router to balance; remove the key."
             )
         return None
+    model_type = str(getattr(hf, "model_type", ""))
+    if model_type not in SOFTMAX_TOP_K_ROUTERS:
+        raise WorkerConfigError(
+            f"{role}: {config.model_args.model_name_or_path} is a {model_type!r} mixture-of-experts model; the router "
+            f"loss here is built for softmax top-k routers ({sorted(SOFTMAX_TOP_K_ROUTERS)}), not this family's "
+            "router, so fsdp2_train / deepspeed_train refuse to train it rather than train it with a wrong loss."
+        )
     found = router_recorder(model)
     if found is None:
         raise WorkerConfigError(

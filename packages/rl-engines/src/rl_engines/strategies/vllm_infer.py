@@ -261,6 +261,18 @@ class VllmInferStrategy:
         path = resolve_model_path(self.config.model_args, self.role)
         return checkpoint_weights(path, TORCH_DTYPES[self.config.model_args.dtype])
 
+    def sync_refusal(self) -> str | None:
+        """Why this engine cannot take weight syncs (checked by ``Roles.model_updater`` before any sync starts),
+        or None: a mixture-of-experts model on CPU (:data:`MOE_CPU_RELOAD`)."""
+        if (
+            self.table is not None
+            and self.table.has_experts
+            and self.device.type == "cpu"
+            and not self.config.model_args.lora
+        ):
+            return MOE_CPU_RELOAD.format(role=self.role, model=self.config.model_args.model_name_or_path)
+        return None
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Check named HF tensors and reload every decoder layer they complete; returns how many were given.
 
@@ -270,8 +282,9 @@ class VllmInferStrategy:
         """
         if self.table is None or self._buffer is None:
             raise RuntimeError(f"{self.role}: the vllm strategy is not initialised; call initialize() first")
-        if self.table.has_experts and self.device.type == "cpu" and not self.config.model_args.lora:
-            raise RuntimeError(MOE_CPU_RELOAD.format(role=self.role, model=self.config.model_args.model_name_or_path))
+        refusal = self.sync_refusal()
+        if refusal is not None:
+            raise RuntimeError(refusal)
         self.reload()
         given = 0
         for name, tensor in weights:
