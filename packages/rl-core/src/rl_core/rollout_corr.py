@@ -29,12 +29,12 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_core.masked import masked_sum
 from rl_core.rollout_corr_metrics import (
     EPS,
     Metrics,
     is_metrics,
     masked_mean,
-    masked_sum,
     rs_option_metrics,
     rs_overall_metrics,
 )

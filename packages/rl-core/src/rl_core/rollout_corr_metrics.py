@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rl_core.masked import masked_sum
+
 if TYPE_CHECKING:
     from rl_core.rollout_corr import ISBounds, RSBounds
 
@@ -24,15 +26,9 @@ EPS = 1e-8
 """verl's ``masked_mean`` denominator guard and batch-normalisation floor."""
 
 
-def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum over the mask; values outside it (NaN / Inf included) contribute nothing."""
-    m = mask.to(values.dtype) if values.is_floating_point() else mask.float()
-    picked = torch.where(mask.bool(), values, torch.zeros((), dtype=values.dtype, device=values.device)) * m
-    return picked.sum() if dim is None else picked.sum(dim)
-
-
 def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """verl's ``masked_mean``: ``masked_sum / (count + 1e-8)`` (an empty row gives 0)."""
+    """verl's ``masked_mean``, denominator included: ``masked_sum / (count + 1e-8)`` (an empty row gives 0), where
+    :func:`rl_core.masked.masked_mean` divides by ``max(count, 1)``."""
     count = mask.to(values.dtype).sum() if dim is None else mask.to(values.dtype).sum(dim)
     return masked_sum(values, mask, dim) / (count + EPS)
 
