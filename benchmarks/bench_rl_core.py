@@ -1,10 +1,18 @@
-"""rl-core hot path: rollout IS weights + vanilla PPO loss + aggregation on a 128 x 4096-token batch.
+"""rl-core hot path on a 128 x 4096-token batch: rollout correction (IS weights + rejection mask + every metric the
+pipeline logs) + vanilla PPO loss with those weights on the corrected mask, forward and backward timed apart.
 
-Baseline, measured in the same run: a memory-bandwidth roofline, i.e. one plain copy of the same input bytes
-(old / rollout / current log-probs, advantages, mask). Reported per phase: median time, ratio to the roofline,
-and peak extra memory (CUDA allocator peak on GPU; on CPU the peak RSS growth of one call in a fresh subprocess).
+Each phase runs eager and fused (:mod:`rl_core.fused`: one compiled graph), and, when ``import verl`` works here,
+verl 0.9.1's ``compute_rollout_correction_and_rejection_mask`` + ``compute_policy_loss_vanilla`` on the same
+tensors. Phases are timed round-robin (one sample of each in turn, so load changes hit all alike); the baseline,
+measured in the same run, is a memory-bandwidth roofline: one plain copy of the input bytes (old / rollout /
+current log-probs, advantages, mask). Reported per phase: median ms, ``% of roofline`` (copy time / phase time)
+and peak extra memory of one steady-state call (CUDA allocator peak on GPU; on CPU the peak RSS growth in a fresh
+subprocess). To compare with verl, put verl 0.9.1 and the few packages its two functions import beside the
+project's venv (without their dependencies: verl's full requirements pull a CUDA stack), then run::
 
-    python benchmarks/bench_rl_core.py [--device cpu|cuda] [--batch 128] [--length 4096] [--repeats 20]
+    .venv/bin/pip install --no-deps --target .tmp/verl verl==0.9.1 omegaconf antlr4-python3-runtime==4.9.3 \
+        tensordict pyvers orjson codetiming
+    PYTHONPATH=.tmp/verl .venv/bin/python benchmarks/bench_rl_core.py [--device cpu|cuda] [--preset NAME]
 """
 
 from __future__ import annotations
@@ -21,9 +29,13 @@ from collections.abc import Callable
 import torch
 
 from rl_core.losses import get_policy_loss
-from rl_core.rollout_is import compute_rollout_is_weights
+from rl_core.losses.aggregation import GlobalBatchInfo
+from rl_core.rollout_corr import rollout_correction
+from rl_core.rollout_corr_config import PRESETS
 
-PHASES = ("roofline_copy", "is_weights", "ppo_loss", "is_plus_ppo_forward", "is_plus_ppo_forward_backward")
+CORRECTION_KEYS = ("rollout_is", "rollout_is_threshold", "rollout_is_batch_normalize", "rollout_rs",
+                   "rollout_rs_threshold")  # fmt: skip
+Step = Callable[[], "torch.Tensor | None"]  # a forward; returns the loss to backpropagate, or None
 
 
 def make_inputs(batch: int, length: int, device: str) -> dict[str, torch.Tensor]:
@@ -38,65 +50,109 @@ def make_inputs(batch: int, length: int, device: str) -> dict[str, torch.Tensor]
     return {k: v.to(device) for k, v in tensors.items()}
 
 
-def phase_fn(name: str, x: dict[str, torch.Tensor]) -> Callable[[], object]:
+def ours(x: dict[str, torch.Tensor], preset: str, fused: bool, part: str) -> Step:
+    """rl-core's ``part`` (correction, loss or hot = both) as a forward step."""
+    options = {key: PRESETS[preset][key] for key in CORRECTION_KEYS}
     loss_fn = get_policy_loss("vanilla")
+    weights, mask, _ = rollout_correction(x["old"], x["rollout"], x["mask"], **options, fused=False)
+    info = GlobalBatchInfo.from_mask(x["mask"])
+    os.environ["RL_CORE_FUSED"] = "1" if fused else "0"  # the loss is a registry entry: no fused argument
+
+    def step() -> torch.Tensor | None:
+        current = x["current"].detach().requires_grad_(True)
+        w, m = weights, mask
+        if part != "loss":
+            w, m, _ = rollout_correction(x["old"], x["rollout"], x["mask"], **options, fused=fused)
+            if part == "correction":
+                return None
+        return loss_fn(x["old"], current, x["advantages"], m, rollout_is_weights=w, global_batch=info)[0]
+
+    return step
+
+
+def verl_step(x: dict[str, torch.Tensor], preset: str) -> Step:
+    """verl 0.9.1's correction + vanilla loss (``actor/`` metrics via ``.item()``, as verl does)."""
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    options = {key: PRESETS[preset][key] for key in CORRECTION_KEYS}
+    batch_info = {"dp_size": 1, "batch_num_tokens": int(x["mask"].sum()), "global_batch_size": x["mask"].shape[0]}
+    config = OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2,
+                               "clip_ratio_c": 3.0, "global_batch_info": batch_info})  # fmt: skip
+    maskf = x["mask"].float()
+
+    def step() -> torch.Tensor:
+        current = x["current"].detach().requires_grad_(True)
+        proto, mask, _ = compute_rollout_correction_and_rejection_mask(x["old"], x["rollout"], maskf, **options)
+        weights = None if proto is None else proto.batch["rollout_is_weights"]
+        return compute_policy_loss_vanilla(x["old"], current, x["advantages"], mask, config=config,
+                                           rollout_is_weights=weights)[0]  # fmt: skip
+
+    return step
+
+
+def roofline(x: dict[str, torch.Tensor]) -> Step:
     total_bytes = sum(t.numel() * t.element_size() for t in x.values())
     src = torch.ones(total_bytes, dtype=torch.uint8, device=x["old"].device)
     dst = torch.zeros_like(src)  # touched now, so the copy itself allocates nothing
 
-    def roofline() -> object:
-        return dst.copy_(src)
+    def step() -> None:
+        dst.copy_(src)
 
-    def is_weights() -> object:
-        return compute_rollout_is_weights(x["old"], x["rollout"], x["mask"])
-
-    def ppo_loss() -> object:
-        return loss_fn(x["old"], x["current"], x["advantages"], x["mask"])
-
-    def forward(requires_grad: bool = False) -> torch.Tensor:
-        current = x["current"].detach().requires_grad_(requires_grad)
-        weights, mask, _ = compute_rollout_is_weights(x["old"], x["rollout"], x["mask"])
-        loss, _ = loss_fn(x["old"], current, x["advantages"], mask, rollout_is_weights=weights)
-        return loss
-
-    def forward_backward() -> object:
-        forward(requires_grad=True).backward()
-        return None
-
-    table = {"roofline_copy": roofline, "is_weights": is_weights, "ppo_loss": ppo_loss,
-             "is_plus_ppo_forward": forward, "is_plus_ppo_forward_backward": forward_backward}  # fmt: skip
-    return table[name]
+    return step
 
 
-def time_phase(fn: Callable[[], object], repeats: int, device: str) -> float:
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(3):
-        fn()
+def phases(x: dict[str, torch.Tensor], preset: str, with_verl: bool) -> dict[str, Step]:
+    table = {"roofline_copy": roofline(x)}
+    for impl, fused in (("eager", False), ("fused", True)):
+        for part in ("correction", "loss", "hot"):
+            table[f"{part}_{impl}"] = ours(x, preset, fused, part)
+    if with_verl:
+        table["hot_verl"] = verl_step(x, preset)
+    return table
+
+
+def run_once(name: str, step: Step, sync: Callable[[], None]) -> tuple[float, float]:
+    """Forward and backward seconds of one sample (backward 0 for phases without a loss)."""
+    fused = name.endswith("_fused")
+    os.environ["RL_CORE_FUSED"] = "1" if fused else "0"
+    start = time.perf_counter()
+    loss = step()
     sync()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
+    mid = time.perf_counter()
+    if loss is not None:
+        loss.backward()
         sync()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return mid - start, time.perf_counter() - mid
 
 
-def peak_memory_mb(phase: str, batch: int, length: int, device: str) -> float:
-    """Extra peak memory of one call of ``phase`` beyond its inputs, in MiB."""
-    if device == "cuda":
-        x = make_inputs(batch, length, device)
-        fn = phase_fn(phase, x)
-        fn()
-        torch.cuda.synchronize()
+def time_phases(table: dict[str, Step], repeats: int, device: str) -> dict[str, dict[str, float]]:
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in table}
+    for round_ in range(repeats + 3):  # 3 warm-up rounds (the fused phases compile in the first)
+        for name, step in table.items():
+            sample = run_once(name, step, sync)
+            if round_ >= 3:
+                samples[name].append(sample)
+    return {name: {"forward_ms": 1e3 * statistics.median(s[0] for s in got),
+                   "backward_ms": 1e3 * statistics.median(s[1] for s in got)}
+            for name, got in samples.items()}  # fmt: skip
+
+
+def peak_memory_mb(name: str, args: argparse.Namespace) -> float:
+    """Extra peak memory of one steady-state forward + backward of phase ``name``, in MiB."""
+    if args.device == "cuda":
+        step = phases(make_inputs(args.batch, args.length, "cuda"), args.preset, name == "hot_verl")[name]
+        run_once(name, step, torch.cuda.synchronize)
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        fn()
-        torch.cuda.synchronize()
+        run_once(name, step, torch.cuda.synchronize)
         return (torch.cuda.max_memory_allocated() - base) / 2**20
-    cmd = [sys.executable, __file__, "--child-memory", phase, "--batch", str(batch), "--length", str(length)]
+    cmd = [sys.executable, __file__, "--child-memory", name, "--batch", str(args.batch), "--length",
+           str(args.length), "--preset", args.preset]  # fmt: skip
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    return float(subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip())
+    return float(subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.split()[-1])
 
 
 def _vm_hwm_kb() -> int:
@@ -104,17 +160,44 @@ def _vm_hwm_kb() -> int:
         return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
 
 
-def child_memory(phase: str, batch: int, length: int) -> None:
-    """Peak RSS growth of one call, in a child whose large allocations are all mmap-backed (so freed memory
-    goes back to the OS and every new allocation shows in RSS) and whose peak is reset just before the call."""
+def child_memory(args: argparse.Namespace) -> None:
+    """Peak RSS growth of one call after a warm-up call, in a child whose large allocations are all mmap-backed (so
+    freed memory goes back to the OS and every new allocation shows in RSS) and whose peak is reset just before."""
     torch.set_num_threads(1)
-    x = make_inputs(batch, length, "cpu")
-    fn = phase_fn(phase, x)  # allocates the roofline buffers too; they are part of the baseline
+    step = phases(make_inputs(args.batch, args.length, "cpu"), args.preset, args.child_memory == "hot_verl")
+    run_once(args.child_memory, step[args.child_memory], lambda: None)  # compiles the fused phases
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # reset the peak-RSS counter (Linux >= 4.0)
     before = _vm_hwm_kb()
-    fn()
+    run_once(args.child_memory, step[args.child_memory], lambda: None)
     print((_vm_hwm_kb() - before) / 1024)
+
+
+def verl_importable() -> bool:
+    try:
+        import verl.trainer.ppo.rollout_corr_helper  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def report(results: dict[str, dict[str, float]], args: argparse.Namespace, input_mb: float) -> None:
+    roof = results["roofline_copy"]["forward_ms"]
+    print(f"rl-core benchmark: {args.batch} x {args.length} tokens, float32, device={args.device}, "
+          f"threads={torch.get_num_threads()}, inputs {input_mb:.1f} MiB, preset {args.preset}")  # fmt: skip
+    print(f"{'phase':<18}{'fwd ms':>9}{'bwd ms':>9}{'fwd % roofline':>16}{'peak extra MiB':>16}")
+    for name, r in results.items():
+        print(f"{name:<18}{r['forward_ms']:>9.2f}{r['backward_ms']:>9.2f}{100 * roof / r['forward_ms']:>15.1f}%"
+              f"{r['peak_extra_mb']:>16.1f}")  # fmt: skip
+    hot = results["hot_fused"]
+    print(f"goal: hot_fused forward at least 20% of the roofline -> {100 * roof / hot['forward_ms']:.1f}%")
+    if "hot_verl" in results:
+        verl = results["hot_verl"]
+        fwd = hot["forward_ms"] / verl["forward_ms"]
+        total = (hot["forward_ms"] + hot["backward_ms"]) / (verl["forward_ms"] + verl["backward_ms"])
+        print(f"goal: hot_fused time at most 0.25x verl 0.9.1's -> forward {fwd:.2f}x, forward + backward {total:.2f}x")
+    else:
+        print("verl is not importable here: install verl==0.9.1 beside rl-core to compare (see the docstring)")
 
 
 def main() -> None:
@@ -123,34 +206,24 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--preset", default="decoupled_k3_rs_token_tis", choices=sorted(PRESETS))
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (1: the per-core figure)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--child-memory", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     if args.child_memory:
-        child_memory(args.child_memory, args.batch, args.length)
+        child_memory(args)
         return
     x = make_inputs(args.batch, args.length, args.device)
     input_mb = sum(t.numel() * t.element_size() for t in x.values()) / 2**20
-    results = {}
-    for phase in PHASES:
-        seconds = time_phase(phase_fn(phase, x), args.repeats, args.device)
-        results[phase] = {"ms": seconds * 1e3, "peak_extra_mb": peak_memory_mb(phase, args.batch, args.length,
-                                                                               args.device)}  # fmt: skip
-    roof = results["roofline_copy"]["ms"]
-    for r in results.values():
-        r["x_roofline"] = r["ms"] / roof
+    results = time_phases(phases(x, args.preset, verl_importable()), args.repeats, args.device)
+    for name, r in results.items():
+        r["peak_extra_mb"] = peak_memory_mb(name, args)
     if args.json:
-        print(json.dumps({"device": args.device, "input_mb": input_mb, "threads": torch.get_num_threads(),
-                          "results": results}))  # fmt: skip
+        print(json.dumps({"device": args.device, "input_mb": input_mb, "preset": args.preset, "results": results}))
         return
-    print(f"rl-core benchmark: {args.batch} x {args.length} tokens, float32, device={args.device}, "
-          f"threads={torch.get_num_threads()}, inputs {input_mb:.1f} MiB")  # fmt: skip
-    print(f"{'phase':<32}{'median ms':>12}{'x roofline':>12}{'peak extra MiB':>16}")
-    for phase, r in results.items():
-        print(f"{phase:<32}{r['ms']:>12.2f}{r['x_roofline']:>12.2f}{r['peak_extra_mb']:>16.1f}")
-    ratio = results["is_plus_ppo_forward"]["x_roofline"]
-    verdict = "met" if ratio <= 3.0 else "not met (eager PyTorch makes one full-tensor pass per op)"
-    print(f"goal: is_plus_ppo_forward within 3x of roofline_copy -> {ratio:.1f}x, {verdict}")
+    report(results, args, input_mb)
 
 
 if __name__ == "__main__":

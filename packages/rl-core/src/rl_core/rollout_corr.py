@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_core.fused import call as fused_call
 from rl_core.masked import masked_sum
 from rl_core.rollout_corr_metrics import (
     EPS,
@@ -38,6 +39,7 @@ from rl_core.rollout_corr_metrics import (
     rs_option_metrics,
     rs_overall_metrics,
 )
+from rl_core.rollout_is_metrics import to_floats
 
 SAFETY_BOUND = 20.0
 """|log ratio| is clamped to this before ``exp`` (verl's ``SAFETY_BOUND``)."""
@@ -152,6 +154,12 @@ def _rs_bounds(option: str, spec: str) -> RSBounds:
     return bounds
 
 
+def row_sum(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` sums over each row's real tokens, accumulated in float64 and rounded back to ``values``' dtype (the
+    same value whatever the order of the additions: eager and fused paths agree)."""
+    return masked_sum(values.double(), response_mask, dim=-1).to(values.dtype)
+
+
 # ---- IS weights -------------------------------------------------------------------------------------------------
 def raw_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str) -> torch.Tensor:
     """``[B, T]`` unbounded weights: per token ``exp(clamp(l))``, per sequence ``exp(clamp(sum of l))`` on every
@@ -162,7 +170,7 @@ def raw_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str
     if level == "token":
         raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
     else:
-        total = masked_sum(log_ratio, response_mask, dim=-1)
+        total = row_sum(log_ratio, response_mask)
         raw = torch.exp(total.clamp(-SAFETY_BOUND, SAFETY_BOUND)).unsqueeze(-1).expand_as(log_ratio)
     return torch.where(valid, raw, torch.zeros((), dtype=raw.dtype, device=raw.device))
 
@@ -175,19 +183,26 @@ def bound_weights(raw: torch.Tensor, bounds: ISBounds) -> torch.Tensor:
     return torch.where(keep, raw, torch.zeros((), dtype=raw.dtype, device=raw.device))
 
 
-def batch_normalize(weights: torch.Tensor, response_mask: torch.Tensor, level: str) -> tuple[torch.Tensor, float]:
+def normalize_weights(
+    weights: torch.Tensor, response_mask: torch.Tensor, level: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Divide by the batch mean weight (token level: over real tokens; sequence level: each non-empty sequence's
-    mean counted once) when it exceeds 1e-8; returns the weights and the factor divided by (1.0 when skipped)."""
+    mean counted once) when it exceeds 1e-8; returns the weights and the 0-dim factor divided by (1.0 if skipped)."""
     if level == "token":
         mean = masked_mean(weights, response_mask)
     else:
         per_row = masked_mean(weights, response_mask, dim=-1)
         rows = (response_mask.to(weights.dtype).sum(-1) > 0).to(weights.dtype)
         mean = (per_row * rows).sum() / rows.sum().clamp_min(EPS)
-    factor = float(mean)
-    if factor > EPS:
-        return weights / mean, factor
-    return weights, 1.0
+    applies = mean > EPS
+    normalized = torch.where(applies, weights / mean.to(weights.dtype), weights)
+    return normalized, torch.where(applies, mean, torch.ones_like(mean))
+
+
+def batch_normalize(weights: torch.Tensor, response_mask: torch.Tensor, level: str) -> tuple[torch.Tensor, float]:
+    """:func:`normalize_weights` with the factor as a Python float."""
+    normalized, factor = normalize_weights(weights, response_mask, level)
+    return normalized, float(factor)
 
 
 def rollout_correction_weights(
@@ -224,9 +239,9 @@ def _statistic(log_ratio: torch.Tensor, response_mask: torch.Tensor, option: str
     if level == "token":
         return values
     if level == "seq_sum":
-        return masked_sum(values, response_mask, dim=-1).unsqueeze(-1)
+        return row_sum(values, response_mask).unsqueeze(-1)
     if level == "seq_mean":
-        return masked_mean(values, response_mask, dim=-1).unsqueeze(-1)
+        return masked_mean(values, response_mask, dim=-1).to(values.dtype).unsqueeze(-1)
     filled = values.masked_fill(~response_mask.bool(), -math.inf).amax(dim=-1, keepdim=True)
     return torch.where(torch.isneginf(filled), torch.zeros_like(filled), filled)  # an empty row: 0
 
@@ -263,6 +278,13 @@ def offpolicy_metrics(
     ``k3_kl``, log-perplexity differences, ``ppl_ratio``, ``chi2_token`` and ``chi2_seq``."""
     if not bool(response_mask.bool().any()):
         raise ValueError("response_mask must contain at least one valid token.")
+    return to_floats(offpolicy_tensors(old_log_prob, rollout_log_prob, response_mask))
+
+
+def offpolicy_tensors(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None, response_mask: torch.Tensor
+) -> Metrics:
+    """:func:`offpolicy_metrics` as 0-dim tensors (no device sync); ``response_mask`` must hold a real token."""
     train_mean = masked_mean(old_log_prob, response_mask, dim=-1)
     out = {"training_ppl": torch.exp(-train_mean).mean(), "training_log_ppl": (-train_mean).mean()}
     if rollout_log_prob is not None:
@@ -270,7 +292,7 @@ def offpolicy_metrics(
         rollout_mean = masked_mean(rollout_log_prob, response_mask, dim=-1)
         diff = rollout_mean - train_mean
         clamped = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-        seq_sum = masked_sum(log_ratio, response_mask, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        seq_sum = masked_sum(log_ratio.double(), response_mask, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
         out.update(
             kl=masked_mean(rollout_log_prob - old_log_prob, response_mask),
             k3_kl=masked_mean(torch.exp(log_ratio) - log_ratio - 1.0, response_mask),
@@ -284,10 +306,68 @@ def offpolicy_metrics(
             chi2_token=masked_mean(torch.exp(clamped) ** 2, response_mask) - 1.0,
             chi2_seq=torch.exp(2.0 * seq_sum).mean() - 1.0,
         )
-    return {name: float(value) for name, value in out.items()}
+    return out
 
 
 # ---- the whole correction -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CorrectionSpec:
+    """The parsed options of one rollout correction (hashable: a compiled correction is reused for equal specs)."""
+
+    level: str | None  # None: no IS weights
+    is_bounds: ISBounds | None
+    batch_normalize: bool
+    rs: tuple[RSBounds, ...]
+
+
+_SPECS: dict[CorrectionSpec, CorrectionSpec] = {}
+
+
+def correction_spec(
+    rollout_is: str | None, rollout_is_threshold: object, rollout_is_batch_normalize: bool, rollout_rs: str | None,
+    rollout_rs_threshold: object,
+) -> CorrectionSpec:  # fmt: skip
+    """Validate and parse the options (errors name the key); equal options give the same object."""
+    level, bounds = None, None
+    if rollout_is is not None and rollout_is_threshold is not None:
+        bounds = parse_is_threshold(rollout_is_threshold)
+        if rollout_is not in IS_LEVELS:
+            raise ValueError(f"Invalid rollout_is: {rollout_is!r}. Must be one of {list(IS_LEVELS)} (or null).")
+        level = rollout_is
+    rs = () if rollout_rs is None else tuple(parse_rs(rollout_rs, rollout_rs_threshold))
+    spec = CorrectionSpec(level, bounds, bool(rollout_is_batch_normalize), rs)
+    return _SPECS.setdefault(spec, spec)
+
+
+def correction_tensors(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, spec: CorrectionSpec
+) -> tuple[torch.Tensor | None, torch.Tensor, Metrics]:
+    """The correction as pure tensor code, metrics as 0-dim tensors (one graph: :mod:`rl_core.fused` compiles it).
+    ``response_mask`` must hold a real token."""
+    log_ratio = old_log_prob - rollout_log_prob
+    metrics: Metrics = {}
+    weights = None
+    if spec.level is not None and spec.is_bounds is not None:
+        raw = raw_weights(log_ratio, response_mask, spec.level)
+        bounded = bound_weights(raw, spec.is_bounds)
+        metrics.update(is_metrics(bounded, raw, log_ratio, response_mask, spec.level, spec.is_bounds))
+        weights = bounded.detach()
+        if spec.batch_normalize:
+            weights, metrics["rollout_is_batch_norm_factor"] = normalize_weights(weights, response_mask, spec.level)
+    new_mask = response_mask.clone()
+    if spec.rs:
+        keep = torch.ones_like(log_ratio, dtype=torch.bool)
+        for option in spec.rs:
+            stat = _statistic(log_ratio, response_mask, option.option)
+            kept = option_keep(stat, option).expand_as(log_ratio)
+            metrics.update(rs_option_metrics(stat, kept, response_mask, option))
+            keep = keep & kept
+        metrics.update(rs_overall_metrics(keep, response_mask))
+        new_mask = (response_mask.bool() & keep).to(response_mask.dtype)
+    metrics.update(offpolicy_tensors(old_log_prob, rollout_log_prob, response_mask))
+    return weights, new_mask, metrics
+
+
 def rollout_correction(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
@@ -298,38 +378,27 @@ def rollout_correction(
     rollout_is_batch_normalize: bool = False,
     rollout_rs: str | None = None,
     rollout_rs_threshold: object = None,
-) -> tuple[torch.Tensor | None, torch.Tensor, Metrics]:
+    fused: bool | None = None,
+) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """verl's ``compute_rollout_correction_and_rejection_mask``: the detached IS weights (None when ``rollout_is`` or
     ``rollout_is_threshold`` is None), the response mask with rejected tokens removed, and every metric verl logs
     (IS, rejection per option and overall, off-policy) prefixed ``rollout_corr/``. IS and rejection both read the
-    original mask. A batch without a real token, or inputs of different shapes, raise ``ValueError``."""
+    original mask. A batch without a real token, or inputs of different shapes, raise ``ValueError``. ``fused``:
+    the compiled one-graph path (:mod:`rl_core.fused`; None chooses by size)."""
     if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != response_mask.shape:
         raise ValueError(
             f"old_log_prob {tuple(old_log_prob.shape)}, rollout_log_prob {tuple(rollout_log_prob.shape)} and "
             f"response_mask {tuple(response_mask.shape)} must have one shape."
         )
+    spec = correction_spec(
+        rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold
+    )
     if not bool(response_mask.bool().any()):
         raise ValueError("response_mask must contain at least one valid token (1).")
-    log_ratio = old_log_prob - rollout_log_prob
-    metrics: Metrics = {}
-    weights = None
-    if rollout_is is not None and rollout_is_threshold is not None:
-        bounds = parse_is_threshold(rollout_is_threshold)
-        raw = raw_weights(log_ratio, response_mask, rollout_is)
-        bounded = bound_weights(raw, bounds)
-        metrics.update(is_metrics(bounded, raw, log_ratio, response_mask, rollout_is, bounds))
-        weights = bounded.detach()
-        if rollout_is_batch_normalize:
-            weights, metrics["rollout_is_batch_norm_factor"] = batch_normalize(weights, response_mask, rollout_is)
-    new_mask = response_mask.clone()
-    if rollout_rs is not None:
-        keep = torch.ones_like(log_ratio, dtype=torch.bool)
-        for option in parse_rs(rollout_rs, rollout_rs_threshold):
-            stat = _statistic(log_ratio, response_mask, option.option)
-            kept = option_keep(stat, option).expand_as(log_ratio)
-            metrics.update(rs_option_metrics(stat, kept, response_mask, option))
-            keep &= kept
-        metrics.update(rs_overall_metrics(keep, response_mask))
-        new_mask = (response_mask.bool() & keep).to(response_mask.dtype)
-    metrics.update(offpolicy_metrics(old_log_prob, rollout_log_prob, response_mask))
-    return weights, new_mask, {METRIC_PREFIX + name: value for name, value in metrics.items()}
+    with torch.no_grad():
+        inputs = (old_log_prob, rollout_log_prob, response_mask, spec)
+        weights, new_mask, metrics = fused_call(
+            correction_tensors, response_mask.numel(), fused, *inputs, float_masks=True
+        )
+    # the fused path reads a bool mask as float (rl_core.fused): the caller gets its own dtype back
+    return weights, new_mask.to(response_mask.dtype), to_floats(metrics, METRIC_PREFIX)

@@ -301,5 +301,5 @@ def to_floats(named: Metrics, prefix: str = "") -> dict[str, float]:
     """0-dim tensors -> Python floats with one device sync (a single stack + ``tolist``)."""
     if not named:
         return {}
-    values = torch.stack(list(named.values())).tolist()
+    values = torch.stack(list(named.values())).tolist()  # mixed dtypes are promoted (float32 + float64: float64)
     return {f"{prefix}{k}": float(v) for k, v in zip(named, values, strict=True)}

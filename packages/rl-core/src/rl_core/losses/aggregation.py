@@ -46,15 +46,21 @@ Aggregator = Callable[[torch.Tensor, torch.Tensor, GlobalBatchInfo | None], torc
 LOSS_AGGREGATIONS: Registry[Aggregator] = Registry("loss aggregation mode", "loss_agg_mode")
 
 
-def _num_tokens(maskf: torch.Tensor, info: GlobalBatchInfo | None) -> torch.Tensor | float:
+def _at_least_one(count: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``max(count, 1)`` as a 0-dim tensor; ``count`` may be a float or a 0-dim tensor (the compiled losses pass
+    tensors, so a new mini-batch's count is an input of their graph, not a constant compiled into it)."""
+    return torch.as_tensor(count, dtype=like.dtype, device=like.device).clamp(min=1.0)
+
+
+def _num_tokens(maskf: torch.Tensor, info: GlobalBatchInfo | None) -> torch.Tensor:
     if info is not None:
-        return max(info.num_tokens, 1.0)
+        return _at_least_one(info.num_tokens, maskf)
     return maskf.sum().clamp(min=1.0)
 
 
-def _num_seqs(seq_tokens: torch.Tensor, info: GlobalBatchInfo | None) -> torch.Tensor | float:
+def _num_seqs(seq_tokens: torch.Tensor, info: GlobalBatchInfo | None) -> torch.Tensor:
     if info is not None:
-        return max(info.num_seqs, 1.0)
+        return _at_least_one(info.num_seqs, seq_tokens)
     return (seq_tokens > 0).to(seq_tokens.dtype).sum().clamp(min=1.0)
 
 

@@ -17,10 +17,12 @@ off-policy variants of ROLL (tis, topr, cispo, kimi15) are in :mod:`rl_core.loss
 
 from __future__ import annotations
 
-from typing import Protocol
+import functools
+from typing import NamedTuple, Protocol
 
 import torch
 
+from rl_core.fused import call as fused_call
 from rl_core.losses.aggregation import GlobalBatchInfo, aggregate_masked
 from rl_core.losses.config import PolicyLossConfig
 from rl_core.masked import masked_mean
@@ -72,12 +74,7 @@ class LossInputs:
         advantages: torch.Tensor,
         response_mask: torch.Tensor,
     ) -> None:
-        if not (old_log_prob.shape == log_prob.shape == advantages.shape == response_mask.shape):
-            raise ValueError(
-                "old_log_prob, log_prob, advantages and response_mask must share one [batch, response_length] "
-                f"shape, got {tuple(old_log_prob.shape)}, {tuple(log_prob.shape)}, {tuple(advantages.shape)}, "
-                f"{tuple(response_mask.shape)}"
-            )
+        self.check_shapes(old_log_prob, log_prob, advantages, response_mask)
         self.mask = response_mask.to(torch.bool)
         self.maskf = self.mask.to(log_prob.dtype)
         self.num_valid = self.maskf.sum().clamp(min=1.0)
@@ -86,6 +83,15 @@ class LossInputs:
         self._raw_old_log_prob = old_log_prob
         self.advantages = torch.where(self.mask, advantages.detach().to(log_prob.dtype), self._zero)
         self._log_prob: torch.Tensor | None = None
+
+    @staticmethod
+    def check_shapes(*tensors: torch.Tensor) -> None:
+        """old_log_prob, log_prob, advantages and response_mask share one ``[B, T]`` shape."""
+        if len({tuple(t.shape) for t in tensors}) != 1:
+            raise ValueError(
+                "old_log_prob, log_prob, advantages and response_mask must share one [batch, response_length] "
+                f"shape, got {', '.join(str(tuple(t.shape)) for t in tensors)}"
+            )
 
     @property
     def log_prob(self) -> torch.Tensor:
@@ -160,11 +166,46 @@ def compute_policy_loss_vanilla(
     """Clipped PPO with asymmetric clip (DAPO clip-higher) and dual clip (Ye et al. 2020, eq. 5).
 
     For A < 0 the clipped loss is additionally capped at ``-clip_ratio_c * A`` so a huge ratio on a bad token
-    cannot blow up the update. Metrics: pg_clipfrac, pg_clipfrac_lower (dual clip active), ppo_kl.
+    cannot blow up the update. Metrics: pg_clipfrac, pg_clipfrac_lower (dual clip active), ppo_kl. Large inputs
+    take the compiled one-graph path (:mod:`rl_core.fused`), forward and backward.
     """
+    LossInputs.check_shapes(old_log_prob, log_prob, advantages, response_mask)
+    cfg = _config(config)
+    clip = Clip(cfg.low, cfg.high, cfg.clip_ratio_c)
+    args = (old_log_prob, log_prob, advantages, response_mask, rollout_is_weights, clip, loss_agg_mode)
+    loss: torch.Tensor
+    metrics: Metrics
+    loss, metrics = fused_call(_vanilla, log_prob.numel(), None, *args, *_batch_counts(global_batch, log_prob))
+    return loss, metrics
+
+
+class Clip(NamedTuple):
+    """PPO's clip range ``[1 - low, 1 + high]`` and the dual-clip constant (None: no dual clip)."""
+
+    low: float
+    high: float
+    dual: float | None
+
+
+def _batch_counts(
+    info: GlobalBatchInfo | None, like: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None, float | None]:
+    """``info``'s counts as 0-dim tensors (inputs of a compiled graph, not constants compiled into it)."""
+    if info is None:
+        return None, None, None
+    as_tensor = functools.partial(torch.tensor, dtype=torch.float64, device=like.device)
+    return as_tensor(info.num_tokens), as_tensor(info.num_seqs), info.norm_length
+
+
+def _vanilla(
+    old_log_prob: torch.Tensor, log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None, clip: Clip, loss_agg_mode: str, num_tokens: torch.Tensor | None,
+    num_seqs: torch.Tensor | None, norm_length: float | None,
+) -> tuple[torch.Tensor, Metrics]:  # fmt: skip
     x = LossInputs(old_log_prob, log_prob, advantages, response_mask)
     log_ratio = x.log_ratio()
-    return _ppo(x, _config(config), torch.exp(log_ratio), log_ratio, loss_agg_mode, rollout_is_weights, global_batch)
+    info = None if num_tokens is None else GlobalBatchInfo(num_tokens, num_seqs, norm_length)  # type: ignore[arg-type]
+    return _ppo(x, clip, torch.exp(log_ratio), log_ratio, loss_agg_mode, rollout_is_weights, info)
 
 
 @POLICY_LOSSES.register("sequence_ppo", "seq_ppo")
@@ -187,19 +228,21 @@ def compute_policy_loss_sequence_ppo(
     log_ratio = x.log_ratio()
     per_sequence = masked_mean(log_ratio, x.mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
     ratio = torch.exp(per_sequence)
-    return _ppo(x, _config(config), ratio, log_ratio, loss_agg_mode, rollout_is_weights, global_batch)
+    cfg = _config(config)
+    clip = Clip(cfg.low, cfg.high, cfg.clip_ratio_c)
+    return _ppo(x, clip, ratio, log_ratio, loss_agg_mode, rollout_is_weights, global_batch)
 
 
 def _ppo(
-    x: LossInputs, cfg: PolicyLossConfig, ratio: torch.Tensor, log_ratio: torch.Tensor, loss_agg_mode: str,
+    x: LossInputs, clip: Clip, ratio: torch.Tensor, log_ratio: torch.Tensor, loss_agg_mode: str,
     rollout_is_weights: torch.Tensor | None, global_batch: GlobalBatchInfo | None,
 ) -> tuple[torch.Tensor, Metrics]:  # fmt: skip
-    pg_losses, clipped = _clipped_surrogate(x.advantages, ratio, cfg.low, cfg.high)
+    pg_losses, clipped = _clipped_surrogate(x.advantages, ratio, clip.low, clip.high)
     dual_active = torch.zeros_like(clipped)
-    if cfg.clip_ratio_c is not None:
+    if clip.dual is not None:
         # cap = c * |A| for A < 0 and 0 for A >= 0, where the clipped surrogate is already <= 0 (r > 0),
         # so one minimum applies dual clipping to exactly the negative-advantage tokens.
-        cap = (-x.advantages).clamp(min=0.0) * cfg.clip_ratio_c
+        cap = (-x.advantages).clamp(min=0.0) * clip.dual
         dual_active = pg_losses > cap
         pg_losses = torch.minimum(pg_losses, cap)
     pg_losses = apply_is_weights(pg_losses, rollout_is_weights)

@@ -1,0 +1,198 @@
+"""The fused fast path (rl_core.fused: one compiled graph) against the eager path on random and adversarial inputs:
+the rollout correction (weights, rejection mask, every rollout_corr/ metric) and the vanilla PPO loss (loss, metrics,
+gradient). Also which path the automatic choice takes, and what happens when the compiler fails.
+
+Each compiled graph costs seconds to build on a 2-core machine, so the cases share a few option sets whose graphs
+cover every branch: token and sequence IS, TIS and IcePop bounds, batch normalisation, all four rejection statistics
+(token, seq_sum, seq_mean, seq_max) and both bound kinds (k1 band, k2 / k3 upper bound)."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+import rl_core.fused as fused_module
+from rl_core.fused import FUSED_MIN_TOKENS, call, wants_fused
+from rl_core.losses import get_policy_loss
+from rl_core.losses.aggregation import GlobalBatchInfo
+from rl_core.losses.config import PolicyLossConfig
+from rl_core.rollout_corr import rollout_correction
+
+CORRECTIONS = {
+    "token_tis_with_token_and_seq_mean_rs": dict(
+        rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1,seq_mean_k3",
+        rollout_rs_threshold="0.5_2.0,0.01",
+    ),
+    "sequence_icepop_normalized_with_seq_sum_and_max_rs": dict(
+        rollout_is="sequence", rollout_is_threshold="0.5_5.0", rollout_is_batch_normalize=True,
+        rollout_rs="seq_sum_k1,seq_max_k2", rollout_rs_threshold="0.2_3.0,0.5",
+    ),
+}  # fmt: skip
+
+
+def random_batch(b: int = 6, t: int = 40, gap: float = 0.3, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    old = torch.randn(b, t, generator=g) * 0.5 - 2.0
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    return {
+        "old": old,
+        "rollout": old + gap * torch.randn(b, t, generator=g),
+        "current": old + gap * torch.randn(b, t, generator=g),
+        "advantages": torch.randn(b, t, generator=g),
+        "mask": torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1),
+    }
+
+
+def adversarial_batches() -> dict[str, dict[str, torch.Tensor]]:
+    """NaN / Inf in padding and at real tokens, log-ratios of +-1e4, rows without a token, a row of one token."""
+    out = {}
+    x = random_batch(seed=1)
+    x["mask"][1] = False  # a row without a real token
+    x["mask"][2] = False
+    x["mask"][2, 0] = True  # a row of one token
+    for name in ("old", "rollout", "current", "advantages"):
+        x[name] = x[name].masked_fill(~x["mask"], math.nan)  # padding may hold anything
+    x["rollout"][3, 0] = -1e4  # extreme log ratios at real tokens
+    x["old"][4, 0] = -1e4
+    out["padding_nan_extreme_ratios"] = x
+    y = random_batch(seed=2)
+    y["old"][0, 0] = math.nan  # a NaN at a real token propagates as in eager
+    y["rollout"][5, 0] = math.inf
+    y["mask"][:, 0] = True
+    out["nan_and_inf_at_real_tokens"] = y
+    z = random_batch(seed=3, gap=8.0)  # every IS weight truncated / outside the band, most rows rejected
+    out["huge_mismatch"] = z
+    return out
+
+
+def close_metrics(eager: dict[str, float], fused: dict[str, float]) -> None:
+    assert eager.keys() == fused.keys()
+    for name, value in eager.items():
+        got = fused[name]
+        if math.isnan(value) or math.isinf(value):
+            assert got == value or (math.isnan(got) and math.isnan(value)), name
+        else:
+            assert abs(got - value) <= 1e-6 * max(1.0, abs(value)), (name, value, got)
+
+
+def close(eager: torch.Tensor | None, fused: torch.Tensor | None) -> None:
+    assert (eager is None) == (fused is None)
+    if eager is not None and fused is not None:
+        torch.testing.assert_close(fused, eager, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def record_compiled(monkeypatch) -> list[str]:
+    """The names of the functions that take the compiled path from now on (the real compile still runs)."""
+    used: list[str] = []
+    real = fused_module.compiled
+
+    def recording(fn):
+        used.append(fn.__name__)
+        return real(fn)
+
+    monkeypatch.setattr(fused_module, "compiled", recording)
+    return used
+
+
+@pytest.mark.parametrize("options", CORRECTIONS.values(), ids=CORRECTIONS.keys())
+def test_fused_correction_equals_eager_on_random_and_adversarial_inputs(options, monkeypatch):
+    used = record_compiled(monkeypatch)
+    batches = {"random": random_batch(), "long": random_batch(4, 300, seed=7), **adversarial_batches()}
+    for name, x in batches.items():
+        eager = rollout_correction(x["old"], x["rollout"], x["mask"], **options, fused=False)
+        fused = rollout_correction(x["old"], x["rollout"], x["mask"], **options, fused=True)
+        close(eager[0], fused[0])
+        assert torch.equal(eager[1], fused[1]), name  # the same tokens rejected
+        close_metrics(eager[2], fused[2])
+    assert len(eager[2]) > 40  # IS, per-option and overall rejection, off-policy metrics
+    assert set(used) == {"correction_tensors"}  # the fused calls did run compiled
+
+
+def loss_and_grad(x: dict[str, torch.Tensor], weights: torch.Tensor | None, **kwargs) -> tuple:
+    current = x["current"].clone().requires_grad_(True)
+    loss, metrics = get_policy_loss("vanilla")(
+        x["old"], current, x["advantages"], x["mask"], rollout_is_weights=weights, **kwargs
+    )
+    loss.backward()
+    return loss.detach(), {k: float(v) for k, v in metrics.items()}, current.grad
+
+
+LOSS_CASES = {
+    "token_mean_global_batch_weighted": dict(weighted=True, loss_agg_mode="token-mean", global_batch=True),
+    "seq_mean_token_mean_local": dict(weighted=False, loss_agg_mode="seq-mean-token-mean", global_batch=False),
+}
+
+
+@pytest.mark.parametrize("case", LOSS_CASES.values(), ids=LOSS_CASES.keys())
+def test_fused_vanilla_loss_equals_eager_forward_and_backward(case, monkeypatch):
+    used = record_compiled(monkeypatch)
+    config = PolicyLossConfig(clip_ratio=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+    batches = {"random": random_batch(), "clipped": random_batch(gap=1.0, seed=4), **adversarial_batches()}
+    for count, (name, x) in enumerate(batches.items()):
+        weights = torch.rand(x["old"].shape, generator=torch.Generator().manual_seed(count)) * 2
+        kwargs = dict(loss_agg_mode=case["loss_agg_mode"], config=config)
+        if case["global_batch"]:  # a new mini-batch's counts are inputs of the graph: no recompile
+            kwargs["global_batch"] = GlobalBatchInfo(float(x["mask"].sum()) + count, 7.0 + count)
+        results = []
+        for choice in ("0", "1"):
+            monkeypatch.setenv("RL_CORE_FUSED", choice)
+            results.append(loss_and_grad(x, weights if case["weighted"] else None, **kwargs))
+        (loss, metrics, grad), (fused_loss, fused_metrics, fused_grad) = results
+        close(loss, fused_loss)
+        close_metrics(metrics, fused_metrics)
+        close(grad, fused_grad)
+        assert torch.isfinite(fused_grad).all(), name  # padding (NaN here) never reaches the gradient
+    assert metrics["pg_clipfrac"] > 0  # the clipped branch was exercised
+    assert used.count("_vanilla") == len(batches)  # each RL_CORE_FUSED=1 call ran compiled, no RL_CORE_FUSED=0 one
+
+
+def test_the_automatic_choice_fuses_large_inputs_only(monkeypatch):
+    monkeypatch.delenv("RL_CORE_FUSED", raising=False)
+    assert wants_fused(len, FUSED_MIN_TOKENS, None) and not wants_fused(len, FUSED_MIN_TOKENS - 1, None)
+    assert wants_fused(len, 4, True) and not wants_fused(len, 10**9, False)
+    monkeypatch.setenv("RL_CORE_FUSED", "1")
+    assert wants_fused(len, 4, None)
+    monkeypatch.setenv("RL_CORE_FUSED", "0")
+    assert not wants_fused(len, 10**9, None)
+    monkeypatch.setenv("RL_CORE_FUSED", "sometimes")
+    with pytest.raises(ValueError, match="RL_CORE_FUSED='sometimes'"):
+        wants_fused(len, 4, None)
+
+
+def test_a_training_size_batch_takes_the_fused_path_by_itself(monkeypatch):
+    monkeypatch.delenv("RL_CORE_FUSED", raising=False)
+    used = record_compiled(monkeypatch)
+    options = CORRECTIONS["token_tis_with_token_and_seq_mean_rs"]
+    small, large = random_batch(4, 64), random_batch(16, FUSED_MIN_TOKENS // 16, seed=5)
+    rollout_correction(small["old"], small["rollout"], small["mask"], **options)
+    assert used == []
+    auto = rollout_correction(large["old"], large["rollout"], large["mask"], **options)
+    assert used == ["correction_tensors"]
+    eager = rollout_correction(large["old"], large["rollout"], large["mask"], **options, fused=False)
+    close(eager[0], auto[0])
+    close_metrics(eager[2], auto[2])
+
+
+def test_a_compiler_failure_falls_back_to_eager_in_auto_mode_and_raises_when_asked_for(monkeypatch, caplog):
+    def broken_compile(fn):
+        def run(*args):
+            raise torch._dynamo.exc.BackendCompilerFailed(fn, RuntimeError("no C++ compiler"), None)
+
+        return run
+
+    def double(t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    monkeypatch.setattr(fused_module, "compiled", broken_compile)
+    monkeypatch.setattr(fused_module, "_broken", set())
+    monkeypatch.delenv("RL_CORE_FUSED", raising=False)
+    x = torch.ones(3)
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed):
+        call(double, FUSED_MIN_TOKENS, True, x)
+    with caplog.at_level(logging.WARNING, logger="rl_core.fused"):
+        assert call(double, FUSED_MIN_TOKENS, None, x).tolist() == [2.0] * 3
+    assert "running it eagerly" in caplog.text
+    assert not wants_fused(double, FUSED_MIN_TOKENS, None)  # remembered: no second attempt
