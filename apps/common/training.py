@@ -11,9 +11,11 @@ from typing import Any
 
 from apps.common.config import reference_from_actor
 from rl_core.batch import RolloutBatch
-from rl_core.batch_size import TrainBatchPlan, minibatch_major_order
+from rl_core.batch_size import TrainBatchPlan
+from rl_core.seqlen_balance import balanced_minibatch_order
 from rl_engines.disk_space import SAVE_FIX, OutOfSpaceError, error_code, out_of_space_cause, out_of_space_message
 from rl_engines.roles import Roles
+from rl_engines.worker_group import WorkerGroup
 
 TRAIN_ROLES = ("actor_train", "critic")
 PIPELINE_STATE = "pipeline_state.json"
@@ -31,23 +33,36 @@ def score_with_roles(roles: Roles, rollout: RolloutBatch, config: Any, temperatu
                              "rollout has none (its engine or replay did not record them).")  # fmt: skip
         rollout.batch["old_log_probs"] = rollout.batch["rollout_log_probs"].clone()
     else:
-        rollout.batch["old_log_probs"] = (
-            roles["actor_train"].call("compute_log_probs", rollout, temperature, dispatch="dp_split").batch["log_probs"]
-        )
+        rollout.batch["old_log_probs"] = balanced_call(roles["actor_train"], "compute_log_probs", rollout, temperature)
     if "reference" in roles.groups:
-        rollout.batch["ref_log_probs"] = (
-            roles["reference"].call("compute_log_probs", rollout, temperature, dispatch="dp_split").batch["log_probs"]
-        )
+        rollout.batch["ref_log_probs"] = balanced_call(roles["reference"], "compute_log_probs", rollout, temperature)
     elif reference_from_actor(config):  # LoRA: the base model, i.e. the actor with its adapters disabled
-        rollout.batch["ref_log_probs"] = (
-            roles["actor_train"]
-            .call("compute_log_probs", rollout, temperature, disable_adapter=True, dispatch="dp_split")
-            .batch["log_probs"]
+        rollout.batch["ref_log_probs"] = balanced_call(
+            roles["actor_train"], "compute_log_probs", rollout, temperature, disable_adapter=True
         )
     elif config.reference is not None:  # configured, left off by enable_reference: ROLL's stand-in, every KL 0
         rollout.batch["ref_log_probs"] = rollout.batch["old_log_probs"].clone()
     if config.critic is not None:
-        rollout.batch["values"] = roles["critic"].call("compute_values", rollout, dispatch="dp_split").batch["values"]
+        rollout.batch["values"] = balanced_call(roles["critic"], "compute_values", rollout, output="values")
+
+
+def real_tokens(rollout: RolloutBatch) -> list[int]:
+    """Each sample's real (prompt + response) tokens: what ROLL balances ranks by."""
+    return [int(n) for n in rollout.batch["attention_mask"].sum(dim=-1).tolist()]
+
+
+def balanced_call(
+    group: WorkerGroup, method: str, rollout: RolloutBatch, *args: Any, output: str = "log_probs", **kwargs: Any
+) -> Any:
+    """``group``'s per-sample ``output`` of ``method`` on ``rollout``, the samples sent to the ranks in token-balanced
+    shards (ROLL's batch_balance before a log-prob pass) and the outputs put back in ``rollout``'s order."""
+    if len(rollout) % group.world_size:  # the dispatch refuses it, with the batch-size fix
+        return group.call(method, rollout, *args, dispatch="dp_split", **kwargs).batch[output]
+    order, _ = balanced_minibatch_order(real_tokens(rollout), group.world_size, 1)
+    result = group.call(method, rollout.index(order), *args, dispatch="dp_split", **kwargs).batch[output]
+    restored = result.clone()
+    restored[order] = result
+    return restored
 
 
 def train_roles(
@@ -66,11 +81,15 @@ def train_roles(
 def train_role(
     roles: Roles, role: str, rollout: RolloutBatch, objective: Any, plan: TrainBatchPlan
 ) -> dict[str, float]:
-    """One PPO epoch of ``role``. The samples are reordered so that every optimizer step's mini-batch is the
-    same set of samples whatever the data-parallel size (ranks cut their shards into mini-batches)."""
-    order = minibatch_major_order(len(rollout), plan.samples_per_step // plan.samples_per_dp_rank,
-                                  plan.optimizer_steps_per_rollout)  # fmt: skip
-    return roles[role].call("train_step", rollout.index(order), objective, dispatch="dp_split")[0]  # type: ignore[no-any-return]
+    """One PPO epoch of ``role``. The samples are reordered so that every optimizer step's mini-batch is the same
+    set of samples whatever the data-parallel size (ranks cut their shards into mini-batches), split over the ranks
+    by tokens (ROLL's batch_balance, per mini-batch); ROLL's ``global_seqlen/<role>/*`` metrics come back too."""
+    shards = plan.samples_per_step // plan.samples_per_dp_rank
+    order, balance = balanced_minibatch_order(
+        real_tokens(rollout), shards, plan.optimizer_steps_per_rollout, prefix=f"global_seqlen/{role}"
+    )
+    metrics: dict[str, float] = roles[role].call("train_step", rollout.index(order), objective, dispatch="dp_split")[0]
+    return {**metrics, **balance}
 
 
 def checkpoint_dir(config: Any, step: int) -> Path:

@@ -11,10 +11,11 @@ from engine_fixtures import tiny_model_dir, worker_config
 from test_engines_micro_batches import make, varied_batch
 
 from rl_core.batch import RolloutBatch
+from rl_core.seqlen_balance import workload
 from rl_engines.config import WorkerConfigError
 from rl_engines.strategies import create_strategy
 from rl_engines.strategies.micro_batches import LoadBalance, plan_load_balance
-from rl_engines.strategies.packing import balanced_partitions, pack, workload
+from rl_engines.strategies.packing import balanced_partitions, pack
 
 __all__ = ["tiny_model_dir"]
 

@@ -41,9 +41,10 @@ import torch.distributed as dist
 from torch import nn
 
 from rl_core.batch import RolloutBatch
+from rl_core.seqlen_balance import workload
 from rl_engines.config import WorkerConfig
 from rl_engines.strategies.model_io import forward_outputs, response_length, widen, without_padding_columns
-from rl_engines.strategies.packing import PackedBatch, balanced_partitions, pack, packed_outputs, workload
+from rl_engines.strategies.packing import PackedBatch, balanced_partitions, pack, packed_outputs
 
 Phase = str
 """``"train"`` (train_step's forward/backward passes) or ``"infer"`` (log-prob and value passes)."""

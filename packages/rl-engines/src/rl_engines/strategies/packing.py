@@ -7,7 +7,7 @@ mask, flash-attention-2 runs its varlen kernel), so attention never crosses a sa
 at the rows that predict response tokens go back to the batch's ``[B, R]`` layout with :meth:`PackedBatch.scatter`.
 
 :func:`balanced_partitions` is the Karmarkar-Karp largest-differencing heuristic ROLL uses (``load_balance``) to cut
-a mini-batch into micro-batches of similar work, with its workload model :func:`workload`.
+a mini-batch into micro-batches of similar work, by ROLL's workload model (:func:`rl_core.seqlen_balance.workload`).
 """
 
 from __future__ import annotations
@@ -93,11 +93,6 @@ def pack(batch: RolloutBatch, round_to: int = 1) -> PackedBatch:
         rows=rows[valid], targets=flat_ids[rows[valid] + 1], samples=samples[valid], columns=columns[valid],
         shape=(len(lengths), width),
     )  # fmt: skip
-
-
-def workload(length: int) -> int:
-    """ROLL's cost model of one sequence (a 7B transformer's FLOPs up to a constant): ``24576 L + L^2``."""
-    return 24576 * length + length * length
 
 
 def balanced_partitions(weights: Sequence[int], parts: int) -> list[list[int]]:
