@@ -91,11 +91,17 @@ class RewardNormalization:
     grouping: str = "state"
     """Which episodes share statistics: state (= traj_group_id: one env group), inductive (= tags), batch."""
     method: str = "identity"
-    """What is done within a group: identity, mean, mean_std, asym_clip."""
+    """What is done within a group: identity, mean, mean_std, asym_clip (= mean_std, as in ROLL since its agentic
+    norm refactor of Nov 2025; rl-core's own asym_clip, RAGEN's clamp to [-1, 3], is not what ROLL runs)."""
     norm_mean_type: str | None = None
     """ROLL: whose mean is subtracted, batch or group (null: as method says)."""
     norm_std_type: str | None = None
     """ROLL: whose std divides, batch or group (null: as method says)."""
+
+    @property
+    def core_method(self) -> str:
+        """The rl-core method that does what ROLL does with ``method``."""
+        return "mean_std" if self.method == "asym_clip" else self.method
 
 
 @dataclass

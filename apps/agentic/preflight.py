@@ -43,6 +43,9 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
             f"max_tokens_per_step={longest} tokens; raise sequence_length or lower max_tokens_per_step."
         )
     notes = check_token_budgets(sections, config.sequence_length, "sequence_length") + device_only_notes(sections)
+    if config.reward_normalization.method == "asym_clip":
+        notes.append("[preflight] reward_normalization.method: asym_clip normalises as mean_std, as ROLL does since "
+                     "its agentic norm refactor (no clamp to [-1, 3]).")  # fmt: skip
     samples = None
     if config.mode(config.train_env_manager) != "trajectory":
         # Step samples: as many as the turns, resized to a multiple of size_divide; plan the smallest such step

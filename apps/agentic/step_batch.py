@@ -97,11 +97,11 @@ def step_sample_rewards(rollout: RolloutBatch, config: AgenticConfig) -> tuple[t
     types = {"mean_type": norm.norm_mean_type, "std_type": norm.norm_std_type}
     if estimator not in STEP_ESTIMATORS:
         scores = rollout.batch["scores"]
-        return normalize_agentic_rewards(scores, groups, norm.grouping, norm.method, tags=tags, **types), {}
+        return normalize_agentic_rewards(scores, groups, norm.grouping, norm.core_method, tags=tags, **types), {}
     episode_scores = torch.as_tensor(np.asarray(columns["episode_scores"], dtype=np.float32))
     out = STEP_ESTIMATORS.get(estimator)(
         episode_scores, rollout.batch["step_rewards"], groups, list(columns["state_hash"]), grouping=norm.grouping,
-        method=norm.method, tags=tags, episode_weight=config.episode_reward_weight,
+        method=norm.core_method, tags=tags, episode_weight=config.episode_reward_weight,
         step_weight=config.step_reward_weight, **types,
     )  # fmt: skip
     metrics: dict[str, Any] = {"critic/step_rewards_norm/mean": float(out.step.mean())}

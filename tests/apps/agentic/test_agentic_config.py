@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
+import yaml
+from agentic_fixtures import CONFIG
 
 from apps.agentic.config import AgenticConfig, EnvManagerConfig
 from apps.agentic.env_manager import EnvManager, group_seed
 from apps.agentic.envs import make_env
 from apps.agentic.preflight import agentic_preflight
+from apps.agentic.step_batch import step_sample_rewards
 from apps.common.yaml_config import load_config
+from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfigError
 from tests.shared_dir import ROLL_EXAMPLES, ROLL_TARGETS, require_shared, roll_example_files, roll_target_files
 
@@ -149,3 +155,16 @@ def test_a_decaying_schedule_without_max_steps_gets_rolls_count():
     config = AgenticConfig.from_dict(raw)
     agentic_preflight(config)
     assert config.base.actor_train.training_args.max_steps == 7
+
+
+def test_asym_clip_normalises_as_rolls_mean_std_without_a_clamp(tmp_path):
+    """ROLL's current agentic norm treats method asym_clip as mean_std (its [-1, 3] clamp went in Nov 2025): in
+    groups of four scores with std 4, a low outlier lands 1.5 std below its group's mean, unclamped."""
+    text = CONFIG.format(out=tmp_path / "out", model=tmp_path / "model")
+    config = AgenticConfig.from_dict(yaml.safe_load(text.replace("method: mean_std", "method: asym_clip")))
+    scores = torch.tensor([0.0, 0.0, 0.0, 8.0, 8.0, 8.0, 8.0, 0.0])
+    batch = RolloutBatch({"scores": scores}, {"traj_group_id": np.array([0] * 4 + [1] * 4), "tag": np.array(["a"] * 8)})
+    rewards, _ = step_sample_rewards(batch, config)
+    assert rewards.tolist() == pytest.approx([-0.5, -0.5, -0.5, 1.5, 0.5, 0.5, 0.5, -1.5])  # (x - mean) / 4
+    notes = "\n".join(agentic_preflight(config).notes)
+    assert "[preflight] reward_normalization.method: asym_clip normalises as mean_std" in notes
