@@ -73,7 +73,8 @@ def _check_registry(registry: Any, key: str, value: str | None, allow_none: bool
 
 def check_rollout_correction(config: Any) -> None:
     """``rollout_correction`` (verl 0.9.1's keys) is valid, not combined with the older rollout_is_* keys, and in
-    bypass mode not combined with another policy loss (verl's bypass mode replaces the loss)."""
+    bypass mode not combined with another policy loss (verl's bypass mode replaces the loss), nor its batch
+    normalisation (a collective inside the loss) with Megatron pipeline stages, where only the last computes it."""
     correction = config.rollout_correction
     if correction is None:
         return
@@ -91,6 +92,14 @@ def check_rollout_correction(config: Any) -> None:
             f"rollout_correction.bypass_mode: true trains with verl's bypass-mode loss (loss_type "
             f"{correction.loss_type!r}), but the configured policy loss is {policy_loss_name(config)!r}; use the "
             "default pg_variant (ppo) with bypass mode, or bypass_mode: false."
+        )
+    stages = int(config.actor_train.strategy_args.strategy_config.get("pipeline_model_parallel_size", 1))
+    if correction.bypass_mode and correction.rollout_is_batch_normalize and stages > 1:
+        fail(
+            "rollout_correction.bypass_mode with rollout_is_batch_normalize: true takes the batch mean over every "
+            "rank of actor_train inside the loss, which only the last of its "
+            f"pipeline_model_parallel_size={stages} stages computes; set rollout_is_batch_normalize: false, "
+            "bypass_mode: false (the driver normalises over the whole batch), or pipeline_model_parallel_size: 1."
         )
 
 

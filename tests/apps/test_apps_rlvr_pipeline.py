@@ -85,11 +85,13 @@ def test_prompts_need_not_divide_over_the_inference_workers(setup):
                   "+rewards.math_rule.query_filter_config.filter_args.threshold_down=-1"]  # fmt: skip
     config = ["--config_path", str(setup), "--config_name", "rlvr", *overrides]
     bypass = ["rollout_is_threshold=null", "+rollout_correction.bypass_mode=true",  # verl's bypass mode too
-              "+rollout_correction.rollout_is=token", "+rollout_correction.loss_type=reinforce"]  # fmt: skip
+              "+rollout_correction.rollout_is=token", "+rollout_correction.loss_type=reinforce",
+              "+rollout_correction.rollout_is_batch_normalize=true"]  # fmt: skip
     assert main([*config, *additional, *bypass, f"output_dir={setup / 'odd'}"]) == 0
     (row,) = _rows(setup / "odd")
     assert row["dynamic_sampling/generated_groups"] == 5.0 and row["dynamic_sampling/rounds"] == 1.0
     assert "actor/pg_loss" in row and "rollout_corr/rollout_is_mean" in row  # from the actor's bypass loss
+    assert row["rollout_corr/rollout_is_batch_norm_factor"] > 0  # over the actor's ranks, inside its worker
     # generate_opt_level 1: one prompt per request, at most 2 in flight, to whichever worker has room; and verl
     # 0.9.1's rollout_correction instead of the rollout_is_* keys (its metrics reach the step's)
     scheduler = ["generate_opt_level=1", "max_running_requests=2", "actor_infer.infer_batch_size=1"]

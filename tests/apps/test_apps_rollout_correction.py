@@ -20,6 +20,7 @@ from rl_engines.config import WorkerConfigError
 from tests.shared_dir import ROLL_EXAMPLES, require_shared
 
 REWARDS = {"math": {"worker_cls": "x.ExactMatchRewardWorker"}}
+MEGATRON_PP2 = {"strategy_name": "megatron_train", "strategy_config": {"pipeline_model_parallel_size": 2}}
 CORRECTION = {"rollout_is": "token", "rollout_is_threshold": 1.5, "rollout_rs": "token_k1",
               "rollout_rs_threshold": "0.5_2.0"}  # fmt: skip
 
@@ -51,8 +52,13 @@ def test_the_section_loads_typed_in_both_pipelines():
             r"bypass_mode: true trains with verl's bypass-mode loss .*'cispo'",
         ),
         ({"rollout_is": "token"}, {"rollout_is_threshold": 2.0}, r"rollout_correction and rollout_is_threshold=2\.0"),
+        (
+            {"bypass_mode": True, "rollout_is": "token", "rollout_is_batch_normalize": True},
+            {"actor_train": {"strategy_args": MEGATRON_PP2}},
+            r"only the last of its pipeline_model_parallel_size=2 stages computes; set rollout_is_batch_normalize",
+        ),
     ],
-    ids=["level", "icepop-bounds", "rs-threshold", "unknown-key", "bypass", "both-apis"],
+    ids=["level", "icepop-bounds", "rs-threshold", "unknown-key", "bypass", "both-apis", "bypass-norm-stages"],
 )
 def test_bad_sections_are_refused_naming_the_key(section, extra, message):
     with pytest.raises(WorkerConfigError, match=message):

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -199,6 +200,30 @@ def normalize_weights(
     return normalized, torch.where(applies, mean, torch.ones_like(mean))
 
 
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Sums a small tensor over the data-parallel ranks and returns the sums (every rank must call it alike)."""
+
+
+def normalize_weights_across(
+    weights: torch.Tensor, response_mask: torch.Tensor, level: str, all_reduce: AllReduce
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`normalize_weights` with the mean taken over every rank's batch (verl's ``distributed_masked_mean``:
+    the ranks' weight sums over their counts, token level over real tokens, sequence level over non-empty rows'
+    mean weights). A rank without a real token contributes nothing but still joins the sum."""
+    mask = response_mask.bool()
+    if level == "token":
+        values, counted = weights.double(), mask
+    else:
+        values, counted = masked_mean(weights, response_mask, dim=-1), mask.any(dim=-1)
+    zero = values.new_zeros(())
+    local = torch.stack([torch.where(counted, values, zero).sum(), counted.double().sum()])
+    total = all_reduce(local)
+    mean = total[0] / total[1]
+    applies = mean > EPS  # False for 0 / 0 (no rank holds a token): the weights stay as they are
+    normalized = torch.where(applies, weights / mean.to(weights.dtype), weights)
+    return normalized, torch.where(applies, mean, torch.ones_like(mean))
+
+
 def batch_normalize(weights: torch.Tensor, response_mask: torch.Tensor, level: str) -> tuple[torch.Tensor, float]:
     """:func:`normalize_weights` with the factor as a Python float."""
     normalized, factor = normalize_weights(weights, response_mask, level)
@@ -339,6 +364,11 @@ def correction_spec(
     return _SPECS.setdefault(spec, spec)
 
 
+def _without_batch_normalize(spec: CorrectionSpec) -> CorrectionSpec:
+    local = replace(spec, batch_normalize=False)
+    return _SPECS.setdefault(local, local)
+
+
 def correction_tensors(
     old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, spec: CorrectionSpec
 ) -> tuple[torch.Tensor | None, torch.Tensor, Metrics]:
@@ -379,12 +409,15 @@ def rollout_correction(
     rollout_rs: str | None = None,
     rollout_rs_threshold: object = None,
     fused: bool | None = None,
+    all_reduce: AllReduce | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """verl's ``compute_rollout_correction_and_rejection_mask``: the detached IS weights (None when ``rollout_is`` or
     ``rollout_is_threshold`` is None), the response mask with rejected tokens removed, and every metric verl logs
     (IS, rejection per option and overall, off-policy) prefixed ``rollout_corr/``. IS and rejection both read the
     original mask. A batch without a real token, or inputs of different shapes, raise ``ValueError``. ``fused``:
-    the compiled one-graph path (:mod:`rl_core.fused`; None chooses by size)."""
+    the compiled one-graph path (:mod:`rl_core.fused`; None chooses by size). ``all_reduce``: batch normalisation
+    divides by the mean over every data-parallel rank's batch (:func:`normalize_weights_across`; verl does so
+    whenever ``torch.distributed`` is initialised)."""
     if old_log_prob.shape != rollout_log_prob.shape or old_log_prob.shape != response_mask.shape:
         raise ValueError(
             f"old_log_prob {tuple(old_log_prob.shape)}, rollout_log_prob {tuple(rollout_log_prob.shape)} and "
@@ -395,10 +428,16 @@ def rollout_correction(
     )
     if not bool(response_mask.bool().any()):
         raise ValueError("response_mask must contain at least one valid token (1).")
+    across = all_reduce is not None and spec.batch_normalize and spec.level is not None
     with torch.no_grad():
-        inputs = (old_log_prob, rollout_log_prob, response_mask, spec)
+        inputs = (old_log_prob, rollout_log_prob, response_mask, _without_batch_normalize(spec) if across else spec)
         weights, new_mask, metrics = fused_call(
             correction_tensors, response_mask.numel(), fused, *inputs, float_masks=True
         )
+        if across and weights is not None and all_reduce is not None and spec.level is not None:
+            # after the graph: a collective inside it would break it
+            weights, metrics["rollout_is_batch_norm_factor"] = normalize_weights_across(
+                weights, response_mask, spec.level, all_reduce
+            )
     # the fused path reads a bool mask as float (rl_core.fused): the caller gets its own dtype back
     return weights, new_mask.to(response_mask.dtype), to_floats(metrics, METRIC_PREFIX)

@@ -26,7 +26,7 @@ import torch
 from rl_core.losses.aggregation import GlobalBatchInfo
 from rl_core.losses.config import PolicyLossConfig
 from rl_core.losses.policy import LossInputs, Metrics, apply_is_weights, compute_policy_loss_vanilla
-from rl_core.rollout_corr import rollout_correction
+from rl_core.rollout_corr import AllReduce, rollout_correction
 from rl_core.rollout_corr_config import RolloutCorrectionConfig
 
 
@@ -59,20 +59,41 @@ def compute_policy_loss_bypass_mode(
         raise ValueError("the bypass_mode loss computes its own IS weights; pass rollout_is_weights=None.")
     weights: torch.Tensor | None = None
     kept, corr_metrics = response_mask, dict[str, float]()
-    if bool(response_mask.bool().any()):  # a micro-batch the sample masks emptied has nothing to correct
+    all_reduce = _data_parallel_sum(correction)
+    if bool(response_mask.bool().any()):
         with torch.no_grad():
             weights, kept, corr_metrics = rollout_correction(
                 log_prob.detach(), old_log_prob.detach(), response_mask,
                 rollout_is=correction.rollout_is, rollout_is_threshold=correction.rollout_is_threshold,
                 rollout_is_batch_normalize=correction.rollout_is_batch_normalize, rollout_rs=correction.rollout_rs,
-                rollout_rs_threshold=correction.rollout_rs_threshold,
+                rollout_rs_threshold=correction.rollout_rs_threshold, all_reduce=all_reduce,
             )  # fmt: skip
+    elif all_reduce is not None:  # nothing to correct here, but the other ranks' batch mean waits for this one
+        all_reduce(torch.zeros(2, dtype=torch.float64, device=log_prob.device))
     loss, metrics = BYPASS_LOSSES[correction.loss_type](
         old_log_prob, log_prob, advantages, kept, weights, loss_agg_mode, config, global_batch
     )
     device = log_prob.device
     metrics.update({name: torch.tensor(value, device=device) for name, value in corr_metrics.items()})
     return loss, metrics
+
+
+def _data_parallel_sum(correction: RolloutCorrectionConfig) -> AllReduce | None:
+    """With IS batch normalisation inside ``torch.distributed`` (verl's condition), the sum over all ranks of the
+    default process group, which every rank's micro-batch loss joins: the batch mean is over all ranks' current
+    micro-batches, as verl's. Ranks that hold the same samples (tensor / sequence parallel peers) count them
+    equally often, which leaves the mean unchanged. None otherwise."""
+    normalizes = correction.rollout_is is not None and correction.rollout_is_threshold is not None
+    if not (normalizes and correction.rollout_is_batch_normalize):
+        return None
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+
+    def all_ranks_sum(values: torch.Tensor) -> torch.Tensor:
+        torch.distributed.all_reduce(values)
+        return values
+
+    return all_ranks_sum
 
 
 def _ppo_clip(
