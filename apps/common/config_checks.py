@@ -74,7 +74,7 @@ def _check_registry(registry: Any, key: str, value: str | None, allow_none: bool
 def check_rollout_correction(config: Any) -> None:
     """``rollout_correction`` (verl 0.9.1's keys) is valid, not combined with the older rollout_is_* keys, and in
     bypass mode not combined with another policy loss (verl's bypass mode replaces the loss), nor its batch
-    normalisation (a collective inside the loss) with Megatron pipeline stages, where only the last computes it."""
+    normalisation (a collective inside the loss) where actor_train's ranks compute the loss unequally often."""
     correction = config.rollout_correction
     if correction is None:
         return
@@ -93,13 +93,32 @@ def check_rollout_correction(config: Any) -> None:
             f"{correction.loss_type!r}), but the configured policy loss is {policy_loss_name(config)!r}; use the "
             "default pg_variant (ppo) with bypass mode, or bypass_mode: false."
         )
-    stages = int(config.actor_train.strategy_args.strategy_config.get("pipeline_model_parallel_size", 1))
-    if correction.bypass_mode and correction.rollout_is_batch_normalize and stages > 1:
+    if correction.bypass_mode and correction.rollout_is_batch_normalize and correction.rollout_is is not None:
+        _check_bypass_batch_mean(config.actor_train)
+
+
+def _check_bypass_batch_mean(section: Any) -> None:
+    """Bypass mode's batch mean is a collective inside the loss: every rank of actor_train must compute the loss
+    equally often. Megatron's pipeline stages do not (only the last computes it), nor do its data-parallel replicas
+    when they plan their own micro-batch counts (dynamic batching, load-balanced packing)."""
+    if section.strategy_args.strategy_name != "megatron_train":
+        return  # fsdp2 / DeepSpeed ranks agree on their pass count (they gather parameters inside each pass)
+    stages = int(section.strategy_args.strategy_config.get("pipeline_model_parallel_size", 1))
+    own_counts = "its data-parallel replicas plan their own number of passes"
+    why = ""
+    if stages > 1:
+        key = "actor_train.strategy_args.strategy_config.pipeline_model_parallel_size"
+        why = f"only the last of its {key}={stages} stages computes it"
+    elif section.use_dynamic_batching_in_train:
+        why = f"{own_counts} (actor_train.use_dynamic_batching_in_train)"
+    elif section.use_sequence_packing and section.sequence_packing_args.algorithm == "load_balance":
+        why = f"{own_counts} (actor_train.use_sequence_packing, load_balance)"
+    if why:
         fail(
-            "rollout_correction.bypass_mode with rollout_is_batch_normalize: true takes the batch mean over every "
-            "rank of actor_train inside the loss, which only the last of its "
-            f"pipeline_model_parallel_size={stages} stages computes; set rollout_is_batch_normalize: false, "
-            "bypass_mode: false (the driver normalises over the whole batch), or pipeline_model_parallel_size: 1."
+            "rollout_correction.bypass_mode with rollout_correction.rollout_is_batch_normalize: true takes the batch "
+            f"mean over every rank of actor_train (megatron_train) inside the loss, but {why}; set "
+            "rollout_is_batch_normalize: false, or bypass_mode: false (the driver then normalises over the whole "
+            "batch)."
         )
 
 

@@ -56,7 +56,7 @@ def balanced_call(
 ) -> Any:
     """``group``'s per-sample ``output`` of ``method`` on ``rollout``, the samples sent to the ranks in token-balanced
     shards (ROLL's batch_balance before a log-prob pass) and the outputs put back in ``rollout``'s order."""
-    if len(rollout) % group.world_size:  # the dispatch refuses it, with the batch-size fix
+    if len(rollout) < group.world_size or len(rollout) % group.world_size:  # the dispatch refuses it, with the fix
         return group.call(method, rollout, *args, dispatch="dp_split", **kwargs).batch[output]
     order, _ = balanced_minibatch_order(real_tokens(rollout), group.world_size, 1)
     result = group.call(method, rollout.index(order), *args, dispatch="dp_split", **kwargs).batch[output]

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 from apps.common.training import balanced_call, train_role
-from rl_core.batch import RolloutBatch
+from rl_core.batch import BatchSizeError, RolloutBatch
 from rl_core.batch_size import TrainBatchPlan
 
 
@@ -65,3 +66,8 @@ def test_training_keeps_each_optimizer_steps_samples_and_reports_rolls_metrics()
         "global_seqlen/actor_train/mean": 264.0,
     }  # fmt: skip
     assert sorted(plain) == [44, 484] and max(totals) - min(totals) <= 8
+
+
+def test_a_batch_the_ranks_cannot_share_gets_the_dispatchs_own_error():
+    with pytest.raises(BatchSizeError, match="chunks"):  # the ROLL FAQ's batch-size fix, not a balancing error
+        balanced_call(RecordingGroup(world_size=4), "compute_log_probs", rollout([3, 5]), 1.0)

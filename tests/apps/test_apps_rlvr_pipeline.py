@@ -91,7 +91,9 @@ def test_prompts_need_not_divide_over_the_inference_workers(setup):
     (row,) = _rows(setup / "odd")
     assert row["dynamic_sampling/generated_groups"] == 5.0 and row["dynamic_sampling/rounds"] == 1.0
     assert "actor/pg_loss" in row and "rollout_corr/rollout_is_mean" in row  # from the actor's bypass loss
-    assert row["rollout_corr/rollout_is_batch_norm_factor"] > 0  # over the actor's ranks, inside its worker
+    # batch normalisation in the actor's worker, inside its process group (one rank here: the sum over ranks is
+    # tested in tests/rl_core/test_rollout_corr_distributed.py)
+    assert row["rollout_corr/rollout_is_batch_norm_factor"] > 0
     # generate_opt_level 1: one prompt per request, at most 2 in flight, to whichever worker has room; and verl
     # 0.9.1's rollout_correction instead of the rollout_is_* keys (its metrics reach the step's)
     scheduler = ["generate_opt_level=1", "max_running_requests=2", "actor_infer.infer_batch_size=1"]

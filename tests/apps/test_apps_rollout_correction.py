@@ -21,6 +21,8 @@ from tests.shared_dir import ROLL_EXAMPLES, require_shared
 
 REWARDS = {"math": {"worker_cls": "x.ExactMatchRewardWorker"}}
 MEGATRON_PP2 = {"strategy_name": "megatron_train", "strategy_config": {"pipeline_model_parallel_size": 2}}
+MEGATRON_DYNAMIC = {"strategy_args": {"strategy_name": "megatron_train"}, "use_dynamic_batching_in_train": True,
+                    "max_tokens_per_microbatch_in_train": 4096}  # fmt: skip
 CORRECTION = {"rollout_is": "token", "rollout_is_threshold": 1.5, "rollout_rs": "token_k1",
               "rollout_rs_threshold": "0.5_2.0"}  # fmt: skip
 
@@ -55,10 +57,30 @@ def test_the_section_loads_typed_in_both_pipelines():
         (
             {"bypass_mode": True, "rollout_is": "token", "rollout_is_batch_normalize": True},
             {"actor_train": {"strategy_args": MEGATRON_PP2}},
-            r"only the last of its pipeline_model_parallel_size=2 stages computes; set rollout_is_batch_normalize",
+            r"only the last of its actor_train\.strategy_args\.strategy_config\.pipeline_model_parallel_size=2 stages",
+        ),
+        (
+            {"bypass_mode": True, "rollout_is": "token", "rollout_is_batch_normalize": True},
+            {
+                "actor_train": {
+                    "strategy_args": {"strategy_name": "megatron_train"},
+                    "use_dynamic_batching_in_train": True,
+                    "max_tokens_per_microbatch_in_train": 4096,
+                }
+            },
+            r"replicas plan their own number of passes \(actor_train\.use_dynamic_batching_in_train\)",
         ),
     ],
-    ids=["level", "icepop-bounds", "rs-threshold", "unknown-key", "bypass", "both-apis", "bypass-norm-stages"],
+    ids=[
+        "level",
+        "icepop-bounds",
+        "rs-threshold",
+        "unknown-key",
+        "bypass",
+        "both-apis",
+        "bypass-norm-stages",
+        "bypass-norm-dynamic-batching",
+    ],
 )
 def test_bad_sections_are_refused_naming_the_key(section, extra, message):
     with pytest.raises(WorkerConfigError, match=message):

@@ -67,6 +67,11 @@ def _equal_splits(items: list[int], parts: int):
             yield [group, *split]
 
 
+def test_no_samples_make_empty_groups():
+    assert equal_size_partitions([], 3) == [[], [], []]
+    assert balanced_minibatch_order([], 2, 1)[0] == []
+
+
 def test_equal_size_groups_refuse_uneven_counts():
     with pytest.raises(BatchSizeError, match="7 samples do not split into 2 equal groups"):
         equal_size_partitions([1] * 7, 2)

@@ -35,6 +35,8 @@ def equal_size_partitions(weights: Sequence[int], parts: int) -> list[list[int]]
     """
     if parts < 1 or len(weights) % parts:
         raise BatchSizeError(f"{len(weights)} samples do not split into {parts} equal groups")
+    if not weights:
+        return [[] for _ in range(parts)]
     ranked = sorted(range(len(weights)), key=lambda i: (weights[i], i))
     heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
     for tag, start in enumerate(range(0, len(ranked), parts)):
