@@ -38,10 +38,23 @@ def equal_size_partitions(weights: Sequence[int], parts: int) -> list[list[int]]
     if not weights:
         return [[] for _ in range(parts)]
     ranked = sorted(range(len(weights)), key=lambda i: (weights[i], i))
-    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
-    for tag, start in enumerate(range(0, len(ranked), parts)):
-        groups = sorted(((int(weights[i]), [i]) for i in ranked[start : start + parts]), key=lambda g: -g[0])
-        heapq.heappush(heap, (groups[-1][0] - groups[0][0], tag, groups))
+    states = [
+        sorted(((int(weights[i]), [i]) for i in ranked[start : start + parts]), key=lambda g: -g[0])
+        for start in range(0, len(ranked), parts)
+    ]
+    return largest_differencing(states)
+
+
+Group = tuple[int, list[int]]
+"""A partial group: its weight and its members' indices."""
+
+
+def largest_differencing(states: list[list[Group]]) -> list[list[int]]:
+    """Karmarkar-Karp's merge: ``states`` are partial solutions of as many groups each, heaviest group first; the two
+    with the largest spread (heaviest minus lightest) merge, the heaviest group of one with the lightest of the other,
+    until one is left. Returns its groups (member indices ascending), heaviest first."""
+    heap = [(state[-1][0] - state[0][0], tag, state) for tag, state in enumerate(states)]
+    heapq.heapify(heap)
     tag = len(heap)
     while len(heap) > 1:
         _, _, first = heapq.heappop(heap)

@@ -12,7 +12,6 @@ a mini-batch into micro-batches of similar work, by ROLL's workload model (:func
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from rl_core.batch import RolloutBatch
+from rl_core.seqlen_balance import largest_differencing
 from rl_engines.strategies.model_io import position_ids_from_mask, response_length, response_log_probs
 
 
@@ -101,18 +101,8 @@ def balanced_partitions(weights: Sequence[int], parts: int) -> list[list[int]]:
     with the lightest of the other). Each group lists its indices ascending; groups come heaviest first."""
     if not 1 <= parts <= len(weights):
         raise ValueError(f"cannot cut {len(weights)} samples into {parts} non-empty micro-batches")
-    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
-    for index, weight in enumerate(weights):
-        start = [(int(weight), [index])] + [(0, []) for _ in range(parts - 1)]
-        heapq.heappush(heap, (-int(weight), index, start))
-    while len(heap) > 1:
-        _, order, first = heapq.heappop(heap)
-        _, _, second = heapq.heappop(heap)
-        merged = [(a[0] + b[0], a[1] + b[1]) for a, b in zip(first, reversed(second), strict=True)]
-        merged.sort(key=lambda group: -group[0])
-        heapq.heappush(heap, (merged[-1][0] - merged[0][0], order, merged))
-    groups = [sorted(members) for _, members in heap[0][2]]
-    return _fill_empty(groups, weights)
+    states = [[(int(weight), [index])] + [(0, []) for _ in range(parts - 1)] for index, weight in enumerate(weights)]
+    return _fill_empty(largest_differencing(states), weights)
 
 
 def _fill_empty(groups: list[list[int]], weights: Sequence[int]) -> list[list[int]]:
