@@ -8,7 +8,8 @@ measured in the same run, is a memory-bandwidth roofline: one plain copy of the 
 current log-probs, advantages, mask). Reported per phase: median ms, ``% of roofline`` (copy time / phase time)
 and peak extra memory of one steady-state call (CUDA allocator peak on GPU; on CPU the peak RSS growth in a fresh
 subprocess). To compare with verl, put verl 0.9.1 and the few packages its two functions import beside the
-project's venv (without their dependencies: verl's full requirements pull a CUDA stack), then run::
+project's venv, without their dependencies (verl 0.9.1 requires transformers < 5.11 and tensordict <= 0.10, which
+conflict with this venv; the two functions the bench calls ran with the newer ones), then run::
 
     .venv/bin/pip install --no-deps --target .tmp/verl verl==0.9.1 omegaconf antlr4-python3-runtime==4.9.3 \
         tensordict pyvers orjson codetiming
