@@ -5,8 +5,9 @@ file with the tags and columns of the file's rewards, outputs in a temp dir) and
 would fail. ROLL's multi-domain example (math, code, LLM judge, instruction following and multiple choice by
 domain_interleave_probs) and the roll-targets files of issue 16: the LLM-judge config, GSPO (importance_sampling: seq),
 the off-policy config (ActorPGWorker with TOPR) and the fsdp2 config; the two LoRA configs of issue 18 (adapters
-trained, merged weights synced); and the Qwen3-30B-A3B fsdp2 config of issue 19 on a tiny Qwen3-MoE (its Ulysses
-sizes are device counts: one rank). Every reward section grades its own domain's
+trained, merged weights synced); the Qwen3-30B-A3B fsdp2 config of issue 19 on a tiny Qwen3-MoE (its Ulysses sizes
+are device counts: one rank); and issue 15's dynamic batching, sequence packing (load_balance) and Ulysses files (the
+Ulysses roles on 2 ranks with ulysses_size 2: one data-parallel group). Every reward section grades its own domain's
 samples, each on a timeline track of its own; the LLM judge runs as its own role."""
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/rlvr_config.yaml") + roll_t
     "qwen2.5-7B-rlvr_megatron/rlvr_config_lora.yaml",  # LoRA (issue 18): all-linear on megatron_train
     "qwen2.5-7B-rlvr_megatron/rlvr_lora_fsdp2.yaml",  # LoRA (issue 18): q/k/v/o on fsdp2_train
     "qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml",  # MoE (issue 19): Qwen3-MoE on fsdp2_train / fsdp2_infer
+    "qwen2.5-7B-rlvr_megatron/rlvr_config_dynamic_batching.yaml",  # dynamic batching (issue 15), train and infer
+    "qwen2.5-7B-rlvr_megatron/rlvr_config_sequence_packing.yaml",  # sequence packing (issue 15), load_balance
+    "qwen2.5-7B-rlvr_megatron/rlvr_fsdp2_sp2.yaml",  # Ulysses (issue 15): fsdp2_train and fsdp2_infer, 2 ranks
 )
 MOE_FILES = {"qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml"}
 """Files of a mixture-of-experts model: they run a tiny Qwen3-MoE and report the router's load-balancing loss."""
@@ -57,8 +61,9 @@ def records(tags: set[str]) -> list[dict]:
     return [r for r in rows if r["tag"] in tags]
 
 
-def on_cpu(raw: dict, model: str, data: str, out: str) -> dict:
-    """The ROLL file with the swaps above (adapt() did the engines)."""
+def on_cpu(raw: dict, model: str, data: str, out: str, *, ulysses: bool) -> dict:
+    """The ROLL file with the swaps above (adapt() did the engines); ``ulysses``: roles keep their sequence
+    parallelism (ulysses_size 2 on 2 ranks), else they run it on one rank."""
     config = adapt(raw)
     config.update(pretrain=model, reward_pretrain=model, num_nodes=1, num_gpus_per_node=2, max_steps=2,
                   save_steps=2, eval_steps=0, rollout_batch_size=10, num_return_sequences_in_group=2,
@@ -82,10 +87,11 @@ def on_cpu(raw: dict, model: str, data: str, out: str) -> dict:
             config["validation"]["eval_steps"] = 0
     for section in (train, config["reference"]):
         options = section.get("strategy_args", {}).get("strategy_config") or {}
-        if "fsdp_size" in options:  # a device count: shard over the one rank
+        if "fsdp_size" in options:  # a device count: shard over the role's ranks
             options["fsdp_size"] = -1
-        if section.get("model_args", {}).get("ulysses_size", 1) > 1:  # a device count too: one rank holds a row
-            section["model_args"]["ulysses_size"] = 1
+        if section.get("model_args", {}).get("ulysses_size", 1) > 1:  # a device count too
+            section["model_args"]["ulysses_size"] = 2 if ulysses else 1
+            section["device_mapping"] = [0, 1] if ulysses else [0]
     for name, section in config["rewards"].items():
         section["model_args"]["model_name_or_path"] = model
         section.pop("world_size", None)  # graded in the driver (reward actors: tests/apps/test_apps_reward_workers.py)
@@ -107,7 +113,7 @@ def test_a_roll_file_runs_two_steps_on_cpu_with_every_reward(roll_file: Path, tm
     tags = {tag for section in raw["rewards"].values() for tag in section["tag_included"]}
     data.write_text("\n".join(json.dumps(row) for row in records(tags)))
     out = tmp_path / "out"
-    config = RLVRConfig.from_dict(on_cpu(raw, str(setup / "model"), str(data), str(out)))
+    config = RLVRConfig.from_dict(on_cpu(raw, str(setup / "model"), str(data), str(out), ulysses=not moe))
     RLVRPipeline(config).run()
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [step["step"] for step in steps] == [0, 1]

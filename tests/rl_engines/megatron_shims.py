@@ -9,23 +9,28 @@ megatron-core assumes CUDA in a few places the Megatron strategies reach:
 4. activation recomputation (``recompute_granularity``) saves / restores the CUDA RNG state -> a dummy state.
 
 ``apply()`` is idempotent. In-process tests call it from a fixture; Ray workers get it through
-``sitecustomize_dir()``, a folder whose ``sitecustomize.py`` applies it at interpreter start-up (put the folder on
-the workers' ``PYTHONPATH`` via ``system_envs``), so no product code needs a hook.
+``sitecustomize_dir()``, a folder whose ``sitecustomize.py`` arranges at interpreter start-up that the shims are
+applied when megatron-core is first imported (put the folder on the workers' ``PYTHONPATH`` via ``system_envs``), so
+no product code needs a hook and a worker that never imports megatron-core imports nothing for them.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 _applied = False
+RANDOM = "megatron.core.tensor_parallel.random"
+"""The megatron-core module whose CUDA RNG functions the shims replace."""
 
 
 def apply() -> None:
     """Install the four shims when this torch has no CUDA (no-op with CUDA or when already applied)."""
-    global _applied
     import torch
 
     if _applied or torch.cuda.is_available():
@@ -33,6 +38,17 @@ def apply() -> None:
     import megatron.core.tensor_parallel as tensor_parallel
     import megatron.core.tensor_parallel.random as megatron_random
 
+    _patch(megatron_random)
+    tensor_parallel.model_parallel_cuda_manual_seed = megatron_random.model_parallel_cuda_manual_seed
+
+
+def _patch(megatron_random: Any) -> None:
+    """The shims, on torch and on ``megatron.core.tensor_parallel.random`` (before any module copied its names)."""
+    global _applied
+    import torch
+
+    if _applied or torch.cuda.is_available():
+        return
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment,return-value]
     torch.cuda.synchronize = lambda *args, **kwargs: None  # type: ignore[assignment]
     seed = megatron_random.model_parallel_cuda_manual_seed
@@ -42,17 +58,43 @@ def apply() -> None:
         kwargs["inference_rng_tracker"] = True
         seed(value, *args, **kwargs)
 
-    tensor_parallel.model_parallel_cuda_manual_seed = cpu_seed
     megatron_random.model_parallel_cuda_manual_seed = cpu_seed
     megatron_random._get_cuda_rng_state = lambda *args, **kwargs: torch.zeros(1, dtype=torch.uint8)
     megatron_random._set_cuda_rng_state = lambda *args, **kwargs: None
     _applied = True
 
 
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches ``megatron.core.tensor_parallel.random`` as soon as it has run, so that a process imports nothing
+    for the shims until (and unless) it imports megatron-core: a worker of another engine started with the shims'
+    PYTHONPATH pays nothing (megatron-core takes seconds to import)."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != RANDOM:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def run_and_patch(module: Any) -> None:
+            run(module)
+            _patch(module)
+
+        spec.loader.exec_module = run_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+def apply_on_import() -> None:
+    """Apply the shims when megatron-core is first imported (what the Ray workers' sitecustomize calls)."""
+    if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
 SITECUSTOMIZE = """import sys
 sys.path.insert(0, {tests_dir!r})
 import megatron_shims
-megatron_shims.apply()
+megatron_shims.apply_on_import()
 """
 
 

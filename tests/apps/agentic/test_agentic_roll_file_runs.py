@@ -2,7 +2,8 @@
 paths (the tiny local model), devices (two CPU slots), engines (torch-native), sizes (a few small env groups, short
 turns), files (outputs in a temp dir; GEM math's Hub dataset as a local .jsonl with its question / answer fields).
 GiGPO on FrozenLake with StepEnvManager, step_reinforce on the native Sokoban conversation (group mean, batch std),
-and reinforce on GEM math questions (roll_math) with whole episodes."""
+reinforce on GEM math questions (roll_math) with whole episodes, and Sokoban with ROLL's dynamic batching in the
+training and log-prob passes of actor_train and the reference (issue 15)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ FILES = roll_target_files(
     "qwen2.5-0.5B-agentic/agent_val_frozen_lake_gigpo.yaml",
     "qwen2.5-0.5B-agentic/agentic_val_sokoban_native.yaml",
     "qwen3_agentic_gem/gem_math_dapo.yaml",
+    "qwen2.5-0.5B-agentic/agentic_val_sokoban_dynamic_batching.yaml",  # dynamic batching (issue 15)
 )
 
 
