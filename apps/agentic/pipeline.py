@@ -227,11 +227,11 @@ class AgenticPipeline:
             episodes = self.get_rollout(step=step)
         rollout, plans, adjusted = self._samples(episodes, step)
         with timer("logprobs"):
-            score_with_roles(self.roles, rollout, self.base, self.settings.actor.temperature)
+            passes = score_with_roles(self.roles, rollout, self.base, self.settings.actor.temperature)
         with timer("advantages"):
             groups = list(rollout.non_tensor_batch["traj_group_id"])
             normalized, reward_metrics = step_sample_rewards(rollout, self.config)
-            metrics = self.targets(rollout, normalized, groups)
+            metrics = {**self.targets(rollout, normalized, groups), **passes}
         with timer("train"):
             if metrics.get("mask/final_mask_sum_eq_0"):  # rollout_correction rejected every token: nothing to learn
                 self.log(f"[agentic] step {step}: no token is left to train on; skipping training")

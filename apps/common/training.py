@@ -22,9 +22,11 @@ PIPELINE_STATE = "pipeline_state.json"
 """The driver's state in a checkpoint folder, written last: a folder without it is not a complete checkpoint."""
 
 
-def score_with_roles(roles: Roles, rollout: RolloutBatch, config: Any, temperature: float) -> None:
+def score_with_roles(roles: Roles, rollout: RolloutBatch, config: Any, temperature: float) -> dict[str, float]:
     """``old_log_probs`` (actor_train), ``ref_log_probs`` (reference) and ``values`` (critic) into ``rollout``.
-    In verl's bypass mode (``rollout_correction.bypass_mode``) the old log-probs are the rollout engine's: no pass."""
+    In verl's bypass mode (``rollout_correction.bypass_mode``) the old log-probs are the rollout engine's: no pass.
+    Returns ROLL's ``dynamic_batching/<role>/<method>/*`` metrics of the passes that ran with a token budget."""
+    metrics: dict[str, float] = {}
     roles.activate("actor_train")
     correction = getattr(config, "rollout_correction", None)
     if correction is not None and correction.bypass_mode:
@@ -33,17 +35,23 @@ def score_with_roles(roles: Roles, rollout: RolloutBatch, config: Any, temperatu
                              "rollout has none (its engine or replay did not record them).")  # fmt: skip
         rollout.batch["old_log_probs"] = rollout.batch["rollout_log_probs"].clone()
     else:
-        rollout.batch["old_log_probs"] = balanced_call(roles["actor_train"], "compute_log_probs", rollout, temperature)
+        rollout.batch["old_log_probs"] = balanced_call(
+            roles["actor_train"], "compute_log_probs", rollout, temperature, metrics=metrics
+        )
     if "reference" in roles.groups:
-        rollout.batch["ref_log_probs"] = balanced_call(roles["reference"], "compute_log_probs", rollout, temperature)
+        rollout.batch["ref_log_probs"] = balanced_call(
+            roles["reference"], "compute_log_probs", rollout, temperature, metrics=metrics
+        )
     elif reference_from_actor(config):  # LoRA: the base model, i.e. the actor with its adapters disabled
         rollout.batch["ref_log_probs"] = balanced_call(
-            roles["actor_train"], "compute_log_probs", rollout, temperature, disable_adapter=True
+            roles["actor_train"], "compute_log_probs", rollout, temperature, disable_adapter=True, metrics=metrics
         )
     elif config.reference is not None:  # configured, left off by enable_reference: ROLL's stand-in, every KL 0
         rollout.batch["ref_log_probs"] = rollout.batch["old_log_probs"].clone()
     if config.critic is not None:
-        rollout.batch["values"] = balanced_call(roles["critic"], "compute_values", rollout, output="values")
+        rollout.batch["values"] = balanced_call(roles["critic"], "compute_values", rollout, output="values",
+                                                metrics=metrics)  # fmt: skip
+    return metrics
 
 
 def real_tokens(rollout: RolloutBatch) -> list[int]:
@@ -52,16 +60,24 @@ def real_tokens(rollout: RolloutBatch) -> list[int]:
 
 
 def balanced_call(
-    group: WorkerGroup, method: str, rollout: RolloutBatch, *args: Any, output: str = "log_probs", **kwargs: Any
-) -> Any:
+    group: WorkerGroup, method: str, rollout: RolloutBatch, *args: Any, output: str = "log_probs",
+    metrics: dict[str, float] | None = None, **kwargs: Any,
+) -> Any:  # fmt: skip
     """``group``'s per-sample ``output`` of ``method`` on ``rollout``, the samples sent to the ranks in token-balanced
-    shards (ROLL's batch_balance before a log-prob pass) and the outputs put back in ``rollout``'s order."""
+    shards (ROLL's batch_balance before a log-prob pass) and the outputs put back in ``rollout``'s order. The
+    workers' metrics of the pass (``meta_info["metrics"]``, already summed over the ranks) go into ``metrics``."""
     if len(rollout) < group.world_size or len(rollout) % group.world_size:  # the dispatch refuses it, with the fix
-        return group.call(method, rollout, *args, dispatch="dp_split", **kwargs).batch[output]
-    order, _ = balanced_minibatch_order(real_tokens(rollout), group.world_size, 1)
-    result = group.call(method, rollout.index(order), *args, dispatch="dp_split", **kwargs).batch[output]
-    restored = result.clone()
-    restored[order] = result
+        order = None
+        result = group.call(method, rollout, *args, dispatch="dp_split", **kwargs)
+    else:
+        order, _ = balanced_minibatch_order(real_tokens(rollout), group.world_size, 1)
+        result = group.call(method, rollout.index(order), *args, dispatch="dp_split", **kwargs)
+    if metrics is not None:
+        metrics.update(result.meta_info.get("metrics") or {})
+    if order is None:
+        return result.batch[output]
+    restored = result.batch[output].clone()
+    restored[order] = result.batch[output]
     return restored
 
 

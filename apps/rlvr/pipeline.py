@@ -248,10 +248,11 @@ class RLVRPipeline:
         scores = rollout.batch["scores"]
         rewards = rollout.batch.get("response_level_rewards", scores)  # a dump from before rewards had their own key
         with timer("logprobs"):
-            self._score_with_roles(rollout)
+            passes = self._score_with_roles(rollout)
         with timer("advantages"):
             groups = list(rollout.non_tensor_batch["prompt_uid"])
             scores, metrics = apply_sample_masks(rollout, scores, groups, self.shaping)
+            metrics.update(passes)
             metrics.update(self.targets(rollout, rewards, groups, scores=scores, domains=self._domains(rollout)))
             metrics.update(apply_sample_weights(rollout, self.shaping))
         with timer("train"):
@@ -279,9 +280,9 @@ class RLVRPipeline:
             record_domain(records[int(i)], self.router.section_for) for i in rollout.non_tensor_batch["record_index"]
         ]
 
-    def _score_with_roles(self, rollout: RolloutBatch) -> None:
+    def _score_with_roles(self, rollout: RolloutBatch) -> dict[str, float]:
         assert self.roles is not None
-        score_with_roles(self.roles, rollout, self.config, self.settings.actor.temperature)
+        return score_with_roles(self.roles, rollout, self.config, self.settings.actor.temperature)
 
     def _train(self, rollout: RolloutBatch, step: int) -> dict[str, float]:
         assert self.roles is not None

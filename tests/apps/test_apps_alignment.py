@@ -30,7 +30,7 @@ from apps.rlvr.alignment import ALIGNED, AlignmentResult, alignment_matrix, pars
 # generates nothing). No KL to the reference, so the reference does not run (ROLL's enable_reference): a KL term is
 # rl-core arithmetic on the same log-probs the policy loss uses, and the reference's log-probs under every layout
 # are compared with the padded ones in tests/rl_engines/test_engines_micro_batches.py.
-BASE = ["max_steps=2", "prompt_length=24", "adv_estimator=reinforce", "entropy_loss_coef=0.05", "ppo_epochs=2",
+BASE = ["max_steps=2", "prompt_length=32", "adv_estimator=reinforce", "entropy_loss_coef=0.05", "ppo_epochs=2",
         "+rewards.math_rule.response_length_penalty_coef=0.01", *NO_KL,
         "actor_infer.device_mapping=[0]",
         "actor_train.training_args.per_device_train_batch_size=1",
@@ -38,21 +38,21 @@ BASE = ["max_steps=2", "prompt_length=24", "adv_estimator=reinforce", "entropy_l
 ONE_DATA_RANK = ["actor_train.training_args.gradient_accumulation_steps=4"]  # the same global batch on 1 DP rank
 STRATEGY = "actor_train.strategy_args"
 ENGINE_VARIANTS = ("zero1", "zero3", "megatron_tp1", "megatron_tp2", "megatron_pp2")
-# ROLL's dynamic batching: passes of at most 32 tokens (prompt_length 24 + response_length 8 fit one; two short
-# samples share one) without their padding columns, in training and in actor_train's log-probs.
+# ROLL's dynamic batching: passes of at most 80 tokens (a sample is 31-37 tokens, rounded to 4: two share one)
+# without their padding columns, in training and in actor_train's log-probs.
 DYNAMIC_BATCHING = [
     "+actor_train.use_dynamic_batching_in_infer=true",
-    "+actor_train.max_tokens_per_microbatch_in_infer=32",
+    "+actor_train.max_tokens_per_microbatch_in_infer=80",
     "+actor_train.use_dynamic_batching_in_train=true",
-    "+actor_train.max_tokens_per_microbatch_in_train=32",
+    "+actor_train.max_tokens_per_microbatch_in_train=80",
 ]
-# ROLL's sequence packing, load_balance: each pass one row of real tokens, as many passes as 48-token rows need
+# ROLL's sequence packing, load_balance: each pass one row of real tokens, as many passes as 96-token rows need
 # (lengths rounded to 16), samples spread over them by Karmarkar-Karp; actor_train's log-prob and training passes.
 SEQUENCE_PACKING = [
     "+actor_train.use_sequence_packing=true",
     "+actor_train.sequence_packing_args.algorithm=load_balance",
-    "+actor_train.sequence_packing_args.max_packed_sequence_length_forward=48",
-    "+actor_train.sequence_packing_args.max_packed_sequence_length_train=48",
+    "+actor_train.sequence_packing_args.max_packed_sequence_length_forward=96",
+    "+actor_train.sequence_packing_args.max_packed_sequence_length_train=96",
 ]
 # Ulysses on both ranks: one data-parallel group, so the global batch takes twice the accumulation.
 ULYSSES = [*ONE_DATA_RANK, "+actor_train.model_args.ulysses_size=2"]
@@ -92,7 +92,8 @@ def matrix(tmp_path_factory, ray_session) -> AlignmentResult:
     root = tmp_path_factory.mktemp("alignment")
     shim_envs = megatron_shim_overrides(root / "shims")
     setup = make_setup(root / "setup", num_attention_heads=4, num_key_value_heads=2)  # TP=2 splits 2 KV heads
-    # Prompts of 4 to 10 tokens: every batch has left padding, which the padding-free passes drop.
+    # Prompts of 4 to 10 characters, 23 to 29 tokens in the template (prompt_length 32 keeps them whole): every
+    # batch has left padding, which the padding-free passes drop.
     rows = [{"prompt": f"{a}+{b}=", "ground_truth": str(a + b)} for a in (1, 23, 456, 7890) for b in (2, 34, 567, 8901)]
     (setup / "varied.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
     data = f"actor_train.data_args.file_name={setup / 'varied.jsonl'}"
@@ -127,6 +128,11 @@ def test_replayed_rollouts_train_alike_on_one_and_two_ranks(matrix):
 def test_dynamic_batching_trains_like_the_padded_micro_batches(matrix):
     """Token-budget passes without padding columns (ranks agreeing on their count) give the padded run's update."""
     _assert_aligned(matrix, "fsdp2_dynamic_batching", FSDP2_TOLERANCE)
+    for row in matrix.metrics["fsdp2_dynamic_batching"].values():  # ROLL's counts: each sample once, both ranks
+        total = 2 * row["global_seqlen/actor_train/mean"]  # the mean of the 2 ranks' real tokens
+        assert row["dynamic_batching/actor_train/train_step/valid_tokens"] == total
+        assert row["dynamic_batching/actor_train/compute_log_probs/valid_tokens"] == total
+        assert total < row["dynamic_batching/actor_train/train_step/actual_tokens"]
 
 
 @pytest.mark.slow

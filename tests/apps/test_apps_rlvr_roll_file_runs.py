@@ -122,6 +122,18 @@ def test_a_roll_file_runs_two_steps_on_cpu_with_every_reward(roll_file: Path, tm
             assert f"{section}/critic/score/mean" in step and step[f"time/reward/{section}"] > 0, section
         assert "actor/pg_loss" in step  # trained (nothing masked it all)
         assert ("actor_train/load_balancing_loss" in step) == moe  # ROLL's name for the router loss
+        passes = {key.rsplit("/", 1)[0] for key in step if key.startswith("dynamic_batching/")}
+        if "dynamic_batching" in roll_file.name:  # ROLL's metrics of each pass with a token budget
+            names = ("actor_train/train_step", "actor_train/compute_log_probs", "reference/compute_log_probs")
+            assert passes == {f"dynamic_batching/{name}" for name in names}
+            prefix = "dynamic_batching/actor_train/train_step/"
+            train = {key.removeprefix(prefix): value for key, value in step.items() if key.startswith(prefix)}
+            # a pass is never wider than its batch, so the file's rounding to 128 keeps these 72-token rows whole
+            assert train["valid_tokens"] < train["actual_tokens"] <= train["actual_tokens_origin"]
+            assert train["removed_padding_tokens"] == train["actual_tokens_origin"] - train["actual_tokens"]
+            assert step["dynamic_batching/reference/compute_log_probs/valid_tokens"] == train["valid_tokens"]
+        else:
+            assert not passes
     events = json.loads((out / "timeline.json").read_text())["traceEvents"]
     graded = {(e["name"], e["args"]["step"]) for e in events if e["name"].startswith("reward/")}
     assert graded == {(f"reward/{section}", step) for section in sections for step in (0, 1)}  # a track each

@@ -206,6 +206,17 @@ def test_inference_strategies_score_by_the_token_budget_alike(name, tiny_model_d
         check_passes(seen, layout, batch)
 
 
+def test_token_counts_are_reported_only_with_a_budget_and_a_packed_pass_runs_its_real_tokens():
+    batch = batch_of_lengths([5, 30])  # one pass of width 32 under a 64-token budget: 2 x 32 run, 35 real
+    budget = TokenBudget(max_tokens=64, round_to=4, key="k")
+    trimmed, packed = MicroBatchPlanner(size=1, budget=budget), MicroBatchPlanner(size=1, budget=budget, packed=True)
+    trimmed.split(batch), packed.split(batch)
+    assert trimmed.dynamic_batching_metrics("reference/compute_log_probs")[
+        "dynamic_batching/reference/compute_log_probs/actual_tokens"] == 64  # fmt: skip
+    assert packed.dynamic_batching_metrics("x")["dynamic_batching/x/actual_tokens"] == 35
+    assert MicroBatchPlanner(size=1).dynamic_batching_metrics("x") == {}  # ROLL logs them with dynamic batching only
+
+
 def test_a_fixed_planner_keeps_the_batch_order_and_sizes():
     batch = varied_batch(size=5)
     planner = MicroBatchPlanner(size=2)
@@ -236,8 +247,11 @@ def _plan_on_rank(rank: int, port: int, lengths: list[list[int]], folder: str) -
     try:
         planner = MicroBatchPlanner(size=1, budget=TokenBudget(max_tokens=32, round_to=4, key="k"))
         sizes = [len(micro) for micro in planner.split(batch_of_lengths(lengths[rank]))]
+        both = planner.dynamic_batching_metrics("actor_train/train_step")
+        planner.split(batch_of_lengths(lengths[rank]))
+        first = planner.dynamic_batching_metrics("actor_train/train_step", counted=rank == 0)  # rank 1 a copy
         with open(os.path.join(folder, f"{rank}.json"), "w") as file:
-            json.dump(sizes, file)
+            json.dump([sizes, both, first], file)
     finally:
         dist.destroy_process_group()
 
@@ -254,5 +268,15 @@ def test_ranks_with_different_lengths_run_the_same_number_of_passes(tmp_path):
 
     lengths = [[5, 6, 7, 8], [12, 14, 20, 24]]
     mp.spawn(_plan_on_rank, args=(WorkerBase.free_port(), lengths, str(tmp_path)), nprocs=2)
-    sizes = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
-    assert sizes == [[1, 1, 2], [2, 1, 1]]
+    results = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)]
+    assert [sizes for sizes, _, _ in results] == [[1, 1, 2], [2, 1, 1]]
+    # ROLL's dynamic_batching metrics, summed over the ranks (each rank gets the sums). Rank 0 runs widths 8, 8 and
+    # 2 x 8 (its passes rounded up to 4, at least the 5 columns its shortest sample spans): 32 tokens; rank 1 runs
+    # 2 x 16, 20 and 24: 76. Each holds 4 x 32 = 128 padded tokens.
+    prefix = "dynamic_batching/actor_train/train_step"
+    both = {f"{prefix}/valid_tokens": 26 + 70, f"{prefix}/actual_tokens_origin": 256, f"{prefix}/actual_tokens": 108,
+            f"{prefix}/removed_padding_tokens": 148, f"{prefix}/removed_padding_ratio": 148 / 256}  # fmt: skip
+    assert results[0][1] == results[1][1] == both
+    first = {f"{prefix}/valid_tokens": 26, f"{prefix}/actual_tokens_origin": 128, f"{prefix}/actual_tokens": 32,
+             f"{prefix}/removed_padding_tokens": 96, f"{prefix}/removed_padding_ratio": 0.75}  # fmt: skip
+    assert results[0][2] == results[1][2] == first  # counts start again after each report; copies count 0

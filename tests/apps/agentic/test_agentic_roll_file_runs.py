@@ -72,4 +72,9 @@ def test_a_roll_agentic_file_runs_a_step_on_cpu(setup, tmp_path, path):
         assert "system/state_batch_size/max" in row
     if "dapo_17k" in config.train_env_manager.tags:  # one question, one answer
         assert row["env/num_turns/mean"] == 1.0
+    if "dynamic_batching" in path.name:  # ROLL's metrics of the passes with a token budget (no KL: no reference)
+        for name in ("actor_train/train_step", "actor_train/compute_log_probs"):
+            assert row[f"dynamic_batching/{name}/valid_tokens"] <= row[f"dynamic_batching/{name}/actual_tokens"]
+    else:
+        assert not any(key.startswith("dynamic_batching/") for key in row)
     assert (tmp_path / "ckpt" / "checkpoint-0" / "pipeline_state.json").exists()

@@ -35,7 +35,7 @@ from rl_engines.strategies import deepspeed_state, lora, moe
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, require_engine_package, worker_device
 from rl_engines.strategies.deepspeed_config import ZERO_STAGE_KEY, finalize_deepspeed_config, resolve_strategy_config
 from rl_engines.strategies.deepspeed_offload import OffloadRecord, offload_engine, reload_engine
-from rl_engines.strategies.micro_batches import MicroBatchPlanner, planner, require_no_ulysses
+from rl_engines.strategies.micro_batches import MicroBatchPlanner, pass_name, planner, require_no_ulysses
 from rl_engines.strategies.model_io import (
     TORCH_DTYPES,
     enable_activation_checkpointing,
@@ -153,12 +153,14 @@ class DeepSpeedTrainStrategy:
                                with_entropy=with_entropy)  # fmt: skip
 
     @torch.no_grad()
-    def _infer(self, batch: RolloutBatch, *, disable_adapter: bool = False, **kwargs: Any) -> RolloutBatch:
+    def _infer(self, batch: RolloutBatch, method: str, *, disable_adapter: bool = False, **kwargs: Any) -> RolloutBatch:
         self.reload()
         self.engine.eval()
+        plan = self.planners["infer"]
         with lora.adapters_off(self.engine.module, self.role, disable_adapter):
-            return self.planners["infer"].map(batch, lambda micro: self._outputs(micro, self.planners["infer"],
-                                                                                 **kwargs))  # fmt: skip
+            out = plan.map(batch, lambda micro: self._outputs(micro, plan, **kwargs))
+        out.meta_info["metrics"] = plan.dynamic_batching_metrics(pass_name(self.role, method, disable_adapter))
+        return out
 
     def compute_log_probs(
         self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False,
@@ -167,12 +169,13 @@ class DeepSpeedTrainStrategy:
         """``log_probs [B, R]`` (and ``entropy``) of the responses under the current weights, no gradients.
         ``disable_adapter`` (LoRA): under the base model alone, i.e. the reference policy (ROLL's meta_info key)."""
         require_causal_lm(self.role, self.value_head)
-        return self._infer(batch, temperature=temperature, with_entropy=with_entropy, disable_adapter=disable_adapter)
+        return self._infer(batch, "compute_log_probs", temperature=temperature, with_entropy=with_entropy,
+                           disable_adapter=disable_adapter)  # fmt: skip
 
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
         """Critic ``values [B, R]``."""
         require_value_head(self.role, self.value_head)
-        return self._infer(batch, temperature=1.0, with_entropy=False)
+        return self._infer(batch, "compute_values", temperature=1.0, with_entropy=False)
 
     # ---- training ------------------------------------------------------------------------------------------
     def train_step(self, batch: RolloutBatch, objective: Objective) -> dict[str, float]:
@@ -186,8 +189,9 @@ class DeepSpeedTrainStrategy:
                                        dp_note=" (DeepSpeed's train_batch_size)")  # fmt: skip
         self.reload()
         self.engine.train()
-        return run_minibatches(batch, self.planners["train"].split, minibatch, self.scheduler,
-                               lambda micros, metrics: self._optimizer_step(micros, objective, metrics))  # fmt: skip
+        metrics = run_minibatches(batch, self.planners["train"].split, minibatch, self.scheduler,
+                                  lambda micros, sums: self._optimizer_step(micros, objective, sums))  # fmt: skip
+        return {**metrics, **self.planners["train"].dynamic_batching_metrics(pass_name(self.role, "train_step"))}
 
     def _optimizer_step(self, micros: list[RolloutBatch], objective: Objective, metrics: MetricAccumulator) -> float:
         info = minibatch_info(micros)

@@ -32,7 +32,7 @@ from rl_engines.objectives import Objective
 from rl_engines.strategies import checkpointing, lora, moe
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, worker_device
 from rl_engines.strategies.fsdp2_wrap import WRAP_POLICY_KEYS, check_options, class_names, wrap_units
-from rl_engines.strategies.micro_batches import MicroBatchPlanner, planner
+from rl_engines.strategies.micro_batches import MicroBatchPlanner, pass_name, planner
 from rl_engines.strategies.model_io import (
     TORCH_DTYPES,
     attention_kernel,
@@ -250,15 +250,22 @@ class Fsdp2TrainStrategy:
         """The Ulysses group's batches together, and this rank's rows in them (the batch itself without Ulysses)."""
         return gather_batch(batch, self.ulysses.group if self.ulysses is not None else None)
 
+    @property
+    def _counted(self) -> bool:
+        """This rank's samples are its own: the first rank of a Ulysses group (its ranks pool their samples)."""
+        return self.ulysses is None or self.ulysses.rank == 0
+
     @torch.no_grad()
-    def _infer(self, batch: RolloutBatch, *, disable_adapter: bool = False, **kwargs: Any) -> RolloutBatch:
+    def _infer(self, batch: RolloutBatch, method: str, *, disable_adapter: bool = False, **kwargs: Any) -> RolloutBatch:
         self.reload()  # a colocated role may have offloaded us; computing needs the weights on the device
         self.model.eval()
         pooled, own = self._pooled(batch)
         plan = self.planners["infer"]
         with lora.adapters_off(self.model, self.role, disable_adapter):
             out = plan.map(pooled, lambda micro: self._outputs(micro, plan, **kwargs))
-        return RolloutBatch({key: value[own] for key, value in out.batch.items()}, meta_info=dict(batch.meta_info))
+        metrics = plan.dynamic_batching_metrics(pass_name(self.role, method, disable_adapter), counted=self._counted)
+        return RolloutBatch({key: value[own] for key, value in out.batch.items()},
+                            meta_info={**batch.meta_info, "metrics": metrics})  # fmt: skip
 
     def compute_log_probs(
         self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False,
@@ -267,12 +274,13 @@ class Fsdp2TrainStrategy:
         """``log_probs [B, R]`` (and ``entropy``) of the responses under the current weights, no gradients.
         ``disable_adapter`` (LoRA): under the base model alone, i.e. the reference policy (ROLL's meta_info key)."""
         require_causal_lm(self.role, self.value_head)
-        return self._infer(batch, temperature=temperature, with_entropy=with_entropy, disable_adapter=disable_adapter)
+        return self._infer(batch, "compute_log_probs", temperature=temperature, with_entropy=with_entropy,
+                           disable_adapter=disable_adapter)  # fmt: skip
 
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
         """Critic ``values [B, R]``."""
         require_value_head(self.role, self.value_head)
-        return self._infer(batch, temperature=1.0, with_entropy=False)
+        return self._infer(batch, "compute_values", temperature=1.0, with_entropy=False)
 
     # ---- training ------------------------------------------------------------------------------------------
     def train_step(self, batch: RolloutBatch, objective: Objective) -> dict[str, float]:
@@ -291,14 +299,16 @@ class Fsdp2TrainStrategy:
         )  # fmt: skip
         self.reload()
         self.model.train()
-        return run_minibatches(pooled, self.planners["train"].split, minibatch, self.scheduler,
-                               lambda micros, metrics: self._optimizer_step(micros, objective, metrics))  # fmt: skip
+        metrics = run_minibatches(pooled, self.planners["train"].split, minibatch, self.scheduler,
+                                  lambda micros, sums: self._optimizer_step(micros, objective, sums))  # fmt: skip
+        name = pass_name(self.role, "train_step")
+        return {**metrics, **self.planners["train"].dynamic_batching_metrics(name, counted=self._counted)}
 
     def _optimizer_step(self, micros: list[RolloutBatch], objective: Objective, metrics: MetricAccumulator) -> float:
         assert self.optimizer is not None
         # under Ulysses the ranks of a group hold the same samples: count them, and their metrics, once
         info = minibatch_info(micros, self.ulysses.data_group if self.ulysses is not None else None)
-        counted = 1.0 if self.ulysses is None or self.ulysses.rank == 0 else 0.0
+        counted = float(self._counted)
         self.optimizer.zero_grad(set_to_none=True)
         # router loss: a Ulysses group's ranks each add their slice's share, so its micro-batches count once
         weight = moe.micro_weight(self.router, len(micros), self.ulysses.data_group if self.ulysses else None)

@@ -15,7 +15,7 @@ from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs, WorkerConfig
 from rl_engines.strategies.base import STRATEGIES, reject_unknown_keys, worker_device
 from rl_engines.strategies.generation import generate_batch
-from rl_engines.strategies.micro_batches import planner, require_no_training, require_no_ulysses
+from rl_engines.strategies.micro_batches import pass_name, planner, require_no_training, require_no_ulysses
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_model, load_tokenizer
 
 
@@ -56,12 +56,14 @@ class HfInferStrategy:
         collective in the forward."""
         self.reload()
         plan = self.infer_planner
-        return plan.map(
+        out = plan.map(
             batch,
             lambda micro: plan.forward(
                 self.model, micro, self.device, value_head=False, temperature=temperature, with_entropy=with_entropy
             ),
         )
+        out.meta_info["metrics"] = plan.dynamic_batching_metrics(pass_name(self.role, "compute_log_probs"))
+        return out
 
     @torch.no_grad()
     def generate(self, batch: RolloutBatch, generating_args: GeneratingArgs | None = None) -> RolloutBatch:

@@ -23,7 +23,7 @@ from rl_engines.strategies.megatron_config import check_world_size, parse_megatr
 from rl_engines.strategies.megatron_generate import MegatronGenerator, load_generation_config
 from rl_engines.strategies.megatron_model import MegatronModel, build_model, init_model_parallel
 from rl_engines.strategies.megatron_weights import export_hf, sharded_names
-from rl_engines.strategies.micro_batches import planner, require_no_training, require_no_ulysses
+from rl_engines.strategies.micro_batches import pass_name, planner, require_no_training, require_no_ulysses
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path
 from rl_engines.strategies.train_utils import gather_batch
 
@@ -81,7 +81,8 @@ class MegatronInferStrategy:
         """``log_probs [B, R]`` (and ``entropy``) of the batch's responses, in infer_batch_size slices (or by the
         token budget of ``use_dynamic_batching_in_infer``)."""
         self.reload()
-        return self.megatron.score(batch, self.planner, temperature=temperature, with_entropy=with_entropy)
+        return self.megatron.score(batch, self.planner, pass_name(self.role, "compute_log_probs"),
+                                   temperature=temperature, with_entropy=with_entropy)  # fmt: skip
 
     @torch.no_grad()
     def generate(self, batch: RolloutBatch, generating_args: GeneratingArgs | None = None) -> RolloutBatch:

@@ -246,13 +246,18 @@ class MegatronModel:
         run_schedule(self.stage, micros, self.forward, hidden_shape=self.batch_hidden_shape, dtype=self.dtype,
                      device=self.device, on_output=on_output, train=train)  # fmt: skip
 
+    @property
+    def counted(self) -> bool:
+        """This rank's samples are its own: the first rank of its model-parallel group (whose ranks pool them)."""
+        return self.mp_group is None or dist.get_rank(self.mp_group) == 0
+
     @torch.no_grad()
-    def score(self, batch: RolloutBatch, planner: MicroBatchPlanner, *, temperature: float,
+    def score(self, batch: RolloutBatch, planner: MicroBatchPlanner, name: str, *, temperature: float,
               with_entropy: bool) -> RolloutBatch:  # fmt: skip
         """``values`` or ``log_probs`` (and ``entropy``) ``[B, R]`` of this rank's ``batch``: the model-parallel
         ranks pool their batches, run them through the pipeline in the ``planner``'s micro-batches (each rank plans
         the same pooled batch alike), the last stage's results are broadcast to the others, and every rank returns
-        its own rows (on the CPU)."""
+        its own rows (on the CPU); ``meta_info["metrics"]``: ROLL's dynamic-batching counts of the pass ``name``."""
         pooled, own = gather_batch(batch, self.mp_group)
         plan = planner.plan(pooled)
         parts: list[dict[str, torch.Tensor]] = []
@@ -270,7 +275,9 @@ class MegatronModel:
         else:
             tensors = {key: torch.empty(shape, dtype=torch.float32, device=self.device) for key in keys}
         tensors = broadcast_from_last(self.stage, tensors)
-        return RolloutBatch({key: value[own].cpu() for key, value in tensors.items()}, meta_info=dict(batch.meta_info))
+        metrics = planner.dynamic_batching_metrics(name, counted=self.counted)
+        return RolloutBatch({key: value[own].cpu() for key, value in tensors.items()},
+                            meta_info={**batch.meta_info, "metrics": metrics})  # fmt: skip
 
 
 def _check_divisors(spec: ModelSpec, options: MegatronOptions, role: str, model_path: str) -> None:

@@ -42,7 +42,7 @@ from rl_engines.strategies.megatron_ops import (
 )
 from rl_engines.strategies.megatron_pipeline import broadcast_object_from_last
 from rl_engines.strategies.megatron_weights import export_hf, sharded_names
-from rl_engines.strategies.micro_batches import planner, require_no_ulysses
+from rl_engines.strategies.micro_batches import pass_name, planner, require_no_ulysses
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path, response_length, widen
 from rl_engines.strategies.train_utils import (
     MetricAccumulator,
@@ -132,22 +132,23 @@ class MegatronTrainStrategy:
         self.tokenizer = load_tokenizer(path)
 
     # ---- forward -------------------------------------------------------------------------------------------
-    def _infer(self, batch: RolloutBatch, *, temperature: float, with_entropy: bool) -> RolloutBatch:
+    def _infer(self, batch: RolloutBatch, method: str, *, temperature: float, with_entropy: bool) -> RolloutBatch:
         self.reload()
         self.model.module.eval()
-        return self.model.score(batch, self.planners["infer"], temperature=temperature, with_entropy=with_entropy)
+        return self.model.score(batch, self.planners["infer"], pass_name(self.role, method), temperature=temperature,
+                                with_entropy=with_entropy)  # fmt: skip
 
     def compute_log_probs(
         self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
     ) -> RolloutBatch:
         """``log_probs [B, R]`` (and ``entropy``) of the responses (vocabulary-parallel log-softmax), no gradients."""
         require_causal_lm(self.role, self.value_head)
-        return self._infer(batch, temperature=temperature, with_entropy=with_entropy)
+        return self._infer(batch, "compute_log_probs", temperature=temperature, with_entropy=with_entropy)
 
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
         """Critic ``values [B, R]``."""
         require_value_head(self.role, self.value_head)
-        return self._infer(batch, temperature=1.0, with_entropy=False)
+        return self._infer(batch, "compute_values", temperature=1.0, with_entropy=False)
 
     # ---- training ------------------------------------------------------------------------------------------
     def train_step(self, batch: RolloutBatch, objective: Objective) -> dict[str, float]:
@@ -164,8 +165,10 @@ class MegatronTrainStrategy:
         )  # fmt: skip
         self.reload()
         self.model.module.train()
-        return run_minibatches(pooled, self.planners["train"].split, minibatch, self.scheduler,
-                               lambda micros, metrics: self._optimizer_step(micros, objective, metrics))  # fmt: skip
+        metrics = run_minibatches(pooled, self.planners["train"].split, minibatch, self.scheduler,
+                                  lambda micros, sums: self._optimizer_step(micros, objective, sums))  # fmt: skip
+        name = pass_name(self.role, "train_step")
+        return {**metrics, **self.planners["train"].dynamic_batching_metrics(name, counted=self.model.counted)}
 
     def _optimizer_step(self, micros: list[RolloutBatch], objective: Objective, metrics: MetricAccumulator) -> float:
         assert self.optimizer is not None

@@ -19,6 +19,9 @@ Three plans (ROLL's keys, per worker):
   (:func:`rl_engines.strategies.packing.balanced_partitions`), ordered light-heavy-light as ROLL does. With
   ``algorithm: none`` packing keeps the fixed plan. Dynamic batching, when also on, decides the plan (as in ROLL).
 
+With a token budget the planner also counts what its passes cost (ROLL's ``dynamic_batching/<role>/<method>/*``
+metrics, :meth:`MicroBatchPlanner.dynamic_batching_metrics`).
+
 Three layouts a micro-batch runs in: *padded* (as the batch is), *trimmed* (without its padding columns; dynamic
 batching) and *packed* (``use_sequence_packing`` or ``use_remove_padding``: one row of real tokens, see
 :mod:`rl_engines.strategies.packing`).
@@ -34,7 +37,7 @@ its largest ones.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,8 +46,15 @@ from torch import nn
 from rl_core.batch import RolloutBatch
 from rl_core.seqlen_balance import workload
 from rl_engines.config import WorkerConfig
-from rl_engines.strategies.model_io import forward_outputs, response_length, widen, without_padding_columns
+from rl_engines.strategies.model_io import (
+    forward_outputs,
+    kept_columns,
+    response_length,
+    widen,
+    without_padding_columns,
+)
 from rl_engines.strategies.packing import PackedBatch, balanced_partitions, pack, packed_outputs
+from rl_engines.strategies.train_utils import all_reduce_sum
 
 Phase = str
 """``"train"`` (train_step's forward/backward passes) or ``"infer"`` (log-prob and value passes)."""
@@ -184,6 +194,17 @@ def agreed_count(count: int, group: dist.ProcessGroup | None = None) -> int:
 
 
 @dataclass
+class TokenCounts:
+    """What the passes a planner laid out cost, in tokens (ROLL's dynamic-batching counts): ``valid`` real tokens,
+    ``origin`` as the batches came (samples x batch width), ``actual`` as they ran (samples x width of each trimmed
+    micro-batch; a packed one runs its real tokens)."""
+
+    valid: int = 0
+    origin: int = 0
+    actual: int = 0
+
+
+@dataclass
 class MicroBatchPlanner:
     """Cuts a rank's batch into micro-batches for one phase (fixed ``size`` samples, by ``budget``, or by
     ``balance``) and runs them in their layout (``packed``; trimmed with a budget; else padded).
@@ -199,6 +220,7 @@ class MicroBatchPlanner:
     packed: bool = False
     group: dist.ProcessGroup | None = None
     agree: bool = True
+    counts: TokenCounts = field(default_factory=TokenCounts)
 
     @property
     def layout(self) -> str:
@@ -211,14 +233,42 @@ class MicroBatchPlanner:
         return self.budget.round_to if self.budget is not None else 1
 
     def plan(self, batch: RolloutBatch) -> list[list[int]]:
-        """Sample indices of each micro-batch."""
+        """Sample indices of each micro-batch (with a token budget, their tokens counted in ``counts``)."""
         if self.budget is not None:
             groups = plan_token_budget(sequence_spans(batch), self.budget)
-            return split_to_count(groups, agreed_count(len(groups), self.group)) if self.agree else groups
+            groups = split_to_count(groups, agreed_count(len(groups), self.group)) if self.agree else groups
+            self._count(batch, groups)
+            return groups
         if self.balance is not None:
             lengths = batch.batch["attention_mask"].sum(dim=1).tolist()
             return plan_load_balance(lengths, self.balance, self.group, agree=self.agree)
         return [list(range(start, min(start + self.size, len(batch)))) for start in range(0, len(batch), self.size)]
+
+    def _count(self, batch: RolloutBatch, groups: list[list[int]]) -> None:
+        mask = batch.batch["attention_mask"]
+        self.counts.valid += int(mask.sum())
+        self.counts.origin += mask.numel()
+        for group in groups:
+            if self.packed:
+                self.counts.actual += int(mask[group].sum())
+            else:
+                start, end = kept_columns(mask[group], response_length(batch), self.round_to)
+                self.counts.actual += len(group) * (end - start)
+
+    def dynamic_batching_metrics(self, name: str, *, counted: bool = True) -> dict[str, float]:
+        """ROLL's ``dynamic_batching/<name>/*`` (``valid_tokens``, ``actual_tokens_origin``, ``actual_tokens``,
+        ``removed_padding_tokens``, ``removed_padding_ratio``) of the passes planned since the last call, summed over
+        the ranks of the role; {} without a token budget. ``counted``: this rank's samples are its own, not a copy
+        that a model-parallel or Ulysses peer counts. Every rank of the role calls it together (an all-reduce)."""
+        if self.budget is None:
+            return {}
+        counts, self.counts = self.counts, TokenCounts()
+        local = torch.tensor([counts.valid, counts.origin, counts.actual], dtype=torch.float64) * float(counted)
+        valid, origin, actual = all_reduce_sum(local).tolist()
+        prefix = f"dynamic_batching/{name}"
+        return {f"{prefix}/valid_tokens": valid, f"{prefix}/actual_tokens_origin": origin,
+                f"{prefix}/actual_tokens": actual, f"{prefix}/removed_padding_tokens": origin - actual,
+                f"{prefix}/removed_padding_ratio": (origin - actual) / origin if origin else 0.0}  # fmt: skip
 
     def split(self, batch: RolloutBatch) -> list[RolloutBatch]:
         """The micro-batches themselves (every column kept; :meth:`forward` / :meth:`runs` lay them out)."""
@@ -247,6 +297,12 @@ class MicroBatchPlanner:
         plan = self.plan(batch)
         parts = [forward(batch.index(indices)) for indices in plan]
         return RolloutBatch(in_batch_order(parts, plan), meta_info=dict(batch.meta_info))
+
+
+def pass_name(role: str, method: str, disable_adapter: bool = False) -> str:
+    """A pass's name in ROLL's ``dynamic_batching/<name>/*`` metrics: ``<role>/<method>``; a LoRA actor's pass with
+    its adapters off is the reference's (``reference/compute_log_probs``)."""
+    return f"{'reference' if disable_adapter else role}/{method}"
 
 
 def in_batch_order(parts: list[dict[str, torch.Tensor]], plan: list[list[int]]) -> dict[str, torch.Tensor]:

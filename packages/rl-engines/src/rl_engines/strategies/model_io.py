@@ -194,13 +194,25 @@ def widen(outputs: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tenso
 
 def without_padding_columns(batch: RolloutBatch, round_to: int = 1) -> RolloutBatch:
     """The model inputs of ``batch`` (``input_ids``, ``attention_mask``, ``position_ids`` when given,
-    ``responses``) cut to the columns from the first real prompt token of any sample to the last real response
-    token of any sample, widened to a multiple of ``round_to`` (responses first, then prompts) within the batch.
+    ``responses``) cut to the columns :func:`kept_columns` keeps."""
+    mask, responses = batch.batch["attention_mask"], response_length(batch)
+    prompts = mask.shape[1] - responses
+    start, end = kept_columns(mask, responses, round_to)
+    tensors = {key: batch.batch[key][:, start:end] for key in ("input_ids", "attention_mask", "position_ids")
+               if key in batch}  # fmt: skip
+    for key in ("responses", "response_mask"):
+        if key in batch:
+            tensors[key] = batch.batch[key][:, : end - prompts]
+    return RolloutBatch(tensors)
 
-    At least the last prompt column stays (it predicts the first response token) and one response column.
-    """
-    mask = batch.batch["attention_mask"].to(torch.bool)
-    total, responses = mask.shape[1], response_length(batch)
+
+def kept_columns(attention_mask: torch.Tensor, responses: int, round_to: int = 1) -> tuple[int, int]:
+    """``(start, end)``: the columns from the first real prompt token of any sample to the last real response token
+    of any sample (``responses`` right-padded response columns at the end), widened to a multiple of ``round_to``
+    (responses first, then prompts) within the batch. At least the last prompt column stays (it predicts the first
+    response token) and one response column."""
+    mask = attention_mask.to(torch.bool)
+    total = mask.shape[1]
     prompts = total - responses
     used = mask.any(dim=0).nonzero().flatten().tolist()  # ascending
     prompt_columns, response_columns = [c for c in used if c < prompts], [c for c in used if c >= prompts]
@@ -208,10 +220,4 @@ def without_padding_columns(batch: RolloutBatch, round_to: int = 1) -> RolloutBa
     end = response_columns[-1] + 1 if response_columns else prompts + 1
     short = (-(end - start)) % round_to
     grow = min(short, total - end)
-    end, start = end + grow, max(start - (short - grow), 0)
-    tensors = {key: batch.batch[key][:, start:end] for key in ("input_ids", "attention_mask", "position_ids")
-               if key in batch}  # fmt: skip
-    for key in ("responses", "response_mask"):
-        if key in batch:
-            tensors[key] = batch.batch[key][:, : end - prompts]
-    return RolloutBatch(tensors)
+    return max(start - (short - grow), 0), end + grow
