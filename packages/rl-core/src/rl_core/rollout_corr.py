@@ -195,6 +195,12 @@ def normalize_weights(
         per_row = masked_mean(weights, response_mask, dim=-1)
         rows = (response_mask.to(weights.dtype).sum(-1) > 0).to(weights.dtype)
         mean = (per_row * rows).sum() / rows.sum().clamp_min(EPS)
+    return _divided_by_mean(weights, mean)
+
+
+def _divided_by_mean(weights: torch.Tensor, mean: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weights / mean`` and the 0-dim factor when the mean exceeds 1e-8, else ``weights`` and 1.0 (also for the
+    NaN of 0 / 0)."""
     applies = mean > EPS
     normalized = torch.where(applies, weights / mean.to(weights.dtype), weights)
     return normalized, torch.where(applies, mean, torch.ones_like(mean))
@@ -218,10 +224,7 @@ def normalize_weights_across(
     zero = values.new_zeros(())
     local = torch.stack([torch.where(counted, values, zero).sum(), counted.double().sum()])
     total = all_reduce(local)
-    mean = total[0] / total[1]
-    applies = mean > EPS  # False for 0 / 0 (no rank holds a token): the weights stay as they are
-    normalized = torch.where(applies, weights / mean.to(weights.dtype), weights)
-    return normalized, torch.where(applies, mean, torch.ones_like(mean))
+    return _divided_by_mean(weights, total[0] / total[1])  # 0 / 0 when no rank holds a token: left as they are
 
 
 def batch_normalize(weights: torch.Tensor, response_mask: torch.Tensor, level: str) -> tuple[torch.Tensor, float]:
