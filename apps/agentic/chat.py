@@ -33,11 +33,12 @@ class TurnFormatter:
     """Renders first prompts and between-turn continuations with one tokenizer's chat template."""
 
     tokenizer: Any
-    system: str
+    system: str | None
+    """The system message of every conversation; None: none."""
     _after_response: str = field(init=False)
 
     def __post_init__(self) -> None:
-        base = [{"role": "system", "content": self.system}, {"role": "user", "content": "u"}]
+        base = [*self._system(), {"role": "user", "content": "u"}]
         prompt = _render(self.tokenizer, base, True)
         closed = _render(self.tokenizer, [*base, {"role": "assistant", "content": PROBE}], False)
         if not closed.startswith(prompt + PROBE):
@@ -51,8 +52,11 @@ class TurnFormatter:
 
     def first_prompt(self, user: str) -> list[int]:
         """Token ids of ``[system, user]`` plus the generation prompt."""
-        messages = [{"role": "system", "content": self.system}, {"role": "user", "content": user}]
+        messages = [*self._system(), {"role": "user", "content": user}]
         return self._encode(_render(self.tokenizer, messages, True))
+
+    def _system(self) -> list[dict[str, str]]:
+        return [] if self.system is None else [{"role": "system", "content": self.system}]
 
     def continuation(self, eos_text: str, user: str) -> list[int]:
         """Tokens that follow a response up to the next generation prompt: the end of the assistant message the

@@ -29,7 +29,7 @@ DEFAULT_AGENT_TEMPLATE = (
     "1. output format is '<answer> [your answer] </answer>' with no extra text.\n2. You have {actions_left} actions "
     "left.\n3. Max response length: {max_response_length} words (tokens).\nDecide the next action:\n"
 )
-TEMPLATE_FIELDS = ("turn_idx", "observation", "actions_left", "max_response_length")
+TEMPLATE_FIELDS = ("turn_idx", "observation", "actions_left", "max_response_length", "suffix")
 DEFAULT_SEQUENCE_LENGTH = 8192
 """Tokens an episode may fill when ``sequence_length`` is null."""
 
@@ -70,17 +70,20 @@ RLVR_ONLY = {
 # own sample, its prompt the conversation the environment keeps).
 ENV_MANAGER_CLASSES = {"TrajEnvManager": "trajectory", "EnvManager": "trajectory", "AgenticEnvManager": "trajectory",
                        "EnvironmentWorker": "trajectory", "StepEnvManager": "step",
-                       "AgentNativeStepEnvManager": "native"}  # fmt: skip
+                       "AgentNativeStepEnvManager": "native", "StepConcatEnvManager": "concat"}  # fmt: skip
 # ROLL managers not built here -> what to use instead.
 UNBUILT_ENV_MANAGERS = {
-    "StepConcatEnvManager": "use StepEnvManager (its history is the window of earlier turns with their actions)",
     "VLTrajEnvManager": "vision-language environments are not built yet",
     "ProxyEnvManager": "LLM-proxy environments are not built",
 }
-MODES = ("trajectory", "step", "native")
-"""native (AgentNativeStepEnvManager): step samples whose prompt is the conversation the environment keeps."""
+MODES = ("trajectory", "step", "native", "concat")
+"""native (AgentNativeStepEnvManager): step samples whose prompt is the conversation the environment keeps; concat
+(StepConcatEnvManager, GEM's observation-concatenating wrapper): step samples whose prompt shows the earlier
+observations and the current one with the environment's suffix."""
 STEP_TEMPLATE_FIELDS = (*TEMPLATE_FIELDS, "env_instruction", "step_count", "history_length", "history",
                         "current_step", "current_observation")  # fmt: skip
+CONCAT_TEMPLATE_FIELDS = ("history", "current_observation")
+"""The fields ROLL's StepConcatEnvManager fills (it formats agent_template with these two only)."""
 BATCH_ADJUST_MODES = ("copy", "delete", "auto", "random_sample")
 
 
@@ -228,12 +231,14 @@ class EnvSpec:
     """ROLL agent runner (must be null: the env manager runs the conversation)."""
     use_thread_lock: bool = True
     """ROLL: serialise env steps of this type (environments here are stepped by one thread per worker)."""
-    agent_system_template: str = DEFAULT_SYSTEM_TEMPLATE
-    """System message of every episode."""
+    agent_system_template: str | None = DEFAULT_SYSTEM_TEMPLATE
+    """System message of every episode; null: none (the tokenizer's chat template decides, e.g. Qwen2.5's default)."""
     agent_template: str = DEFAULT_AGENT_TEMPLATE
-    """User message of every turn; fields {turn_idx}, {observation}, {actions_left}, {max_response_length}; with
-    StepEnvManager also {env_instruction}, {step_count}, {history_length}, {history}, {current_step},
-    {current_observation}."""
+    """User message of every turn; fields {turn_idx}, {observation}, {actions_left}, {max_response_length}, {suffix}
+    (the environment's prompt for the next move: GEM's info["suffix"], else empty); with StepEnvManager also
+    {env_instruction}, {step_count}, {history_length}, {history}, {current_step}, {current_observation}; with
+    StepConcatEnvManager only {history} (the earlier observations, one per line) and {current_observation} (the
+    observation, a newline and the suffix)."""
     env_config: dict[str, Any] = field(default_factory=dict)
     """Keys of the environment's own config (dim_room, is_slippery, action_pattern, format_penalty, ...)."""
     max_env_step_concurrent: int | None = None
@@ -245,14 +250,14 @@ class EnvSpec:
     def validate(self, key: str) -> None:
         """Env type registered, templates formattable, lengths positive."""
         from apps.agentic.envs import ENV_TYPES
+        from apps.agentic.envs.gem_env import check_gem_env, is_gem_id
 
-        if self.env_type not in ENV_TYPES and ":" in self.env_type:
-            raise WorkerConfigError(
-                f"{key}.env_type={self.env_type!r} is one of GEM's own environments (family:name), which run through "
-                "the gem-llm package; it is not installed here and its environments are not built. Built in: "
-                f"{ENV_TYPES.names()} (roll_math serves ROLL's GEM math files from a local dataset)."
-            )
-        if self.env_type not in ENV_TYPES:
+        if self.env_type not in ENV_TYPES and is_gem_id(self.env_type):
+            try:
+                check_gem_env(self.env_type)
+            except ValueError as err:
+                raise WorkerConfigError(f"{key}.{err}") from None
+        elif self.env_type not in ENV_TYPES:
             raise WorkerConfigError(
                 f"{key}.env_type={self.env_type!r} is not a registered environment; registered: {ENV_TYPES.names()}. "
                 "Register your own class with @apps.agentic.envs.ENV_TYPES.register('<name>')."
@@ -271,7 +276,7 @@ class EnvSpec:
         if self.mode == "native":
             self._check_native(key)
             return  # the environment writes the conversation: agent_template is not used (ROLL: a placeholder)
-        fields = STEP_TEMPLATE_FIELDS if self.mode == "step" else TEMPLATE_FIELDS
+        fields = {"step": STEP_TEMPLATE_FIELDS, "concat": CONCAT_TEMPLATE_FIELDS}.get(self.mode, TEMPLATE_FIELDS)
         try:
             self.agent_template.format(**dict.fromkeys(fields, 0))
         except (KeyError, IndexError, ValueError) as err:
@@ -281,9 +286,9 @@ class EnvSpec:
             ) from None
 
     def _check_native(self, key: str) -> None:
-        from apps.agentic.envs import ENV_TYPES
+        from apps.agentic.envs.base import resolve_env_class
 
-        if not getattr(ENV_TYPES.get(self.env_type), "keeps_conversation", False):
+        if not getattr(resolve_env_class(self.env_type), "keeps_conversation", False):
             raise WorkerConfigError(
                 f"{key}: env_manager_cls AgentNativeStepEnvManager needs an environment that keeps its own "
                 f"conversation (e.g. env_type: sokoban_native_env); {self.env_type!r} does not. Use StepEnvManager."

@@ -157,7 +157,7 @@ def _corpus(specs: Specs) -> list[str]:
     """Texts the tokenizer is trained on: instructions, templates, observations of every cell, the answers."""
     spec = specs["trajectory"]
     env = make_env(spec.env_type, spec.env_config)
-    texts = [env.instructions, spec.agent_system_template, *(f"<answer>{a}</answer>" for a in ACTIONS)]
+    texts = [env.instructions, spec.agent_system_template or "", *(f"<answer>{a}</answer>" for a in ACTIONS)]
     for seed in range(8):
         observation = env.reset(seed)
         for turn, action in enumerate(["Right", "Right", "Down", "Down", "Down", "Right"], start=1):

@@ -4,7 +4,8 @@
 ``group_size`` environments that are reset with one seed, so they start from the same state (the "prompt" the group's
 episodes are compared on). Seeds come from ``(seed, split, step, round, group)`` through numpy's SeedSequence: a
 resumed or replayed run sees the same environments, and validation seeds (the same at every evaluation) never meet
-training ones.
+training ones. An ``env_config`` with a ``seed`` key (GEM's reasoning-gym environments build their question set from
+it) gets its group's own seed for the run in its place, as ROLL gives it the group seed.
 
 Environments are split into workers of at most ``max_env_num_per_worker`` (ROLL's env-manager workers); the
 workers step their environments on a thread pool, so a slow environment type does not hold up the others.
@@ -57,6 +58,8 @@ class EnvManager:
             if section.format_penalty is not None:
                 env_config["format_penalty"] = section.format_penalty
             for _ in range(groups):
+                if "seed" in env_config:  # ROLL: an environment's own seed (GEM's reasoning-gym sets) is its group's
+                    env_config["seed"] = group_seed(self.seed, split, 0, 0, group)
                 for _ in range(section.group_size):
                     env = make_env(spec.env_type, env_config)
                     self.slots.append(EnvSlot(len(self.slots), tag, group, spec, env))

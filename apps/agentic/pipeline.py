@@ -29,7 +29,7 @@ from apps.agentic.preflight import agentic_preflight
 from apps.agentic.render import render_episodes
 from apps.agentic.rollout import TrajectoryRunner, episode_metrics
 from apps.agentic.step_batch import adjust_batch, size_divisor, step_sample_rewards, train_plans, with_step_returns
-from apps.agentic.step_rollout import NativeRunner, StepRunner
+from apps.agentic.step_rollout import ConcatRunner, NativeRunner, StepRunner
 from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.checkpoint_space import checkpoint_space_warning
 from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
@@ -46,7 +46,7 @@ from rl_engines.roles import Roles
 from rl_replay import RolloutReplay
 
 RUNNERS: dict[str, type[TrajectoryRunner]] = {"trajectory": TrajectoryRunner, "step": StepRunner,
-                                               "native": NativeRunner}  # fmt: skip
+                                               "native": NativeRunner, "concat": ConcatRunner}  # fmt: skip
 """The runner of each sample layout (apps.agentic.config.ENV_MANAGER_CLASSES)."""
 OUTCOME_AS_REINFORCE = {"grpo": "reinforce", "gigpo": "reinforce", "step_reinforce": "reinforce"}
 

@@ -79,10 +79,16 @@ class Episode:
         return self.prompt_ids + self.tokens
 
 
-def user_turn(spec: EnvSpec, observation: str, turn: int) -> str:
-    """The user message of turn ``turn`` (1-based) from the tag's agent_template."""
+def user_turn(spec: EnvSpec, observation: str, turn: int, suffix: str = "") -> str:
+    """The user message of turn ``turn`` (1-based) from the tag's agent_template; ``suffix``: the environment's
+    prompt for the next move (:func:`env_suffix`)."""
     return spec.agent_template.format(turn_idx=turn, observation=observation, actions_left=spec.max_steps - turn + 1,
-                                      max_response_length=spec.max_tokens_per_step)  # fmt: skip
+                                      max_response_length=spec.max_tokens_per_step, suffix=suffix)  # fmt: skip
+
+
+def env_suffix(env: Any) -> str:
+    """The environment's prompt for its next move (``suffix``: GEM's ``info["suffix"]``), empty when it has none."""
+    return str(getattr(env, "suffix", ""))
 
 
 def turn_seed(seed: int, split: str, step: int, round_index: int, turn: int) -> int:
@@ -137,7 +143,7 @@ class TrajectoryRunner:
     def _first_prompt(self, episode: Episode) -> list[int]:
         """System message, the environment's instructions and the first observation, chat-templated."""
         instructions = episode.slot.env.instructions
-        user = user_turn(episode.slot.spec, episode.observation, 1)
+        user = user_turn(episode.slot.spec, episode.observation, 1, env_suffix(episode.slot.env))
         user = f"{instructions}\n{user}" if instructions else user
         return self.formatters[episode.slot.tag].first_prompt(user)
 
@@ -207,7 +213,7 @@ class TrajectoryRunner:
         """Extend the conversation by the next user turn, or end the episode when the next turn would not fit."""
         eos_text = self.tokenizer.decode(ids[-1:]) if ids and ids[-1] in self.eos_ids else ""
         following = self.formatters[episode.slot.tag].continuation(
-            eos_text, user_turn(episode.slot.spec, episode.observation, turn + 1)
+            eos_text, user_turn(episode.slot.spec, episode.observation, turn + 1, env_suffix(episode.slot.env))
         )
         if len(episode.context) + len(following) + self._turn_limit(episode) > self.sequence_length:
             episode.done = True  # the next turn would not fit: truncated, finish stays "length"

@@ -25,7 +25,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from apps.agentic.config import EnvSpec
-from apps.agentic.rollout import Episode, Sample, TrajectoryRunner, Turn, episode_columns, samples_to_batch
+from apps.agentic.rollout import (
+    Episode,
+    Sample,
+    TrajectoryRunner,
+    Turn,
+    env_suffix,
+    episode_columns,
+    samples_to_batch,
+)
 from rl_core.batch import RolloutBatch
 
 INVALID_TIP = (
@@ -56,15 +64,17 @@ def template_fields(template: str) -> set[str]:
     return {name for _, name, _, _ in string.Formatter().parse(template) if name}
 
 
-def step_user_message(spec: EnvSpec, instructions: str, turns: Sequence[Turn], observation: str) -> str:
-    """The user message of the turn after ``turns`` (the module docstring's fields), acting on ``observation``."""
+def step_user_message(spec: EnvSpec, instructions: str, turns: Sequence[Turn], observation: str,
+                      suffix: str = "") -> str:  # fmt: skip
+    """The user message of the turn after ``turns`` (the module docstring's fields), acting on ``observation``;
+    ``suffix``: the environment's prompt for the next move."""
     taken = len(turns)
     shown = min(taken, max((spec.history_length or 1) - 1, 0))
     user = spec.agent_template.format(
         env_instruction=instructions, step_count=taken, history_length=shown,
         history=history_window(turns, spec.history_length), current_step=taken + 1, current_observation=observation,
         turn_idx=taken + 1, observation=observation, actions_left=spec.max_steps - taken,
-        max_response_length=spec.max_tokens_per_step,
+        max_response_length=spec.max_tokens_per_step, suffix=suffix,
     )  # fmt: skip
     if instructions and "env_instruction" not in template_fields(spec.agent_template):
         user = f"{instructions}\n{user}"
@@ -92,7 +102,8 @@ class StepRunner(TrajectoryRunner):
 
     def _step_prompt(self, episode: Episode) -> list[int]:
         """The chat-templated prompt of the episode's next turn."""
-        user = step_user_message(episode.slot.spec, episode.slot.env.instructions, episode.turns, episode.observation)
+        env, spec = episode.slot.env, episode.slot.spec
+        user = step_user_message(spec, env.instructions, episode.turns, episode.observation, env_suffix(env))
         return self.formatters[episode.slot.tag].first_prompt(user)
 
     def to_batch(self, episodes: Sequence[Episode]) -> RolloutBatch:
@@ -129,3 +140,23 @@ class NativeRunner(StepRunner):
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
                                                   enable_thinking=False)  # fmt: skip
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def concat_user_message(spec: EnvSpec, turns: Sequence[Turn], observation: str, suffix: str) -> str:
+    """ROLL's StepConcatEnvManager prompt (GEM's observation-concatenating wrapper): ``agent_template`` with
+    ``{history}``, the observations the last ``history_length - 1`` turns acted on, one per line (none without
+    ``history_length``), and ``{current_observation}``, the observation, a newline and the environment's suffix."""
+    window = (spec.history_length or 1) - 1
+    shown = turns[max(len(turns) - window, 0) :] if window > 0 else []
+    history = "\n".join(turn.observation for turn in shown)
+    return spec.agent_template.format(history=history, current_observation=f"{observation}\n{suffix}")
+
+
+class ConcatRunner(StepRunner):
+    """ROLL's StepConcatEnvManager: step samples whose prompt is :func:`concat_user_message` (no instructions, no
+    actions: a GEM environment's first observation holds its rules). A turn's anchor state for GiGPO is the
+    observation it acted on (ROLL hashes it with the suffix, which GEM's games keep the same all episode)."""
+
+    def _step_prompt(self, episode: Episode) -> list[int]:
+        user = concat_user_message(episode.slot.spec, episode.turns, episode.observation, env_suffix(episode.slot.env))
+        return self.formatters[episode.slot.tag].first_prompt(user)

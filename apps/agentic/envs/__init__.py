@@ -1,13 +1,15 @@
 """Text environments of the agentic pipeline, chosen by ``custom_envs.<tag>.env_type``.
 
 Built in: ``sokoban``, ``frozen_lake``, ``roll_math`` (a math question per episode) and ``sokoban_native_env``
-(Sokoban keeping its own conversation, for AgentNativeStepEnvManager). Add your own with
-``@ENV_TYPES.register("my_env")`` on a class that has ``config_cls`` (the dataclass of its ``env_config`` keys) and
-implements :class:`TextEnv`; ``make_env`` builds any registered type from its ``env_config`` mapping.
+(Sokoban keeping its own conversation, for AgentNativeStepEnvManager); GEM's own ``family:name`` ids (games,
+reasoning-gym) through the gem-llm package (:mod:`apps.agentic.envs.gem_env`, resolved by ``resolve_env_class``).
+Add your own with ``@ENV_TYPES.register("my_env")`` on a class that has ``config_cls`` (the dataclass of its
+``env_config`` keys) and implements :class:`TextEnv`; ``make_env`` builds any registered type from its ``env_config``
+mapping.
 """
 
 from apps.agentic.envs.actions import ANSWER_PATTERN, THINK_ANSWER_PATTERN, ActionParser
-from apps.agentic.envs.base import ENV_TYPES, EnvClass, Frame, StepResult, TextEnv, make_env
+from apps.agentic.envs.base import ENV_TYPES, EnvClass, Frame, StepResult, TextEnv, make_env, resolve_env_class
 from apps.agentic.envs.env_config import EnvConfigError, parse_env_config
 from apps.agentic.envs.frozen_lake import FrozenLakeConfig, FrozenLakeEnv
 from apps.agentic.envs.math_env import MathEnv, MathEnvConfig
@@ -37,5 +39,6 @@ __all__ = [
     "generate_room",
     "make_env",
     "parse_env_config",
+    "resolve_env_class",
     "solve",
 ]

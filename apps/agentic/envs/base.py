@@ -87,10 +87,20 @@ class EnvClass(Protocol):
 ENV_TYPES: Registry[EnvClass] = Registry("environment type", "custom_envs.<tag>.env_type")
 
 
+def resolve_env_class(env_type: str) -> EnvClass:
+    """The class of ``env_type``: a registered one, else one of GEM's own (``family:name``, through gem-llm: see
+    :mod:`apps.agentic.envs.gem_env`). Raises ``ValueError`` (``EnvConfigError`` for GEM ids) saying why not."""
+    from apps.agentic.envs.gem_env import gem_env_class, is_gem_id
+
+    if env_type not in ENV_TYPES and is_gem_id(env_type):
+        return gem_env_class(env_type)
+    return ENV_TYPES.get(env_type)
+
+
 def make_env(env_type: str, env_config: Mapping[str, Any] | None = None) -> TextEnv:
-    """A new environment of the registered ``env_type``, configured by ``env_config`` (validated: every error names
-    ``env_config.<key>``). Raises ``ValueError`` naming the registered types when ``env_type`` is unknown."""
-    env_class = ENV_TYPES.get(env_type)
+    """A new environment of ``env_type`` (:func:`resolve_env_class`), configured by ``env_config`` (validated: every
+    error names ``env_config.<key>``). Raises ``ValueError`` naming the registered types for an unknown ``env_type``."""
+    env_class = resolve_env_class(env_type)
     config_cls = getattr(env_class, "config_cls", None)
     if not (isinstance(config_cls, type) and dataclasses.is_dataclass(config_cls)):
         raise TypeError(

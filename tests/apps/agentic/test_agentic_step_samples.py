@@ -194,7 +194,7 @@ def test_the_roll_gigpo_file_loads_and_passes_preflight():
                                                                    agent_template="{observation}"),
          "val_env_manager.tags mix env managers"),
         (lambda raw: raw["custom_envs"]["FrozenLake"].update(env_manager_cls="a.b.StepConcatEnvManager"),
-         "use StepEnvManager"),
+         "with concat samples it may use {history}, {current_observation}"),
         (lambda raw: raw.update(batch_adjust_mode="pad"), "batch_adjust_mode='pad'"),
         (lambda raw: raw.update(step_reward_gamma=1.5), "step_reward_gamma must be in [0, 1]"),
         (lambda raw: raw["custom_envs"]["FrozenLake"].update(agent_template="{nope}"),
