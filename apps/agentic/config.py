@@ -329,6 +329,9 @@ class AgenticConfig:
     """gigpo: weight of the normalised episode score."""
     step_reward_weight: float = 1.0
     """gigpo: weight of the normalised step return (within its anchor-state group)."""
+    ratio_type: str = "token"
+    """PPO's ratio: token, or segment (one ratio per assistant turn: exp of the turn's mean token log-ratio; ROLL's
+    agentic key, rl-core's segment_ppo)."""
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> AgenticConfig:
@@ -353,7 +356,7 @@ class AgenticConfig:
             raise WorkerConfigError(f"custom_envs must be a mapping of tag -> environment, got {envs!r}.")
         config.custom_envs = {tag: build_dataclass(EnvSpec, spec, f"custom_envs.{tag}") for tag, spec in envs.items()}
         scalars = ("render_save_dir", "max_tokens_per_step", "batch_adjust_mode", "step_reward_gamma",
-                   "episode_reward_weight", "step_reward_weight")  # fmt: skip
+                   "episode_reward_weight", "step_reward_weight", "ratio_type")  # fmt: skip
         picked = build_dataclass(_Scalars, {k: agentic[k] for k in scalars if k in agentic}, "")
         for name in scalars:
             setattr(config, name, getattr(picked, name))
@@ -388,6 +391,7 @@ class _Scalars:
     step_reward_gamma: float = 0.95
     episode_reward_weight: float = 1.0
     step_reward_weight: float = 1.0
+    ratio_type: str = "token"
 
 
 def _manager_sampling(values: dict[str, Any], agentic: dict[str, Any]) -> dict[str, Any]:
@@ -488,3 +492,9 @@ def _validate_modes(config: AgenticConfig) -> None:
         )
     if not 0.0 <= config.step_reward_gamma <= 1.0:
         raise WorkerConfigError(f"step_reward_gamma must be in [0, 1], got {config.step_reward_gamma}.")
+    from apps.common.policy_args import policy_loss_name
+
+    try:
+        policy_loss_name(config.base, config.ratio_type)
+    except ValueError as err:
+        raise WorkerConfigError(str(err)) from None

@@ -38,8 +38,9 @@ class AlgorithmSettings:
     """verl 0.9.1's rollout correction (``rollout_correction``), applied before the advantages."""
 
     @classmethod
-    def from_config(cls, config: Any, temperature: float = 1.0) -> AlgorithmSettings:
-        """Read ``adv_estimator``, gamma / lambd, reward_*, rollout_is_*, pg_* and loss coefficient keys."""
+    def from_config(cls, config: Any, temperature: float = 1.0, ratio_type: str = "token") -> AlgorithmSettings:
+        """Read ``adv_estimator``, gamma / lambd, reward_*, rollout_is_*, pg_* and loss coefficient keys;
+        ``ratio_type``: the agentic pipeline's (``policy_loss_name``)."""
         advantage = AdvantageConfig(gamma=config.gamma, lambd=config.lambd, whiten_advantages=config.whiten_advantages,
                                     advantage_clip=config.advantage_clip)  # fmt: skip
         reward = RewardConfig(reward_norm=config.reward_norm, reward_shift=config.reward_shift,
@@ -62,7 +63,7 @@ class AlgorithmSettings:
         policy.validate()
         coefficients = LossCoefficients(rl_loss_coef=config.rl_loss_coef, kl_loss_coef=config.kl_loss_coef,
                                         entropy_loss_coef=config.entropy_loss_coef)  # fmt: skip
-        actor = ActorObjective(policy_loss=policy_loss_name(config), loss_agg_mode=config.loss_agg_mode,
+        actor = ActorObjective(policy_loss=policy_loss_name(config, ratio_type), loss_agg_mode=config.loss_agg_mode,
                                policy_loss_config=policy, coefficients=coefficients, use_kl_loss=config.use_kl_loss,
                                kl_loss_type=config.kl_loss_type, temperature=temperature)  # fmt: skip
         critic = CriticObjective(value_clip=config.value_clip, loss_agg_mode=config.loss_agg_mode)

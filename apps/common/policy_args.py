@@ -23,6 +23,10 @@ ROLL_PG_VARIANTS = {"vanilla": "gpg", "ppo": "vanilla", "tis": "tis", "topr": "t
 (rl-core's ``gpg``), its ``ppo`` rl-core's clipped PPO (``vanilla``)."""
 IMPORTANCE_SAMPLING = {"token": "vanilla", "seq": "sequence_ppo"}
 """``ActorWorker``'s PPO by ``importance_sampling``."""
+RATIO_TYPES = ("token", "segment")
+"""ROLL's agentic ``ratio_type``: PPO on a token ratio, or on one ratio per segment (an assistant turn)."""
+AGENTIC_PG_WORKER = "agentic_actor_pg_worker.ActorWorker"
+"""ROLL's agentic ActorPGWorker keeps the class name ActorWorker in its own module."""
 
 
 @dataclass
@@ -58,7 +62,10 @@ class ActorPolicyArgs:
 
     @property
     def worker(self) -> str:
-        """The worker class's last component (``ActorWorker`` when unset)."""
+        """The worker class's last component (``ActorWorker`` when unset); ``ActorPGWorker`` for ROLL's agentic one
+        (``roll.pipeline.agentic.agentic_actor_pg_worker.ActorWorker``)."""
+        if (self.worker_cls or "").endswith(AGENTIC_PG_WORKER):
+            return "ActorPGWorker"
         return (self.worker_cls or "ActorWorker").rsplit(".", 1)[-1]
 
 
@@ -70,8 +77,25 @@ def pop_policy_args(section: dict[str, Any]) -> dict[str, Any]:
     return {key: section.pop(key) for key in list(section) if key in POLICY_KEYS}
 
 
-def policy_loss_name(config: Any) -> str:
-    """The rl-core loss a config trains with; raises ``ValueError`` naming the keys when they disagree."""
+def policy_loss_name(config: Any, ratio_type: str = "token") -> str:
+    """The rl-core loss a config trains with; raises ``ValueError`` naming the keys when they disagree.
+    ``ratio_type`` (ROLL's agentic key): ``segment`` trains PPO on one ratio per segment (``segment_ppo``)."""
+    if ratio_type not in RATIO_TYPES:
+        raise ValueError(f"ratio_type={ratio_type!r}; valid values: {list(RATIO_TYPES)}.")
+    loss = _token_ratio_loss(config)
+    if ratio_type == "token":
+        return loss
+    if loss not in ("vanilla", "ppo") or config.importance_sampling != "token":
+        raise ValueError(
+            f"ratio_type: segment is ROLL's PPO on one ratio per segment (an assistant turn), but the configured loss "
+            f"is {loss!r} (pg_variant / actor_train.pg_variant / importance_sampling); the segment ratio is built "
+            "for PPO here: use pg_variant ppo (vanilla with ActorWorker), or ratio_type: token."
+        )
+    return "segment_ppo"
+
+
+def _token_ratio_loss(config: Any) -> str:
+    """The loss ``worker_cls``, the pg_variants and ``importance_sampling`` pick (on a token or sequence ratio)."""
     args: ActorPolicyArgs = config.actor_policy
     if args.worker not in ACTOR_WORKERS:
         raise ValueError(

@@ -77,6 +77,22 @@ def test_sequence_ppo_clips_one_ratio_per_sequence_as_rolls_importance_sampling_
     assert grad.flatten().tolist() == pytest.approx([0.5, 0.0], abs=1e-12)
 
 
+def test_segment_ppo_clips_one_ratio_per_turn_as_rolls_ratio_type_segment():
+    # two turns with environment text (masked) between: log ratios 0.1, 0.3 | - | 0.0, 0.2 -> ratios exp(0.2) =
+    # 1.2214 (A=+1: clipped to 1.2, no gradient) and exp(0.1) = 1.1052 (unclipped), each shared by its turn's tokens
+    mask = [[1, 1, 0, 1, 1]]
+    loss, grad, m = run("segment_ppo", [[0.0] * 5], [[0.1, 0.3, 9.0, 0.0, 0.2]], [[1.0] * 5], mask)
+    r = math.exp(0.1)
+    assert loss == pytest.approx(-(1.2 + 1.2 + r + r) / 4)
+    assert m["pg_clipfrac"] == pytest.approx(0.5)
+    # d/d logp of -A exp(mean of 2) over 4 tokens: r / 2 per token of the second turn, summed over its 2 tokens
+    assert grad.flatten().tolist() == pytest.approx([0.0, 0.0, 0.0, -r / 4, -r / 4], abs=1e-12)
+    # one turn per row: sequence_ppo
+    args = ([[0.0, 0.0, 0.0]], [[0.1, -0.2, 0.4]], [[-1.0, 0.5, 2.0]], [[1, 1, 0]])
+    assert run("segment_ppo", *args)[0] == pytest.approx(run("sequence_ppo", *args)[0], abs=1e-12)
+    assert torch.allclose(run("segment_ppo", *args)[1], run("sequence_ppo", *args)[1], atol=1e-12)
+
+
 def test_gpg_is_plain_policy_gradient():
     loss, grad, _ = run("gpg", [[0.0, 0.0]], [[-1.0, -2.0]], [[2.0, -1.0]])
     assert loss == pytest.approx((2.0 * 1.0 + (-1.0) * 2.0) / 2)
@@ -153,6 +169,7 @@ def test_every_loss_has_a_hand_test():
     tested = {
         "vanilla",
         "sequence_ppo",
+        "segment_ppo",
         "gspo",
         "gpg",
         "clip_cov",

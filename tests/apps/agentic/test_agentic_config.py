@@ -168,3 +168,46 @@ def test_asym_clip_normalises_as_rolls_mean_std_without_a_clamp(tmp_path):
     assert rewards.tolist() == pytest.approx([-0.5, -0.5, -0.5, 1.5, 0.5, 0.5, 0.5, -1.5])  # (x - mean) / 4
     notes = "\n".join(agentic_preflight(config).notes)
     assert "[preflight] reward_normalization.method: asym_clip normalises as mean_std" in notes
+
+
+AGENTIC_PG = "roll.pipeline.agentic.agentic_actor_pg_worker.ActorWorker"
+
+
+@pytest.mark.parametrize(
+    ("changes", "loss"),
+    [
+        ({}, "vanilla"),
+        ({"ratio_type": "segment"}, "segment_ppo"),  # ROLL's agentic ActorWorker on one ratio per turn
+        ({"ratio_type": "segment", "actor_train": {"worker_cls": AGENTIC_PG, "pg_variant": "ppo"}}, "segment_ppo"),
+        ({"actor_train": {"worker_cls": AGENTIC_PG, "pg_variant": "topr"}}, "topr"),  # the agentic PG worker's loss
+    ],
+)  # fmt: skip
+def test_ratio_type_and_the_agentic_pg_worker_pick_the_loss(changes, loss):
+    from apps.common.algorithm import AlgorithmSettings
+
+    raw = _config()
+    actor = changes.pop("actor_train", {})
+    raw.update(changes)
+    raw["actor_train"].update(actor)
+    config = AgenticConfig.from_dict(raw)
+    assert AlgorithmSettings.from_config(config.base, ratio_type=config.ratio_type).actor.policy_loss == loss
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"ratio_type": "turn"}, "ratio_type='turn'; valid values: ['token', 'segment']"),
+        ({"ratio_type": "segment", "actor_train": {"worker_cls": AGENTIC_PG, "pg_variant": "tis"}},
+         "ratio_type: segment is ROLL's PPO on one ratio per segment (an assistant turn), but the configured loss is "
+         "'tis'"),
+        ({"ratio_type": "segment", "importance_sampling": "seq"}, "configured loss is 'sequence_ppo'"),
+    ],
+)  # fmt: skip
+def test_a_segment_ratio_is_refused_where_it_is_not_built(changes, message):
+    raw = _config()
+    actor = changes.pop("actor_train", {})
+    raw.update(changes)
+    raw["actor_train"].update(actor)
+    with pytest.raises(WorkerConfigError) as err:
+        AgenticConfig.from_dict(raw)
+    assert message in str(err.value)

@@ -28,6 +28,23 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
     return total / count.clamp(min=1)
 
 
+def segment_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per row of ``[B, T]`` ``values``: each run of consecutive set ``mask`` entries (a segment: one assistant turn
+    of a multi-turn sample) replaced by its mean, broadcast over the run; 0 where the mask is not set. Gradients flow
+    to every entry of a segment through its mean (ROLL's ``compute_segment_masked_mean``, vectorised)."""
+    m = mask.to(torch.bool)
+    starts = m & ~torch.nn.functional.pad(m[:, :-1], (1, 0), value=False)
+    # segment ids 1.. within a row, 0 outside the mask; rows offset so that one index_add serves the batch
+    ids = torch.cumsum(starts.to(torch.long), dim=-1) * m
+    width = values.shape[-1] + 1
+    flat = (ids + torch.arange(values.shape[0], device=values.device).unsqueeze(-1) * width).flatten()
+    picked = torch.where(m, values, torch.zeros((), dtype=values.dtype, device=values.device)).flatten()
+    sums = torch.zeros(values.shape[0] * width, dtype=values.dtype, device=values.device).index_add(0, flat, picked)
+    counts = torch.zeros_like(sums).index_add(0, flat, m.flatten().to(values.dtype))
+    means = (sums / counts.clamp(min=1))[flat].view_as(values)
+    return torch.where(m, means, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
 def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
     """Variance over masked entries (Bessel-corrected when ``unbiased`` and more than one entry)."""
     mean = masked_mean(values, mask)

@@ -11,8 +11,8 @@ masked-out positions never reach the loss or its gradient, even when they are Na
 (from :mod:`rl_core.rollout_is`) multiply the per-token loss, detached. ``metrics`` maps names to detached 0-dim
 tensors (no device sync; call ``float()`` when logging).
 
-This module holds the PPO family (vanilla, gspo, gpg, clip_cov, kl_cov, geo_mean); the REINFORCE-style
-off-policy variants of ROLL (tis, topr, cispo, kimi15) are in :mod:`rl_core.losses.policy_offpolicy`.
+This module holds the PPO family (vanilla, sequence_ppo, segment_ppo, gspo, gpg, clip_cov, kl_cov, geo_mean); the
+REINFORCE-style off-policy variants of ROLL (tis, topr, cispo, kimi15) are in :mod:`rl_core.losses.policy_offpolicy`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from rl_core.fused import call as fused_call
 from rl_core.losses.aggregation import GlobalBatchInfo, aggregate_masked
 from rl_core.losses.config import PolicyLossConfig
-from rl_core.masked import masked_mean
+from rl_core.masked import masked_mean, segment_mean
 from rl_core.registry import Registry
 
 Metrics = dict[str, torch.Tensor]
@@ -228,6 +228,31 @@ def compute_policy_loss_sequence_ppo(
     log_ratio = x.log_ratio()
     per_sequence = masked_mean(log_ratio, x.mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
     ratio = torch.exp(per_sequence)
+    cfg = _config(config)
+    clip = Clip(cfg.low, cfg.high, cfg.clip_ratio_c)
+    return _ppo(x, clip, ratio, log_ratio, loss_agg_mode, rollout_is_weights, global_batch)
+
+
+@POLICY_LOSSES.register("segment_ppo")
+def compute_policy_loss_segment_ppo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    config: PolicyLossConfig | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    global_batch: GlobalBatchInfo | None = None,
+    sample_scores: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Metrics]:
+    """``vanilla`` PPO on one ratio per segment, a run of consecutive response tokens (one assistant turn of a
+    multi-turn sample, the environment's text between turns being masked out): ``exp`` of the segment's mean token
+    log-ratio, the gradient flowing through that mean (ROLL's agentic ``ratio_type: segment``). With one segment per
+    row it is ``sequence_ppo``."""
+    x = LossInputs(old_log_prob, log_prob, advantages, response_mask)
+    log_ratio = x.log_ratio()
+    ratio = torch.exp(segment_mean(log_ratio, x.mask))
     cfg = _config(config)
     clip = Clip(cfg.low, cfg.high, cfg.clip_ratio_c)
     return _ppo(x, clip, ratio, log_ratio, loss_agg_mode, rollout_is_weights, global_batch)
