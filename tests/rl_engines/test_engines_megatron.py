@@ -7,6 +7,8 @@ workers apply the test-harness shims (megatron_shims) through a sitecustomize on
 
 from __future__ import annotations
 
+import importlib.util
+
 import megatron_shims
 import pytest
 import torch
@@ -148,6 +150,31 @@ def test_tp2_update_equals_fsdp2_and_resume_equals_uninterrupted(roles, tiny_mod
         ("megatron_train", {"recompute_granularity": "layer"}, r"recompute_granularity='layer'"),
         ("megatron_train", {"recompute_num_layers": 2}, r"apply to recompute_granularity: full only"),
         ("megatron_infer", {"recompute_granularity": "full"}, r"unknown key\(s\) \['reference\.strategy_args"),
+        (
+            "megatron_train",
+            {"recompute_granularity": "full", "recompute_modules": "mlp"},
+            r"recompute_modules applies to recompute_granularity: selective only",
+        ),
+        (
+            "megatron_train",
+            {"recompute_granularity": "selective", "recompute_modules": "moe,layernorm"},
+            r"recompute_modules names \['moe'\]; a dense decoder layer",
+        ),
+        pytest.param(
+            "megatron_train",
+            {"recompute_granularity": "selective", "recompute_modules": ["layernorm"]},
+            r"names layernorm: megatron-core's norm recompute .* Transformer Engine is not installed",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("transformer_engine") is not None,
+                reason="Transformer Engine is installed: layernorm recompute runs",
+            ),
+        ),
+        (
+            "megatron_train",
+            {"additional_configs": {"moe_permute_fusion": True}},
+            r"strategy_config\.additional_configs\.moe_permute_fusion",
+        ),
+        ("megatron_infer", {"additional_configs": [1]}, r"additional_configs must be a mapping"),
     ],
 )
 def test_every_strategy_config_key_is_validated_by_name(name, config, match, tmp_path):

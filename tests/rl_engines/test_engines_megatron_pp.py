@@ -92,11 +92,11 @@ def fsdp2(model_dir):
     return strategy
 
 
-def megatron_pp1(model_dir, role="actor_train"):
+def megatron_pp1(model_dir, role="actor_train", strategy_config=None):
     """megatron_train at TP = PP = 1 in this process (a world of one)."""
     require_engine("megatron_train")
     config = worker_config(model_dir, role, training_args=TRAIN_ARGS, infer_batch_size=4,
-                           **megatron("megatron_train", {}))  # fmt: skip
+                           **megatron("megatron_train", strategy_config or {}))  # fmt: skip
     strategy = create_strategy(config, role)
     strategy.initialize()
     return strategy
@@ -349,6 +349,23 @@ def test_1f1b_schedule_gives_the_sequential_gradients():
 
 
 # ---- validation -------------------------------------------------------------------------------------------------
+def test_rolls_selective_recompute_modules_recompute_and_train_exactly_as_without(tiny_model_dir):
+    """recompute_modules (ROLL's comma-separated form, given through additional_configs as mcore_adapter allows): every
+    layer recomputes its attention core and MLP in the backward, and the update is the one without."""
+    selective = {"recompute_granularity": "selective",
+                 "additional_configs": {"recompute_modules": "core_attn, mlp"}}  # fmt: skip
+    plain, recomputing = megatron_pp1(tiny_model_dir), megatron_pp1(tiny_model_dir, strategy_config=selective)
+    layers = list(recomputing.model.module.decoder.layers)
+    assert len(layers) == 4 and all(layer.recompute_mlp and not layer.recompute_input_layernorm for layer in layers)
+    assert all(layer.self_attention.checkpoint_core_attention for layer in layers)
+    assert not any(layer.recompute_mlp for layer in plain.model.module.decoder.layers)
+    batch = rollout_batch(batch_size=8, seed=4)
+    batch.batch["old_log_probs"] = plain.compute_log_probs(batch).batch["log_probs"]
+    assert recomputing.train_step(batch, ActorObjective()) == plain.train_step(batch, ActorObjective())
+    for (name, a), (_, b) in zip(plain.named_weights(), recomputing.named_weights(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_pipeline_size_must_divide_the_layers(tiny_model_dir):
     from rl_engines.strategies.megatron_config import parse_megatron_options
     from rl_engines.strategies.megatron_model import _check_divisors, read_spec

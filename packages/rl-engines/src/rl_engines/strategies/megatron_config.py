@@ -60,6 +60,7 @@ TRAIN_KEYS: dict[str, tuple[type, ...]] = {
     "recompute_granularity": (str, NoneType),
     "recompute_method": (str, NoneType),
     "recompute_num_layers": (int, NoneType),
+    "recompute_modules": (str, list, NoneType),
     "use_distributed_optimizer": (bool,),
     "moe_layer_recompute": (bool,),
     "moe_token_dispatcher_type": (str,),
@@ -68,6 +69,15 @@ TRAIN_KEYS: dict[str, tuple[type, ...]] = {
 }
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = (None, "uniform", "block")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+"""Megatron's selective recompute modules of a dense decoder layer: the attention core, the MLP, the input and
+pre-MLP norms (``moe``, ``moe_act``, ``shared_experts`` and ``mla_up_proj`` are parts of MoE / MLA layers)."""
+LAYERNORM_RECOMPUTE_REASON = (
+    "megatron-core's norm recompute (CheckpointWithoutOutput) reads Transformer Engine's FP8 state even without FP8, "
+    "and Transformer Engine is not installed"
+)
+ADDITIONAL_CONFIGS = "additional_configs"
+"""ROLL's (mcore_adapter) mapping of extra TransformerConfig settings; here: more strategy_config keys."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +96,8 @@ class MegatronOptions:
     """With ``full``: ``uniform`` (default) or ``block``."""
     recompute_num_layers: int | None = None
     """With ``full``: layers per recomputed chunk (uniform) or recomputed layers per stage (block); default 1."""
+    recompute_modules: tuple[str, ...] | None = None
+    """With ``selective``: the parts of each layer recomputed (Megatron's default: ``core_attn``)."""
     use_distributed_optimizer: bool = False
     """Partition AdamW's state over the data-parallel ranks (ZeRO stage 1, Megatron's DistributedOptimizer)."""
     unused_switches: tuple[str, ...] = ()
@@ -157,6 +169,44 @@ def _check_recompute(config: dict[str, Any], prefix: str) -> None:
             f"{prefix}.recompute_method / recompute_num_layers apply to recompute_granularity: full only; "
             f"recompute_granularity is {granularity!r}. Remove them or set recompute_granularity: full."
         )
+    modules = recompute_modules(config.get("recompute_modules"))
+    if modules is not None and granularity != "selective":
+        raise ValueError(
+            f"{prefix}.recompute_modules applies to recompute_granularity: selective only (as in Megatron); "
+            f"recompute_granularity is {granularity!r}. Remove it or set recompute_granularity: selective."
+        )
+    wrong = sorted(set(modules or ()) - set(RECOMPUTE_MODULES))
+    if wrong:
+        raise ValueError(
+            f"{prefix}.recompute_modules names {wrong}; a dense decoder layer recomputes {list(RECOMPUTE_MODULES)} "
+            "(moe / moe_act / shared_experts are MoE layers', mla_up_proj MLA attention's)."
+        )
+    if "layernorm" in (modules or ()) and importlib.util.find_spec("transformer_engine") is None:
+        raise ValueError(
+            f"{prefix}.recompute_modules names layernorm: {LAYERNORM_RECOMPUTE_REASON}. Recompute core_attn / mlp, or "
+            "use recompute_granularity: full."
+        )
+
+
+def recompute_modules(value: str | list[Any] | None) -> tuple[str, ...] | None:
+    """ROLL's ``recompute_modules``: a comma-separated string (mcore_adapter's form) or a list."""
+    if value is None:
+        return None
+    items = value.split(",") if isinstance(value, str) else value
+    return tuple(str(item).strip() for item in items if str(item).strip())
+
+
+def merge_additional_configs(config: dict[str, Any], keys: dict[str, tuple[type, ...]], prefix: str) -> dict[str, Any]:
+    """``additional_configs`` (mcore_adapter sets them on the model's TransformerConfig, below the named keys) read
+    as more strategy_config keys: each must be one, and a key given both ways takes the named value (ROLL's order)."""
+    extra = config.get(ADDITIONAL_CONFIGS)
+    rest = {key: value for key, value in config.items() if key != ADDITIONAL_CONFIGS}
+    if extra is None:
+        return rest
+    if not isinstance(extra, dict):
+        raise ValueError(f"{prefix}.{ADDITIONAL_CONFIGS} must be a mapping of setting -> value, got {extra!r}.")
+    reject_unknown_keys(extra, set(keys), f"{prefix}.{ADDITIONAL_CONFIGS}")
+    return {**extra, **rest}
 
 
 SEQUENCE_PARALLEL_REASON = (
@@ -175,7 +225,8 @@ def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dt
     ``model_args.dtype``; errors name every bad key."""
     prefix = f"{role}.strategy_args.strategy_config"
     keys = TRAIN_KEYS if train else INFER_KEYS
-    reject_unknown_keys(config, set(keys), prefix)
+    reject_unknown_keys(config, {*keys, ADDITIONAL_CONFIGS}, prefix)
+    config = merge_additional_configs(config, keys, prefix)
     _check_types(config, keys, prefix)
     _reject_unsupported(config, prefix)
     _check_recompute(config, prefix)
@@ -195,6 +246,7 @@ def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dt
         recompute_granularity=granularity,
         recompute_method=(config.get("recompute_method") or "uniform") if full else None,
         recompute_num_layers=(config.get("recompute_num_layers") or 1) if full else None,
+        recompute_modules=recompute_modules(config.get("recompute_modules")),
         use_distributed_optimizer=bool(config.get("use_distributed_optimizer", False)),
         unused_switches=unused,
     )

@@ -109,6 +109,7 @@ def transformer_config(
         recompute_granularity=options.recompute_granularity,
         recompute_method=options.recompute_method,
         recompute_num_layers=options.recompute_num_layers,
+        recompute_modules=None if options.recompute_modules is None else list(options.recompute_modules),
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
