@@ -33,9 +33,10 @@ class AlignmentResult:
         """The variant the others are compared with."""
         return next(iter(self.metrics))
 
-    def max_abs_diff(self, variant: str, key: str) -> float:
-        """Largest |variant - reference| of ``key`` over the steps."""
-        ref, other = self.metrics[self.reference], self.metrics[variant]
+    def max_abs_diff(self, variant: str, key: str, against: str | None = None) -> float:
+        """Largest |variant - reference| of ``key`` over the steps; ``against``: another variant instead of the
+        reference (e.g. LoRA variants against one LoRA run: the same rollouts, a different model)."""
+        ref, other = self.metrics[against or self.reference], self.metrics[variant]
         return max(abs(other[step][key] - ref[step][key]) for step in ref)
 
     def table(self, keys: Sequence[str] = ALIGNED) -> str:
