@@ -21,6 +21,22 @@ RAY_DEVICE_SLOTS = 4
 """``rl_device`` slots of the shared Ray node: the largest ``num_gpus_per_node`` a CPU test plans on one node."""
 RAY_WORKER_PATHS = (REPO, REPO / "tests" / "rl_engines", REPO / "tests" / "apps")
 """On the PYTHONPATH of Ray's workers: ``apps`` and the test modules whose worker classes actors import by name."""
+HARNESS_SITE = REPO / "tests" / "harness_site"
+"""Its ``sitecustomize.py`` runs at the start of every Python process of the session (the import cache of
+tests/transformers_import_cache.py)."""
+
+
+def _harness_start_up() -> None:
+    """Run the harness's start-up hook here and put its folder first on the PYTHONPATH every child inherits (Ray's
+    workers, subprocesses)."""
+    import runpy
+
+    runpy.run_path(str(HARNESS_SITE / "sitecustomize.py"))
+    paths = [str(HARNESS_SITE), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+
+
+_harness_start_up()
 
 
 def _cuda_available() -> bool:

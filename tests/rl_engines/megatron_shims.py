@@ -91,7 +91,9 @@ def apply_on_import() -> None:
         sys.meta_path.insert(0, _PatchOnImport())
 
 
-SITECUSTOMIZE = """import sys
+SITECUSTOMIZE = """import runpy
+import sys
+runpy.run_path({harness!r})  # the session's own start-up hook, which this sitecustomize shadows
 sys.path.insert(0, {tests_dir!r})
 import megatron_shims
 megatron_shims.apply_on_import()
@@ -102,7 +104,8 @@ def sitecustomize_dir(root: Path) -> Path:
     """A folder under ``root`` holding a ``sitecustomize.py`` that applies the shims at Python start-up."""
     folder = root / "megatron_sitecustomize"
     folder.mkdir(parents=True, exist_ok=True)
-    text = SITECUSTOMIZE.format(tests_dir=str(Path(__file__).resolve().parent))
+    here = Path(__file__).resolve().parent
+    text = SITECUSTOMIZE.format(tests_dir=str(here), harness=str(here.parent / "harness_site" / "sitecustomize.py"))
     (folder / "sitecustomize.py").write_text(text, encoding="utf-8")
     return folder
 
