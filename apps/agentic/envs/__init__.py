@@ -1,8 +1,9 @@
 """Text environments of the agentic pipeline, chosen by ``custom_envs.<tag>.env_type``.
 
-Built in: ``sokoban``, ``frozen_lake``, ``roll_math`` (a math question per episode) and ``sokoban_native_env``
-(Sokoban keeping its own conversation, for AgentNativeStepEnvManager); GEM's own ``family:name`` ids (games,
-reasoning-gym) through the gem-llm package (:mod:`apps.agentic.envs.gem_env`, resolved by ``resolve_env_class``).
+Built in: ``sokoban``, ``frozen_lake``, ``roll_math`` / ``roll_qa`` (a math / QA question per episode) and
+``sokoban_native_env`` (Sokoban keeping its own conversation, for AgentNativeStepEnvManager); GEM's own
+``family:name`` ids (games, reasoning-gym) through the gem-llm package (:mod:`apps.agentic.envs.gem_env`, resolved by
+``resolve_env_class``).
 Add your own with ``@ENV_TYPES.register("my_env")`` on a class that has ``config_cls`` (the dataclass of its
 ``env_config`` keys) and implements :class:`TextEnv`; ``make_env`` builds any registered type from its ``env_config``
 mapping.
@@ -13,6 +14,7 @@ from apps.agentic.envs.base import ENV_TYPES, EnvClass, Frame, StepResult, TextE
 from apps.agentic.envs.env_config import EnvConfigError, parse_env_config
 from apps.agentic.envs.frozen_lake import FrozenLakeConfig, FrozenLakeEnv
 from apps.agentic.envs.math_env import MathEnv, MathEnvConfig
+from apps.agentic.envs.qa_env import QaEnv, QaEnvConfig
 from apps.agentic.envs.sokoban import SokobanConfig, SokobanEnv
 from apps.agentic.envs.sokoban_native import SokobanNativeConfig, SokobanNativeEnv
 from apps.agentic.envs.sokoban_rooms import Room, generate_room, solve
@@ -29,6 +31,8 @@ __all__ = [
     "FrozenLakeEnv",
     "MathEnv",
     "MathEnvConfig",
+    "QaEnv",
+    "QaEnvConfig",
     "Room",
     "SokobanConfig",
     "SokobanEnv",

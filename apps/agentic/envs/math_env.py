@@ -39,24 +39,33 @@ class MathEnvConfig:
     """The record field holding the reference answer."""
 
     def __post_init__(self) -> None:
-        path = Path(self.dataset_name)
-        if not self.dataset_name or not path.is_file():
-            raise EnvConfigError(
-                f"env_config.dataset_name={self.dataset_name!r} is not a local file. ROLL loads it from the "
-                "HuggingFace Hub, which this machine cannot reach: download it elsewhere (e.g. "
-                "datasets.load_dataset(name, split='train').to_json('math.jsonl')) and set dataset_name to the "
-                ".jsonl / .json file."
-            )
-        if path.suffix not in (".jsonl", ".json"):
-            raise EnvConfigError(
-                f"env_config.dataset_name={self.dataset_name!r}: read are .jsonl (a record per line) and .json "
-                "(a list of records) files."
-            )
+        check_local_dataset(self.dataset_name)
+
+
+def check_local_dataset(dataset_name: str) -> None:
+    """``env_config.dataset_name`` must be a local .jsonl / .json file (ROLL reads a Hub name; this machine cannot)."""
+    path = Path(dataset_name)
+    if not dataset_name or not path.is_file():
+        raise EnvConfigError(
+            f"env_config.dataset_name={dataset_name!r} is not a local file. ROLL loads it from the HuggingFace Hub, "
+            "which this machine cannot reach: download it elsewhere (e.g. datasets.load_dataset(name, "
+            "split='train').to_json('data.jsonl')) and set dataset_name to the .jsonl / .json file."
+        )
+    if path.suffix not in (".jsonl", ".json"):
+        raise EnvConfigError(
+            f"env_config.dataset_name={dataset_name!r}: read are .jsonl (a record per line) and .json (a list of "
+            "records) files."
+        )
+
+
+def load_records(path: str, question_key: str, answer_key: str) -> tuple[tuple[str, str], ...]:
+    """(question, answer) of every record of a .jsonl / .json file, the answer as text."""
+    return tuple((question, str(answer)) for question, answer in read_records(path, question_key, answer_key))
 
 
 @lru_cache(maxsize=8)
-def load_records(path: str, question_key: str, answer_key: str) -> tuple[tuple[str, str], ...]:
-    """(question, answer) of every record of a .jsonl / .json file (read once per process)."""
+def read_records(path: str, question_key: str, answer_key: str) -> tuple[tuple[str, Any], ...]:
+    """(question, answer as stored) of every record of a .jsonl / .json file (read once per process)."""
     text = Path(path).read_text(encoding="utf-8")
     try:
         rows = json.loads(text) if path.endswith(".json") else [json.loads(line) for line in text.splitlines() if line]
@@ -70,7 +79,7 @@ def load_records(path: str, question_key: str, answer_key: str) -> tuple[tuple[s
             f"env_config.dataset_name={path!r}: record {missing[0]} has no {question_key!r} / {answer_key!r} field "
             f"(its fields: {sorted(rows[missing[0]])}); set env_config.question_key / answer_key."
         )
-    return tuple((str(row[question_key]), str(row[answer_key])) for row in rows)
+    return tuple((str(row[question_key]), row[answer_key]) for row in rows)
 
 
 def last_boxed(text: str) -> str | None:
