@@ -106,8 +106,27 @@ def same_answer(answer: str, reference: str) -> bool:
     return bool(gold and guess and verify(gold, guess, timeout_seconds=None))
 
 
+class QuestionEnv:
+    """What the one-question environments (``roll_math``, ``roll_qa``) share: the question is their frame, and they
+    have no instructions apart from it."""
+
+    question: str = ""
+
+    def render(self, mode: str = "text") -> Frame:
+        """The question (a text environment draws no picture: ``rgb_array`` gives the text too)."""
+        return self.question
+
+    @property
+    def instructions(self) -> str:
+        """None: the question and the template say what to do (ROLL: an empty env_instruction)."""
+        return ""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
 @ENV_TYPES.register("roll_math")
-class MathEnv:
+class MathEnv(QuestionEnv):
     """One question per episode from a local dataset; one answer, graded."""
 
     config_cls: ClassVar[type[MathEnvConfig]] = MathEnvConfig
@@ -125,19 +144,11 @@ class MathEnv:
 
     def step(self, action_text: str) -> StepResult:
         boxed = last_boxed(action_text)
-        correct = boxed is not None and same_answer(boxed, self.answer)
-        info: dict[str, Any] = {"action_is_valid": boxed is not None, "action_is_effective": boxed is not None,
-                                "success": correct, "action": boxed}  # fmt: skip
-        return StepResult("", 1.0 if correct else 0.0, terminated=True, truncated=False, info=info)
+        return graded_answer(boxed, boxed is not None and same_answer(boxed, self.answer))
 
-    def render(self, mode: str = "text") -> Frame:
-        """The question (a text environment draws no picture: ``rgb_array`` gives the text too)."""
-        return self.question
 
-    @property
-    def instructions(self) -> str:
-        """None: the question and the template say what to do (ROLL: an empty env_instruction)."""
-        return ""
-
-    def close(self) -> None:
-        """Nothing to release."""
+def graded_answer(answer: str | None, correct: bool) -> StepResult:
+    """The one step of a question episode: reward 1 when ``correct``; no ``answer`` found is an invalid action."""
+    info: dict[str, Any] = {"action_is_valid": answer is not None, "action_is_effective": answer is not None,
+                            "success": correct, "action": answer}  # fmt: skip
+    return StepResult("", 1.0 if correct else 0.0, terminated=True, truncated=False, info=info)

@@ -23,9 +23,9 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from apps.agentic.envs.base import ENV_TYPES, Frame, StepResult
+from apps.agentic.envs.base import ENV_TYPES, StepResult
 from apps.agentic.envs.env_config import EnvConfigError
-from apps.agentic.envs.math_env import check_local_dataset, read_records
+from apps.agentic.envs.math_env import QuestionEnv, check_local_dataset, graded_answer, read_records
 from apps.common.plots import quiet_matplotlib
 
 QA_PROMPT = (
@@ -83,7 +83,7 @@ def accepted_answers(answer: Any, where: str) -> list[str]:
 
 
 @ENV_TYPES.register("roll_qa")
-class QaEnv:
+class QaEnv(QuestionEnv):
     """One question per episode from a local dataset; one answer, graded by exact match."""
 
     config_cls: ClassVar[type[QaEnvConfig]] = QaEnvConfig
@@ -106,19 +106,4 @@ class QaEnv:
 
     def step(self, action_text: str) -> StepResult:
         answer = (self.boxed if self.config.extract_boxed else self.tagged)(action_text)
-        correct = answer is not None and bool(self.exact_match(answer, self.answers))
-        info: dict[str, Any] = {"action_is_valid": answer is not None, "action_is_effective": answer is not None,
-                                "success": correct, "action": answer}  # fmt: skip
-        return StepResult("", 1.0 if correct else 0.0, terminated=True, truncated=False, info=info)
-
-    def render(self, mode: str = "text") -> Frame:
-        """The question (a text environment draws no picture: ``rgb_array`` gives the text too)."""
-        return self.question
-
-    @property
-    def instructions(self) -> str:
-        """None: the prompt around the question says what to do."""
-        return ""
-
-    def close(self) -> None:
-        """Nothing to release."""
+        return graded_answer(answer, answer is not None and bool(self.exact_match(answer, self.answers)))

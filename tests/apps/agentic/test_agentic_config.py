@@ -173,6 +173,16 @@ def test_asym_clip_normalises_as_rolls_mean_std_without_a_clamp(tmp_path):
 AGENTIC_PG = "roll.pipeline.agentic.agentic_actor_pg_worker.ActorWorker"
 
 
+def _with_actor_keys(changes: dict) -> dict:
+    """The example file with top-level ``changes``, its ``actor_train`` entry merged into the file's section."""
+    raw = _config()
+    changes = dict(changes)
+    actor = changes.pop("actor_train", {})
+    raw.update(changes)
+    raw["actor_train"].update(actor)
+    return raw
+
+
 @pytest.mark.parametrize(
     ("changes", "loss"),
     [
@@ -185,11 +195,7 @@ AGENTIC_PG = "roll.pipeline.agentic.agentic_actor_pg_worker.ActorWorker"
 def test_ratio_type_and_the_agentic_pg_worker_pick_the_loss(changes, loss):
     from apps.common.algorithm import AlgorithmSettings
 
-    raw = _config()
-    actor = changes.pop("actor_train", {})
-    raw.update(changes)
-    raw["actor_train"].update(actor)
-    config = AgenticConfig.from_dict(raw)
+    config = AgenticConfig.from_dict(_with_actor_keys(changes))
     assert AlgorithmSettings.from_config(config.base, ratio_type=config.ratio_type).actor.policy_loss == loss
 
 
@@ -204,10 +210,6 @@ def test_ratio_type_and_the_agentic_pg_worker_pick_the_loss(changes, loss):
     ],
 )  # fmt: skip
 def test_a_segment_ratio_is_refused_where_it_is_not_built(changes, message):
-    raw = _config()
-    actor = changes.pop("actor_train", {})
-    raw.update(changes)
-    raw["actor_train"].update(actor)
     with pytest.raises(WorkerConfigError) as err:
-        AgenticConfig.from_dict(raw)
+        AgenticConfig.from_dict(_with_actor_keys(changes))
     assert message in str(err.value)

@@ -18,6 +18,7 @@ REINFORCE-style off-policy variants of ROLL (tis, topr, cispo, kimi15) are in :m
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
 import torch
@@ -225,12 +226,11 @@ def compute_policy_loss_sequence_ppo(
     that mean (ROLL's ``importance_sampling: seq``). With advantages constant over a sequence (GRPO) its gradient is
     GSPO's; ``gspo`` is the GSPO-token form (Zheng et al. 2025), which differs when advantages vary by token."""
     x = LossInputs(old_log_prob, log_prob, advantages, response_mask)
-    log_ratio = x.log_ratio()
-    per_sequence = masked_mean(log_ratio, x.mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
-    ratio = torch.exp(per_sequence)
-    cfg = _config(config)
-    clip = Clip(cfg.low, cfg.high, cfg.clip_ratio_c)
-    return _ppo(x, clip, ratio, log_ratio, loss_agg_mode, rollout_is_weights, global_batch)
+    return _ppo_on_shared_ratios(x, _per_sequence_mean, config, loss_agg_mode, rollout_is_weights, global_batch)
+
+
+def _per_sequence_mean(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
 
 
 @POLICY_LOSSES.register("segment_ppo")
@@ -251,11 +251,20 @@ def compute_policy_loss_segment_ppo(
     log-ratio, the gradient flowing through that mean (ROLL's agentic ``ratio_type: segment``). With one segment per
     row it is ``sequence_ppo``."""
     x = LossInputs(old_log_prob, log_prob, advantages, response_mask)
+    return _ppo_on_shared_ratios(x, segment_mean, config, loss_agg_mode, rollout_is_weights, global_batch)
+
+
+def _ppo_on_shared_ratios(
+    x: LossInputs, mean_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], config: PolicyLossConfig | None,
+    loss_agg_mode: str, rollout_is_weights: torch.Tensor | None, global_batch: GlobalBatchInfo | None,
+) -> tuple[torch.Tensor, Metrics]:  # fmt: skip
+    """PPO whose tokens share ``exp`` of a mean of their log-ratios (``mean_of(log_ratio, mask)``, broadcast to
+    ``[B, T]``: per sequence or per segment), the gradient flowing through the mean."""
     log_ratio = x.log_ratio()
-    ratio = torch.exp(segment_mean(log_ratio, x.mask))
     cfg = _config(config)
     clip = Clip(cfg.low, cfg.high, cfg.clip_ratio_c)
-    return _ppo(x, clip, ratio, log_ratio, loss_agg_mode, rollout_is_weights, global_batch)
+    return _ppo(x, clip, torch.exp(mean_of(log_ratio, x.mask)), log_ratio, loss_agg_mode, rollout_is_weights,
+                global_batch)  # fmt: skip
 
 
 def _ppo(
