@@ -22,8 +22,8 @@ RAY_DEVICE_SLOTS = 4
 RAY_WORKER_PATHS = (REPO, REPO / "tests" / "rl_engines", REPO / "tests" / "apps")
 """On the PYTHONPATH of Ray's workers: ``apps`` and the test modules whose worker classes actors import by name."""
 HARNESS_SITE = REPO / "tests" / "harness_site"
-"""Its ``sitecustomize.py`` runs at the start of every Python process of the session (the import cache of
-tests/transformers_import_cache.py)."""
+"""Its ``sitecustomize.py`` runs at the start of every Python process of the session (tests/import_hooks.py: the
+cache of transformers' import-structure scan)."""
 
 
 def _harness_start_up() -> None:

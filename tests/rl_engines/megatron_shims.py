@@ -17,10 +17,7 @@ no product code needs a hook and a worker that never imports megatron-core impor
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.machinery
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -64,31 +61,13 @@ def _patch(megatron_random: Any) -> None:
     _applied = True
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches ``megatron.core.tensor_parallel.random`` as soon as it has run, so that a process imports nothing
-    for the shims until (and unless) it imports megatron-core: a worker of another engine started with the shims'
-    PYTHONPATH pays nothing (megatron-core takes seconds to import)."""
-
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name != RANDOM:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def run_and_patch(module: Any) -> None:
-            run(module)
-            _patch(module)
-
-        spec.loader.exec_module = run_and_patch  # type: ignore[method-assign]
-        return spec
-
-
 def apply_on_import() -> None:
-    """Apply the shims when megatron-core is first imported (what the Ray workers' sitecustomize calls)."""
-    if not any(isinstance(finder, _PatchOnImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchOnImport())
+    """Apply the shims when megatron-core is first imported (what the Ray workers' sitecustomize calls), so that a
+    process imports nothing for them until (and unless) it imports megatron-core: a worker of another engine started
+    with the shims' PYTHONPATH pays nothing (megatron-core takes seconds to import)."""
+    import import_hooks  # loaded by the session's start-up hook, which the shims' sitecustomize runs first
+
+    import_hooks.after_import(RANDOM, _patch)
 
 
 SITECUSTOMIZE = """import runpy

@@ -1,5 +1,5 @@
-"""The harness's cache of transformers' import-structure scan (tests/transformers_import_cache.py) returns what the
-scan returns, and this session's processes use it."""
+"""The harness's cache of transformers' import-structure scan (tests/import_hooks.py) returns what the scan
+returns, and this session's processes use it."""
 
 import os
 import subprocess
@@ -9,7 +9,7 @@ from pathlib import Path
 import transformers
 import transformers.utils.import_utils as import_utils
 
-from tests import transformers_import_cache as cache
+from tests import import_hooks as cache
 
 
 def test_the_cached_table_is_the_scan_and_is_kept(tmp_path, monkeypatch):
