@@ -34,14 +34,14 @@ ALLOWED_SIBLINGS: dict[str, set[str]] = {
 
 # rl_engines adapter modules: an engine (or rl_ckpt's Megatron <-> HF mapping) is importable only from
 # rl_engines/strategies/<prefix>*.py or rl_engines/strategies/<prefix>/... (peft: the LoRA module)
-ADAPTER_IMPORTS: dict[str, str] = {
+ADAPTER_IMPORTS: dict[str, str | tuple[str, ...]] = {
     "deepspeed": "deepspeed",
     "megatron": "megatron",
     "rl_ckpt": "megatron",
     "vllm": "vllm",
     "sglang": "sglang",
     "peft": "lora",
-    "safetensors": "vllm",  # the adapter files vLLM loads (vLLM depends on safetensors)
+    "safetensors": ("vllm", "lora"),  # PEFT adapter files (vLLM and peft depend on safetensors)
 }
 
 
@@ -59,7 +59,8 @@ def adapter_allows(package: str, path: Path, module: str) -> bool:
     if package != "rl_engines" or prefix is None:
         return False
     relative = path.relative_to(ROOT / RULES[package][0]).parts
-    return len(relative) >= 2 and relative[0] == "strategies" and relative[1].startswith(prefix)
+    prefixes = (prefix,) if isinstance(prefix, str) else prefix
+    return len(relative) >= 2 and relative[0] == "strategies" and relative[1].startswith(prefixes)
 
 
 def imported_modules(path: Path) -> list[tuple[int, str]]:

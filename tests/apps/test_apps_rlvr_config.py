@@ -319,10 +319,10 @@ LORA_FILES = roll_target_files("qwen2.5-7B-rlvr_megatron/rlvr_config_lora.yaml",
 
 
 @pytest.mark.parametrize("roll_file", LORA_FILES, ids=lambda p: p.name)
-def test_the_roll_lora_files_pass_preflight_on_the_torch_native_engines(roll_file):
+def test_the_roll_lora_files_pass_preflight_on_their_own_and_the_torch_native_engines(roll_file):
     """ROLL's LoRA files (issue 18): fsdp2_train trains the adapters, hf_infer takes the merged weights. With
-    their own engines, vLLM (lora_* on actor_infer) takes the adapters alone; megatron_train's LoRA is not built
-    here yet and is refused naming the key, not run as something else."""
+    their own engines (megatron_train's adapters on its tensor-parallel linears, or fsdp2_train), vLLM (lora_* on
+    actor_infer) takes the adapters alone."""
     raw = load_config(require_shared(roll_file))
     config = RLVRConfig.from_dict(adapt(raw))
     assert config.actor_train.model_args.lora and config.actor_train.model_args.lora_target == raw["actor_train"][
@@ -330,12 +330,8 @@ def test_the_roll_lora_files_pass_preflight_on_the_torch_native_engines(roll_fil
     report = preflight(config)
     assert any("merged in at every sync" in note for note in report.notes)
     own = RLVRConfig.from_dict(with_cluster(raw))
-    if own.actor_train.strategy_args.strategy_name == "megatron_train":
-        with pytest.raises(ValueError, match=r"actor_train\.model_args\.lora_target is set, but actor_train\.strategy"
-                                             r"_args\.strategy_name='megatron_train' cannot train LoRA"):  # fmt: skip
-            preflight(own)
-    else:
-        assert any("(vllm) serves them: each sync sends the adapters alone" in n for n in preflight(own).notes)
+    assert own.actor_train.strategy_args.strategy_name == raw["actor_train"]["strategy_args"]["strategy_name"]
+    assert any("(vllm) serves them: each sync sends the adapters alone" in n for n in preflight(own).notes)
 
 
 def test_lora_keys_are_refused_where_nothing_uses_them():

@@ -1,6 +1,7 @@
 """LoRA on the train strategies that build it (``model_args.lora_*``): only the adapters train, the base stays the
 reference policy, merged weights and exported folders score as the trained model, checkpoints hold adapters only and
-resume bitwise, and bad keys are refused naming them. In-process, a world of one (as the train contract suite)."""
+resume bitwise, and bad keys are refused naming them. In-process, a world of one (as the train contract suite);
+megatron_train's adapters at TP / PP 2 are in the alignment matrix (tests/apps/test_apps_alignment.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ pytest.importorskip("peft")
 LORA = {"lora_target": "q_proj,v_proj,down_proj", "lora_rank": 4, "lora_alpha": 16}
 
 
-@pytest.fixture(params=["fsdp2_train", "deepspeed_train"])
+@pytest.fixture(params=["fsdp2_train", "deepspeed_train", "megatron_train"])
 def strategy_name(request: pytest.FixtureRequest) -> str:
     return require_engine(str(request.param))
 
@@ -43,9 +44,29 @@ def train(strategy, batch, steps=2):
         strategy.train_step(batch, ActorObjective())
 
 
+class Parameters:
+    """A strategy's parameters, adapters included: peft's model (fsdp2: ``model``; deepspeed: the engine's module),
+    or Megatron's model and its adapters (which live outside it)."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+
+    def named_parameters(self):
+        if getattr(self.strategy, "adapters", None) is not None:
+            yield from self.strategy.model.module.named_parameters()
+            yield from self.strategy.adapters.named_parameters()
+        else:
+            yield from (
+                self.strategy.model if hasattr(self.strategy, "model") else self.strategy.engine.module
+            ).named_parameters()
+
+    def parameters(self):
+        return (p for _, p in self.named_parameters())
+
+
 def module(strategy):
-    """The peft model a strategy trains (fsdp2: ``model``; deepspeed: the engine's module)."""
-    return strategy.model if hasattr(strategy, "model") else strategy.engine.module
+    """The parameters a strategy holds (:class:`Parameters`)."""
+    return Parameters(strategy)
 
 
 def optimizer_state_numel(strategy):
@@ -64,6 +85,8 @@ def saved_weight_names(folder):
 
         saved = FileSystemReader(str(folder / "dcp")).read_metadata().state_dict_metadata
         return {key.removeprefix("model.") for key in saved if key.startswith("model.")}
+    if (folder / "mp_rank_00.pt").exists():  # megatron_train
+        return set(torch.load(folder / "mp_rank_00.pt", weights_only=True)["model"])
     states = torch.load(folder / "deepspeed" / "state" / "mp_rank_00_model_states.pt", weights_only=False)
     return set(states["module"])
 
@@ -80,7 +103,8 @@ def test_only_the_adapters_train_and_the_base_stays_the_reference(strategy_name,
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     targets = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable}
     assert targets == {"q_proj", "v_proj", "down_proj"}
-    assert {p.dtype for p in model.parameters() if not p.requires_grad} == {torch.bfloat16}  # the frozen base
+    frozen = {p.dtype for n, p in model.named_parameters() if not p.requires_grad and "norm" not in n}
+    assert frozen == {torch.bfloat16}  # the frozen base (Megatron builds its norm weights in fp32)
     train(strategy, rollout_batch(batch_size=2, seed=1), steps=1)
     assert optimizer_state_numel(strategy) == sum(trainable.values())  # Adam holds the adapters' moments only
 
@@ -268,6 +292,24 @@ def test_a_regular_expression_target_adapts_the_modules_it_matches(strategy_name
     strategy = make(strategy_name, tiny_model_dir, model_args={"lora_target": r".*layers\.1\..*(q_proj|up_proj)"})
     names = [n for n, _ in module(strategy).named_parameters() if ".lora_A." in n]
     assert adapted_modules(strategy) == {"q_proj", "up_proj"} and all(".layers.1." in n for n in names)
+
+
+def test_megatron_refuses_what_its_lora_does_not_build(tiny_model_dir):
+    """Adapter dropout, and sequence parallelism over TP ranks (real where Apex / Transformer Engine are installed;
+    off here, see megatron_config): the adapters would see sequence-split activations."""
+    from rl_engines.strategies.megatron_config import MegatronOptions
+    from rl_engines.strategies.megatron_train import check_megatron_lora
+
+    require_engine("megatron_train")
+    config = worker_config(tiny_model_dir, model_args={**LORA, "lora_dropout": 0.1},
+                           strategy_args={"strategy_name": "megatron_train"})  # fmt: skip
+    with pytest.raises(ValueError, match=r"actor_train\.model_args\.lora_dropout=0\.1: megatron_train's LoRA has no"):
+        create_strategy(config, "actor_train")
+    config = worker_config(tiny_model_dir, model_args=LORA, strategy_args={"strategy_name": "megatron_train"})
+    options = MegatronOptions(tensor_model_parallel_size=2, sequence_parallel=True)
+    message = r"strategy_config\.sequence_parallel=true with tensor_model_parallel_size=2 and actor_train\.model_args"
+    with pytest.raises(ValueError, match=message):
+        check_megatron_lora(config, "actor_train", False, options)
 
 
 def test_lora_dropout_drops_adapter_inputs_in_training_only(tiny_model_dir):

@@ -116,7 +116,7 @@ class DeepSpeedTrainStrategy:
         torch.manual_seed(self.config.training_args.seed)
         model = load_model(args, self.role, dtype=torch.float32, value_head=self.value_head)
         if args.lora:  # adapters (fp32 masters in the optimizer) train; DeepSpeed casts the module to dtype
-            model = lora.apply_lora(model, args, self.role, TORCH_DTYPES[args.dtype])
+            model = lora.apply_lora(model, args, self.role, TORCH_DTYPES[args.dtype], self.config.training_args.seed)
         self.router = moe.router_loss(model, self.config, self.role)
         if not args.disable_gradient_checkpointing:
             enable_activation_checkpointing(model)

@@ -150,7 +150,7 @@ class Fsdp2TrainStrategy:
         torch.manual_seed(self.config.training_args.seed)
         model = load_model(args, self.role, dtype=torch.float32, value_head=self.value_head)
         if args.lora:  # adapters in fp32 (the only trained and optimized weights), the frozen base in compute dtype
-            model = lora.apply_lora(model, args, self.role, TORCH_DTYPES[args.dtype])
+            model = lora.apply_lora(model, args, self.role, TORCH_DTYPES[args.dtype], self.config.training_args.seed)
         self.router = moe.router_loss(model, self.config, self.role)
         self._setup_ulysses(model)
         if not args.disable_gradient_checkpointing:

@@ -1,7 +1,10 @@
 """LoRA on HuggingFace models (``fsdp2_train``, ``deepspeed_train``) through peft, ROLL's ``model_args.lora_*`` keys.
 
 A LoRA layer computes ``W x + (lora_alpha / lora_rank) B A x``: ``W`` frozen (kept in the compute dtype), ``A``
-(``[r, in]``, Kaiming-uniform) and ``B`` (``[out, r]``, zeros) trained in fp32, so a fresh adapter changes nothing.
+(``[r, in]``, peft's Kaiming-uniform bound) and ``B`` (``[out, r]``, zeros) trained in fp32, so a fresh adapter changes
+nothing. ``A`` is drawn by :func:`init_factor` from the seed and the module's HF name alone, so every engine and
+parallel layout (peft here, Megatron's tensor-parallel shards in :mod:`rl_engines.strategies.megatron_lora`) starts
+from the same adapters.
 Inference engines without adapters get merged weights ``W + scale B A`` under the base model's HF names; adapter
 files are PEFT's (``adapter_config.json`` + ``adapter_model.safetensors``, keys ``base_model.model.<module>.lora_A
 .weight``), which ``peft.PeftModel.from_pretrained`` and ``rl-ckpt merge-lora`` read.
@@ -10,7 +13,9 @@ files are PEFT's (``adapter_config.json`` + ``adapter_model.safetensors``, keys 
 from __future__ import annotations
 
 import contextlib
+import math
 import re
+import zlib
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -104,9 +109,19 @@ def resolve_targets(model: nn.Module, args: ModelArgs, role: str) -> list[str] |
     return wanted
 
 
-def apply_lora(model: nn.Module, args: ModelArgs, role: str, compute_dtype: torch.dtype) -> nn.Module:
-    """``model`` wrapped by peft with one trainable adapter per target (fp32) and its own weights frozen in
-    ``compute_dtype``. The adapters' random init draws from torch's global generator (seed it first)."""
+def init_factor(seed: int, module: str, rank: int, fan_in: int) -> torch.Tensor:
+    """The initial ``A`` factor ``[rank, fan_in]`` (fp32) of the adapter on HF module ``module`` (e.g.
+    ``model.layers.0.self_attn.q_proj``): uniform in peft's Kaiming bound ``1 / sqrt(fan_in)``, drawn from a
+    generator of its own seeded by ``seed`` and the module's name (independent of module order, engine and
+    sharding)."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(module.encode()))
+    bound = 1.0 / math.sqrt(fan_in)
+    return (torch.rand(rank, fan_in, generator=generator) * 2 - 1) * bound
+
+
+def apply_lora(model: nn.Module, args: ModelArgs, role: str, compute_dtype: torch.dtype, seed: int) -> nn.Module:
+    """``model`` wrapped by peft with one trainable adapter per target (fp32, ``A`` from :func:`init_factor`) and
+    its own weights frozen in ``compute_dtype``."""
     peft = require_peft(role)
     config = peft.LoraConfig(
         r=args.lora_rank,
@@ -116,6 +131,12 @@ def apply_lora(model: nn.Module, args: ModelArgs, role: str, compute_dtype: torc
         task_type=peft.TaskType.CAUSAL_LM,
     )
     wrapped = peft.get_peft_model(model, config, adapter_name=ADAPTER)
+    with torch.no_grad():
+        for name, layer in wrapped.named_modules():
+            factor = getattr(layer, "lora_A", None)
+            if isinstance(factor, nn.ModuleDict) and ADAPTER in factor:
+                weight: Any = factor[ADAPTER].weight
+                weight.copy_(init_factor(seed, base_name(name), weight.shape[0], weight.shape[1]))
     for param in wrapped.parameters():
         if param.requires_grad:
             param.data = param.data.float()
@@ -160,6 +181,26 @@ def adapter_weights(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple
     for name, tensor in items:
         if FACTOR.match(name):
             yield name.replace(f".{ADAPTER}.weight", ".weight"), tensor
+
+
+def peft_config(args: ModelArgs, modules: Iterable[str], base_model: str | None = None) -> dict[str, Any]:
+    """PEFT's ``adapter_config.json`` of adapters with ``args``' rank and alpha on ``modules`` (module names such as
+    ``q_proj``), as ``peft.PeftModel.from_pretrained``, vLLM and ``rl-ckpt merge-lora`` read it."""
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.alpha,
+              "target_modules": sorted(set(modules)), "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False}  # fmt: skip
+    return config if base_model is None else {**config, "base_model_name_or_path": base_model}
+
+
+def write_adapter(folder: Path, factors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """A PEFT adapter folder: ``factors`` (PEFT file names) and ``config`` (:func:`peft_config`)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({name: t.contiguous() for name, t in factors.items()}, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
 def write_hf(model: Any, state_dict: dict[str, torch.Tensor], scale: float, folder: Path) -> None:

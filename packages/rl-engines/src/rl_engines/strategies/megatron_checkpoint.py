@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,11 @@ import torch
 import torch.distributed as dist
 
 from rl_ckpt.hf_io import ShardedSafetensorsWriter, parse_size
+from rl_engines.strategies import lora
 from rl_engines.strategies.checkpointing import (
+    check_adapters_only,
     load_trainer_state,
+    lora_meta,
     require_complete,
     save_trainer_state,
     tensor_bytes,
@@ -55,7 +59,7 @@ def save(strategy: Any, path: str) -> None:
         meta = {"role": strategy.role, "tensor_model_parallel_size": layout.tp,
                 "pipeline_model_parallel_size": layout.pp, "world_size": dist.get_world_size(),
                 "data_parallel_size": strategy.dp_size, "use_distributed_optimizer": partitioned,
-                "global_step": strategy.global_step}  # fmt: skip
+                "global_step": strategy.global_step, **lora_meta(strategy)}  # fmt: skip
         save_trainer_state(strategy, tmp, rank, meta)
 
     written = tensor_bytes(
@@ -69,6 +73,7 @@ def load(strategy: Any, path: str) -> None:
     """Restore ``strategy`` from ``path`` (same tensor- and pipeline-parallel sizes); RNG per rank when the world
     size matches."""
     root = require_complete(path, strategy.role)
+    check_adapters_only(strategy, root)
     meta = json.loads((root / "meta.json").read_text())
     layout = strategy.model.layout
     for key, here in (("tensor_model_parallel_size", layout.tp), ("pipeline_model_parallel_size", layout.pp)):
@@ -148,19 +153,31 @@ def save_hf(strategy: Any, path: str) -> None:
     """Full HF-named weights (gathered over TP and stages) written by rank 0 as safetensors + config + tokenizer,
     atomically."""
     weights = strategy.named_weights()  # a generator: every rank must run it, for the TP gathers and PP broadcasts
+    adapters = strategy.adapter_weights() if strategy.adapters is not None else iter(())  # then these, alike
 
     def write(tmp: Path) -> None:
         try:
             _write_hf_weights(strategy, weights, tmp)
+            if strategy.adapters is not None:  # LoRA: the merged model here, the adapters alone in adapter/
+                _write_adapter(strategy, adapters, tmp / "adapter")
         finally:
             _drain(weights)  # after a failed write too: the other ranks wait in the gathers of the remaining weights
+            _drain(adapters)
         generation = Path(str(strategy.config.model_args.model_name_or_path)) / "generation_config.json"
         if generation.is_file():
             shutil.copy2(generation, tmp / "generation_config.json")
 
     exported = tensor_bytes(strategy.masters) if strategy.dp_rank == 0 else 0  # fp32, one copy of each shard
     write_hf_folder_atomically(path, write, strategy.tokenizer, role=strategy.role, rank_bytes=exported,
-                               follow=lambda: _drain(weights))  # fmt: skip
+                               follow=lambda: _drain(chain(weights, adapters)))  # fmt: skip
+
+
+def _write_adapter(strategy: Any, adapters: Iterator[tuple[str, torch.Tensor]], folder: Path) -> None:
+    """Rank 0: the adapters in PEFT's folder format (what ``rl-ckpt merge-lora`` and peft load)."""
+    factors = {name: tensor.detach().cpu().clone() for name, tensor in adapters}
+    modules = [name.rsplit(".", 1)[-1] for name in strategy.adapters.adapted]
+    base = str(strategy.config.model_args.model_name_or_path)
+    lora.write_adapter(folder, factors, lora.peft_config(strategy.config.model_args, modules, base))
 
 
 def _drain(weights: Iterator[tuple[str, torch.Tensor]]) -> None:

@@ -14,10 +14,14 @@ the first stage's embedding and the last stage's copy, as Megatron does). Optimi
 own shards (elementwise, so identical to AdamW on the full tensors), replicated over DP ranks; with
 ``use_distributed_optimizer: true`` its state is partitioned over the DP ranks instead (ZeRO stage 1, as
 Megatron's DistributedOptimizer), with the same update. The gradient norm is global: over TP shards and stages.
+With ``model_args.lora_target`` (ROLL's LoRA keys) only adapters on the tensor-parallel linears train (sharded like
+their base weights, :mod:`rl_engines.strategies.megatron_lora`); the base stays frozen in the compute dtype, with no
+fp32 masters and no optimizer state, and checkpoints hold the adapters alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Iterator
@@ -29,9 +33,10 @@ import torch.distributed as dist
 from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfig
 from rl_engines.objectives import Objective
-from rl_engines.strategies import megatron_checkpoint
+from rl_engines.strategies import lora, megatron_checkpoint
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, require_engine_package, worker_device
 from rl_engines.strategies.megatron_config import check_world_size, describe_unused_switches, parse_megatron_options
+from rl_engines.strategies.megatron_lora import MegatronLora
 from rl_engines.strategies.megatron_model import MegatronModel, build_model, init_model_parallel
 from rl_engines.strategies.megatron_ops import (
     clip_gradients,
@@ -68,6 +73,8 @@ class MegatronTrainStrategy:
     """Megatron-core TP x PP x DP training of a dense decoder (or its critic, with a ``score`` value head)."""
 
     kind = "train"
+    lora: str | None = "adapters"
+    """LoRA (``model_args.lora_target``): adapters on the tensor-parallel linears (:mod:`.megatron_lora`)."""
 
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config
@@ -80,12 +87,18 @@ class MegatronTrainStrategy:
             dict(config.strategy_args.strategy_config), role, train=True, dtype=config.model_args.dtype
         )
         self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
+        check_megatron_lora(config, role, self.value_head, self.options)
+        self.adapters: MegatronLora | None = None
+        """The LoRA adapters (``lora_target`` set): then the only masters."""
         self.device = torch.device("cpu")
         self.global_step = 0
         self.model: MegatronModel = None  # type: ignore[assignment]
         self.masters: dict[str, torch.nn.Parameter] = {}
         """fp32 weights the optimizer updates, by Megatron name (the parameters themselves when computing in fp32)."""
         self.sharded: set[str] = set()
+        """Names of the masters split over TP ranks."""
+        self.base_sharded: set[str] = set()
+        """Names of the model's own parameters split over TP ranks."""
         self._sequence_split: set[str] = set()
         self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
         self.optimizer: torch.optim.Optimizer | None = None
@@ -117,13 +130,20 @@ class MegatronTrainStrategy:
         self.model = build_model(path, self.options, role=self.role, params_dtype=TORCH_DTYPES[args.dtype],
                                  device=self.device, value_head=self.value_head, seed=seed)  # fmt: skip
         module = self.model.module
-        self.masters, self._pairs = fp32_masters(module)
-        self.sharded = sharded_names(module)
-        self._sequence_split = {n for n, p in module.named_parameters() if getattr(p, "sequence_parallel", False)}
+        self.base_sharded = sharded_names(module)
+        if args.lora:  # the adapters are the only trained weights; the base stays in the compute dtype, frozen
+            module.requires_grad_(False)
+            self.adapters = MegatronLora(module, self.model.layout, args, self.role, seed, self.device)
+            self.masters, self._pairs = dict(self.adapters.named_parameters()), []
+            self.sharded = self.adapters.sharded_names()
+        else:
+            self.masters, self._pairs = fp32_masters(module)
+            self.sharded = set(self.base_sharded)
+            self._sequence_split = {n for n, p in module.named_parameters() if getattr(p, "sequence_parallel", False)}
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group() if dist.get_world_size() > 1 else None
         layout = self.model.layout
-        if layout.tied_copy and (layout.first or layout.last):
+        if layout.tied_copy and (layout.first or layout.last) and not args.lora:
             self.embedding_group = parallel_state.get_embedding_group()
         self.optimizer = build_optimizer(self.masters.values(), self.config.training_args)
         if self.options.use_distributed_optimizer:  # at DP = 1 this keeps the plain AdamW
@@ -132,18 +152,32 @@ class MegatronTrainStrategy:
         self.tokenizer = load_tokenizer(path)
 
     # ---- forward -------------------------------------------------------------------------------------------
-    def _infer(self, batch: RolloutBatch, method: str, *, temperature: float, with_entropy: bool) -> RolloutBatch:
+    def _infer(self, batch: RolloutBatch, method: str, *, temperature: float, with_entropy: bool,
+               disable_adapter: bool = False) -> RolloutBatch:  # fmt: skip
         self.reload()
         self.model.module.eval()
-        return self.model.score(batch, self.planners["infer"], pass_name(self.role, method), temperature=temperature,
-                                with_entropy=with_entropy)  # fmt: skip
+        with self._adapters_off(disable_adapter):
+            return self.model.score(batch, self.planners["infer"], pass_name(self.role, method, disable_adapter),
+                                    temperature=temperature, with_entropy=with_entropy)  # fmt: skip
+
+    def _adapters_off(self, disable: bool) -> Any:
+        if not disable:
+            return contextlib.nullcontext()
+        if self.adapters is None:
+            raise ValueError(
+                f"{self.role}: disable_adapter asks for the base model, but {self.role} has no LoRA adapters."
+            )
+        return self.adapters.disabled()
 
     def compute_log_probs(
-        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False
-    ) -> RolloutBatch:
-        """``log_probs [B, R]`` (and ``entropy``) of the responses (vocabulary-parallel log-softmax), no gradients."""
+        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False,
+        disable_adapter: bool = False,
+    ) -> RolloutBatch:  # fmt: skip
+        """``log_probs [B, R]`` (and ``entropy``) of the responses (vocabulary-parallel log-softmax), no gradients;
+        ``disable_adapter`` (LoRA): under the base model alone, i.e. the reference policy."""
         require_causal_lm(self.role, self.value_head)
-        return self._infer(batch, "compute_log_probs", temperature=temperature, with_entropy=with_entropy)
+        return self._infer(batch, "compute_log_probs", temperature=temperature, with_entropy=with_entropy,
+                           disable_adapter=disable_adapter)  # fmt: skip
 
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
         """Critic ``values [B, R]``."""
@@ -250,7 +284,23 @@ class MegatronTrainStrategy:
         was_offloaded = self._offloaded
         self.reload()
         try:
-            yield from export_hf(self.masters, self.sharded, self.model.layout, self.model.tp_group, self.model.stage)
+            if self.adapters is None:
+                params: dict[str, torch.Tensor] = dict(self.masters)
+            else:  # the frozen base with the adapters merged into each shard (what an engine without adapters loads)
+                params = self.adapters.merged(dict(self.model.module.named_parameters()))
+            yield from export_hf(params, self.base_sharded, self.model.layout, self.model.tp_group, self.model.stage)
+        finally:
+            if was_offloaded:
+                self.offload()
+
+    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """LoRA: the adapters alone under PEFT's file names, gathered over TP and the stages (a collective)."""
+        lora.require_lora(self.config, self.role)
+        assert self.adapters is not None
+        was_offloaded = self._offloaded
+        self.reload()
+        try:
+            yield from self.adapters.export(self.model.tp_group, self.model.stage)
         finally:
             if was_offloaded:
                 self.offload()
@@ -278,7 +328,7 @@ class MegatronTrainStrategy:
         if self.device.type != "cpu" and not self._offloaded:
             self._offloaded = True
             self.model.module.to("cpu")
-            _move(self._pairs, torch.device("cpu"))
+            _move(self._moved(), torch.device("cpu"))
             if self.optimizer is not None:
                 self._offloaded_state = offload_optimizer_state(local_optimizer(self.optimizer))
             torch.cuda.empty_cache()
@@ -288,10 +338,34 @@ class MegatronTrainStrategy:
         if self._offloaded:
             self._offloaded = False
             self.model.module.to(self.device)
-            _move(self._pairs, self.device)
+            _move(self._moved(), self.device)
             if self.optimizer is not None:
                 reload_optimizer_state(local_optimizer(self.optimizer), self._offloaded_state)
                 self._offloaded_state = []
+
+    def _moved(self) -> list[tuple[Any, Any]]:
+        """(parameter, master) pairs whose masters live outside the module: the fp32 masters, or the adapters."""
+        return self._pairs if self.adapters is None else [(None, p) for p in self.masters.values()]
+
+
+def check_megatron_lora(config: WorkerConfig, role: str, value_head: bool, options: Any) -> None:
+    """Refuse, naming the key, what megatron_train's LoRA does not build: a value-head role, adapter dropout, and
+    sequence parallelism over more than one TP rank (its sequence-split activations)."""
+    args = config.model_args
+    if not args.lora:
+        return
+    lora.check_lora_role(config, role, value_head)
+    if args.lora_dropout:
+        raise ValueError(
+            f"{role}.model_args.lora_dropout={args.lora_dropout}: megatron_train's LoRA has no adapter dropout "
+            "(fsdp2_train and deepspeed_train have it through peft); set it to 0 or use one of those."
+        )
+    if options.sequence_parallel and options.tensor_model_parallel_size > 1:
+        raise ValueError(
+            f"{role}.strategy_args.strategy_config.sequence_parallel=true with tensor_model_parallel_size="
+            f"{options.tensor_model_parallel_size} and {role}.model_args.lora_target set: megatron_train's LoRA "
+            "adapters take whole sequences; set sequence_parallel: false for a LoRA run."
+        )
 
 
 def fp32_masters(module: torch.nn.Module) -> tuple[dict[str, torch.nn.Parameter], list[tuple[Any, Any]]]:

@@ -10,7 +10,6 @@ engine is started with ``enable_lora``, one adapter slot, and the smallest rank 
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from rl_engines.config import ModelArgs
+from rl_engines.strategies.lora import peft_config, write_adapter
 
 FACTOR = re.compile(r"^(?P<module>.+)\.lora_[AB]\.weight$")
 """An adapter tensor's name as train strategies send it (PEFT's file names)."""
@@ -81,9 +81,6 @@ class AdapterSlot:
         return self.request
 
     def _write(self, folder: Path) -> None:
-        from safetensors.torch import save_file
-
-        folder.mkdir(parents=True, exist_ok=True)
         modules = sorted({FACTOR.match(n)["module"].rsplit(".", 1)[-1] for n in self.pending})  # type: ignore[index]
         ranks = {int(t.shape[0]) for n, t in self.pending.items() if ".lora_A." in n}
         if ranks != {self.args.lora_rank}:
@@ -91,11 +88,7 @@ class AdapterSlot:
                 f"{self.role}.model_args.lora_rank={self.args.lora_rank}, but the adapters synced have rank "
                 f"{sorted(ranks)}: give actor_infer the lora_rank of actor_train."
             )
-        config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": self.args.lora_rank,
-                  "lora_alpha": self.args.alpha, "target_modules": modules,
-                  "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False}  # fmt: skip
-        save_file(self.pending, str(folder / "adapter_model.safetensors"))
-        (folder / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        write_adapter(folder, self.pending, peft_config(self.args, modules))
 
     def _drop_folder(self) -> None:
         if self.folder is not None:
