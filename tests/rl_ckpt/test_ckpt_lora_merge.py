@@ -60,6 +60,52 @@ def test_the_merged_model_scores_as_base_plus_adapter(tiny_hf, tmp_path, capsys,
     assert changed == {n for n in before if n.rsplit(".", 2)[-2] in TARGETS and n.endswith(".weight")}
 
 
+def megatron_checkpoint(adapter, folder, tp, pp=1):
+    """``adapter`` (PEFT folder) as megatron_train writes its LoRA checkpoints: per TP rank (and stage) the rank's
+    factors by HF module path, column-parallel B split by rows, row-parallel A by columns, the rest replicated."""
+    from safetensors.torch import load_file
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    factors = {
+        k.removeprefix("base_model.model."): v for k, v in load_file(adapter / "adapter_model.safetensors").items()
+    }
+    folder.mkdir()
+    layers = sorted({int(name.split(".")[2]) for name in factors})
+    for stage in range(pp):
+        mine = layers[stage * len(layers) // pp : (stage + 1) * len(layers) // pp]
+        for rank in range(tp):
+            model = {}
+            for name, tensor in factors.items():
+                if int(name.split(".")[2]) not in mine:
+                    continue
+                row = name.split(".lora_")[0].endswith(("o_proj", "down_proj"))
+                dim = 1 if row and ".lora_A." in name else 0 if not row and ".lora_B." in name else None
+                model[name] = tensor if dim is None else tensor.chunk(tp, dim=dim)[rank].clone()
+            tag = f"{rank:02d}" if pp == 1 else f"{rank:02d}_{stage:03d}"
+            torch.save({"model": model}, folder / f"mp_rank_{tag}.pt")
+    meta = {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp, "adapters_only": True,
+            "lora": {"lora_target": TARGETS, "lora_rank": config["r"], "lora_alpha": config["lora_alpha"]}}  # fmt: skip
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (2, 2)])
+def test_a_megatron_lora_checkpoint_merges_as_its_peft_adapter(tiny_hf, tmp_path, capsys, tp, pp):
+    """megatron_train's LoRA checkpoint (adapters only, split over TP ranks and stages) merges into the same model
+    as the PEFT adapter it holds; `rl-ckpt convert` on it points at merge-lora."""
+    base = tiny_hf("qwen2", False)
+    make_adapter(base, tmp_path / "adapter")
+    ckpt = megatron_checkpoint(tmp_path / "adapter", tmp_path / "ckpt", tp, pp)
+    for source, out in ((tmp_path / "adapter", "peft"), (ckpt, "megatron")):
+        assert main(["merge-lora", "--base_model_path", str(base), "--adapter_path", str(source),
+                     "--output_path", str(tmp_path / out)]) == 0  # fmt: skip
+    peft_merged, megatron_merged = load_state(tmp_path / "peft"), load_state(tmp_path / "megatron")
+    assert peft_merged.keys() == megatron_merged.keys()
+    assert all(torch.equal(peft_merged[name], megatron_merged[name]) for name in peft_merged)
+    assert main(["convert", "--checkpoint_path", str(ckpt), "--output_path", str(tmp_path / "x")]) == 2
+    assert "holds the LoRA adapters of a megatron_train run only" in capsys.readouterr().err
+
+
 def test_a_bf16_base_stays_bf16(tmp_path):
     base = save_tiny_model(tmp_path / "base", dtype=torch.bfloat16)
     make_adapter(base, tmp_path / "adapter")

@@ -168,6 +168,7 @@ def test_checkpoints_hold_the_adapters_only_and_resume_equals_uninterrupted(stra
     batches[0].batch["old_log_probs"] = first.compute_log_probs(batches[0]).batch["log_probs"]
     first.train_step(batches[0], objective)
     first.save_checkpoint(str(tmp_path / "ckpt"))
+    at_save = dict(first.named_weights())  # the merged weights the checkpoint's adapters stand for
     assert json.loads((tmp_path / "ckpt" / "meta.json").read_text())["adapters_only"] is True
     trained = {n for n, p in module(first).named_parameters() if p.requires_grad}
     assert saved_weight_names(tmp_path / "ckpt") == trained  # no base weight
@@ -180,6 +181,15 @@ def test_checkpoints_hold_the_adapters_only_and_resume_equals_uninterrupted(stra
     for (name, a), (_, b) in zip(first.named_weights(), resumed.named_weights()):
         assert torch.equal(a, b), name
 
+    if strategy_name == "megatron_train":  # rl-ckpt merges the checkpoint's (TP-sharded) adapters into the base
+        from rl_ckpt.hf_io import HFCheckpoint
+        from rl_ckpt.lora_merge import merge_lora
+
+        merge_lora(tiny_model_dir, tmp_path / "ckpt", tmp_path / "merged")
+        merged = HFCheckpoint(tmp_path / "merged")
+        assert set(merged.weight_map) | {"lm_head.weight"} == set(at_save)  # the tied head is not stored
+        for name in merged.weight_map:
+            torch.testing.assert_close(merged.get(name), at_save[name], atol=1e-6, rtol=0, msg=name)
     if strategy_name == "deepspeed_train":  # rl-ckpt's DeepSpeed -> HF conversion points at the exports instead
         from rl_ckpt.deepspeed_to_hf import convert_deepspeed_to_hf
         from rl_ckpt.errors import CheckpointError

@@ -63,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("merge-lora", help="merge a LoRA adapter into its HF base model", epilog=EPILOG,
                        formatter_class=parser.formatter_class)  # fmt: skip
     m.add_argument("--base_model_path", required=True, type=Path, help="the HF model folder the adapter was trained on")
-    m.add_argument("--adapter_path", required=True, type=Path, help="PEFT LoRA adapter folder")
+    m.add_argument("--adapter_path", required=True, type=Path,
+                   help="PEFT LoRA adapter folder, or a megatron_train LoRA checkpoint folder")  # fmt: skip
     m.add_argument("--output_path", required=True, type=Path, help="output folder (created)")
     m.add_argument("--max_shard_size", default="5GB", help="safetensors shard size, e.g. 5GB, 500MB")
     return parser

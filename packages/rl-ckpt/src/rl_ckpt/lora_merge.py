@@ -4,9 +4,10 @@ A LoRA layer computes ``W x + s B A x`` with ``s = lora_alpha / r`` (``lora_alph
 merged weight is ``W + s B A`` (``(B A)^T`` for a ``fan_in_fan_out`` layer such as GPT-2's Conv1D). The adapter
 folder is what ``PeftModel.save_pretrained`` (and rl-engines' ``save_hf`` under ``adapter/``) writes:
 ``adapter_config.json`` and ``adapter_model.safetensors`` with keys ``base_model.model.<module>.lora_A.weight`` /
-``lora_B.weight``. Every other base tensor is streamed to the output unchanged; config, generation config and
-tokenizer files are copied. Adapters this cannot merge exactly (DoRA, per-module rank / alpha patterns, embedding
-adapters, LoRA biases, modules_to_save) are refused naming the key.
+``lora_B.weight``; or an rl-engines ``megatron_train`` LoRA checkpoint (adapters only, split over its
+tensor-parallel files: :mod:`rl_ckpt.megatron_lora`). Every other base tensor is streamed to the output unchanged;
+config, generation config and tokenizer files are copied. Adapters this cannot merge exactly (DoRA, per-module rank
+/ alpha patterns, embedding adapters, LoRA biases, modules_to_save) are refused naming the key.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from safetensors.torch import load_file
 from rl_ckpt.disk_space import output_folder
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.hf_io import TOKENIZER_FILES, HFCheckpoint, ShardedSafetensorsWriter, copy_tokenizer, parse_size
+from rl_ckpt.megatron_lora import is_megatron_adapter, read_megatron_adapter
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
@@ -56,11 +58,16 @@ class LoraAdapter:
 
 
 def read_adapter(folder: Path) -> LoraAdapter:
-    """The adapter in ``folder`` (PEFT's files); raises naming the file and key for anything it cannot merge."""
+    """The adapter in ``folder`` (PEFT's files, or a megatron_train LoRA checkpoint); raises naming the file and
+    key for anything it cannot merge."""
     config_file = folder / ADAPTER_CONFIG
+    if not config_file.is_file() and folder.is_dir() and is_megatron_adapter(folder):
+        scale, factors = read_megatron_adapter(folder)
+        return LoraAdapter(folder, scale, False, factors)
     if not config_file.is_file():
         raise CheckpointError(
-            f"--adapter_path {folder} has no {ADAPTER_CONFIG}; point it at a PEFT LoRA adapter folder"
+            f"--adapter_path {folder} has no {ADAPTER_CONFIG}; point it at a PEFT LoRA adapter folder (or a "
+            "megatron_train LoRA checkpoint folder)"
         )
     config: dict[str, Any] = json.loads(config_file.read_text(encoding="utf-8"))
     if str(config.get("peft_type", "")).upper() != "LORA":

@@ -29,6 +29,7 @@ from rl_ckpt.mcore_merge import (
     layer_sources,
     layer_to_hf,
 )
+from rl_ckpt.megatron_lora import is_megatron_adapter
 from rl_ckpt.sources import dtype_of
 from rl_ckpt.spec import ModelSpec, arg
 
@@ -87,6 +88,12 @@ def open_mcore_checkpoint(
     The model is detected from the args, completed by ``tokenizer_path``'s or the args' ``tokenizer_model``
     config.json (see :func:`rl_ckpt.mcore_merge.checkpoint_spec`); the flags override both.
     """
+    if Path(path).is_dir() and is_megatron_adapter(Path(path)):
+        raise CheckpointError(
+            f"{path} holds the LoRA adapters of a megatron_train run only (meta.json: adapters_only), not a model: "
+            f"merge them into the base model with `rl-ckpt merge-lora --base_model_path BASE --adapter_path {path} "
+            "--output_path OUT`, or use the run's exported actor_hf/ folder (merged)"
+        )
     iteration_dir = resolve_iteration_dir(Path(path))
     if is_dist_dir(iteration_dir):
         return open_dist_checkpoint(
