@@ -1,6 +1,7 @@
 """Package hygiene: version, no sibling imports, one model-family registry."""
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -25,9 +26,25 @@ def test_ckpt_imports_no_sibling_package():
 
 
 def test_ckpt_family_registry():
-    assert FAMILIES.names() == ["llama", "mistral", "qwen2", "qwen3"]
+    assert FAMILIES.names() == ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
     assert FAMILIES.get("qwen3").qk_norm and not FAMILIES.get("qwen2").qk_norm
-    with pytest.raises(CheckpointError, match=r"unknown model type 'gpt2'; supported: llama, mistral, qwen2, qwen3"):
+    assert FAMILIES.get("qwen3_moe").moe and not FAMILIES.get("qwen3").moe
+    with pytest.raises(CheckpointError, match=r"unknown model type 'gpt2'; supported: llama, mistral, qwen2, qwen3, "):
         FAMILIES.get("gpt2")
     with pytest.raises(ValueError, match="registered twice"):
         FAMILIES.register("qwen2")(ModelFamily("qwen2", "Qwen2ForCausalLM", fixed_qkv_bias=True))
+
+
+def test_a_qwen3_moe_config_reads_its_experts_and_file_conversion_refuses_it(tmp_path):
+    """rl-ckpt reads Qwen3-MoE's expert numbers (megatron_train builds the model from them) but converts dense
+    decoders only to Megatron files, saying so."""
+    from rl_ckpt.hf_to_mcore import convert_hf_to_mcore
+    from rl_ckpt.spec import spec_from_hf_config
+    from rl_engines.tiny_model import build_tiny_moe_lm
+
+    build_tiny_moe_lm(tmp_path / "moe", vocab_size=64)
+    spec = spec_from_hf_config(json.loads((tmp_path / "moe" / "config.json").read_text()))
+    assert (spec.num_experts, spec.moe_ffn_hidden_size, spec.moe_topk, spec.moe_norm_topk_prob) == (4, 32, 2, True)
+    with pytest.raises(CheckpointError, match=r"is a mixture-of-experts model \(qwen3_moe, 4 experts\)"):
+        convert_hf_to_mcore(tmp_path / "moe", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

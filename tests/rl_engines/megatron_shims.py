@@ -6,7 +6,9 @@ megatron-core assumes CUDA in a few places the Megatron strategies reach:
 2. ``torch.cuda.synchronize()`` -> a no-op;
 3. ``tensor_parallel.model_parallel_cuda_manual_seed`` builds CUDA RNG trackers -> the inference tracker
    (``inference_rng_tracker=True``), which forks no CUDA generator;
-4. activation recomputation (``recompute_granularity``) saves / restores the CUDA RNG state -> a dummy state.
+4. activation recomputation (``recompute_granularity``) saves / restores the CUDA RNG state -> a dummy state;
+5. ``moe_utils`` names its Transformer Engine kernels only when TE imports, then tests ``te_general_gemm is not
+   None`` (a NameError without TE) -> the missing names set to None, so MoE routing takes its torch path.
 
 ``apply()`` is idempotent. In-process tests call it from a fixture; Ray workers get it through
 ``sitecustomize_dir()``, a folder whose ``sitecustomize.py`` arranges at interpreter start-up that the shims are
@@ -24,6 +26,11 @@ from typing import Any
 _applied = False
 RANDOM = "megatron.core.tensor_parallel.random"
 """The megatron-core module whose CUDA RNG functions the shims replace."""
+MOE_UTILS = "megatron.core.transformer.moe.moe_utils"
+TE_KERNELS = ("te_general_gemm", "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
+              "fused_moe_aux_loss", "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+              "fused_sort_chunks_by_index_with_probs", "fused_unpermute")  # fmt: skip
+"""The Transformer Engine kernels megatron-core's moe_utils leaves undefined when TE is not installed."""
 
 
 def apply() -> None:
@@ -34,9 +41,18 @@ def apply() -> None:
         return
     import megatron.core.tensor_parallel as tensor_parallel
     import megatron.core.tensor_parallel.random as megatron_random
+    import megatron.core.transformer.moe.moe_utils as moe_utils
 
     _patch(megatron_random)
+    _patch_moe(moe_utils)
     tensor_parallel.model_parallel_cuda_manual_seed = megatron_random.model_parallel_cuda_manual_seed
+
+
+def _patch_moe(moe_utils: Any) -> None:
+    """Shim 5: the TE kernel names moe_utils lacks without TE, as None."""
+    for name in TE_KERNELS:
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
 
 
 def _patch(megatron_random: Any) -> None:
@@ -68,6 +84,7 @@ def apply_on_import() -> None:
     import import_hooks  # loaded by the session's start-up hook, which the shims' sitecustomize runs first
 
     import_hooks.after_import(RANDOM, _patch)
+    import_hooks.after_import(MOE_UTILS, _patch_moe)
 
 
 SITECUSTOMIZE = """import runpy

@@ -145,7 +145,7 @@ def test_tp2_update_equals_fsdp2_and_resume_equals_uninterrupted(roles, tiny_mod
         ),
         ("megatron_train", {"context_parallel_size": 2}, r"strategy_config\.context_parallel_size=2"),
         ("megatron_infer", {"bf16": True}, r"strategy_config\.bf16=true contradicts reference\.model_args\.dtype"),
-        ("megatron_train", {"moe_grouped_gemm": True}, r"strategy_config\.moe_grouped_gemm'\] apply to MoE"),
+        ("megatron_train", {"moe_token_dispatcher_type": "flex"}, r"moe_token_dispatcher_type='flex': use one of"),
         ("megatron_train", {"tensor_model_parallel_size": "2"}, r"tensor_model_parallel_size must be int"),
         ("megatron_train", {"recompute_granularity": "layer"}, r"recompute_granularity='layer'"),
         ("megatron_train", {"recompute_num_layers": 2}, r"apply to recompute_granularity: full only"),

@@ -44,6 +44,9 @@ class ModelFamily:
     """Per-layer tensors copied as they are: HF suffix after ``model.layers.N.`` -> mcore suffix after
     ``decoder.layers.N.``; all replicated over TP."""
 
+    moe: bool = False
+    """Mixture-of-experts MLPs (a router and per-expert SwiGLU MLPs in every layer, no shared expert)."""
+
     @property
     def qk_norm(self) -> bool:
         """Whether the family has per-head q / k RMSNorms (Qwen3)."""
@@ -62,6 +65,9 @@ for _family in (
     ModelFamily("llama", "LlamaForCausalLM", fixed_qkv_bias=None),
     ModelFamily("mistral", "MistralForCausalLM", fixed_qkv_bias=False),
     ModelFamily("qwen3", "Qwen3ForCausalLM", fixed_qkv_bias=None, layer_norms={**_DENSE_NORMS, **_QK_NORMS}),
+    ModelFamily(
+        "qwen3_moe", "Qwen3MoeForCausalLM", fixed_qkv_bias=None, layer_norms={**_DENSE_NORMS, **_QK_NORMS}, moe=True
+    ),
 ):
     FAMILIES.register(_family.name)(_family)
 

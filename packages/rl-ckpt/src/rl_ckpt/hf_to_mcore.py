@@ -147,6 +147,11 @@ def convert_hf_to_mcore(
     """
     src = HFCheckpoint(Path(hf_path))
     spec = spec_from_hf_config(src.config)
+    if spec.moe:
+        raise CheckpointError(
+            f"{hf_path} is a mixture-of-experts model ({spec.model_type}, {spec.num_experts} experts): rl-ckpt "
+            "converts dense decoders to Megatron files for now (megatron_train loads MoE HF folders itself)"
+        )
     check_parallel_sizes(spec, tp, pp)
     padded = padded_vocab_size(spec.vocab_size, make_vocab_size_divisible_by, tp)
     args = mcore_args(spec, tp, pp, padded, make_vocab_size_divisible_by)

@@ -121,13 +121,14 @@ def layer_sources(stage: StageShards, spec: ModelSpec, local: int, layer: int) -
         yield from ((f"{hf}{n}_proj.{kind}", t) for n, t in (("q", q), ("k", k), ("v", v)))
     key = f"{mc}self_attention.linear_proj.weight"
     yield f"{hf}o_proj.weight", stage.check(stage.concat(key, 1), (h, nq * d), key)
-    key = f"{mc}mlp.linear_fc1.weight"
-    gate, up = fc1_parts([stage.check(s, (2 * f // len(stage.paths), h), key) for s in stage.shards(key)])
-    mlp = f"model.layers.{layer}.mlp."
-    yield f"{mlp}gate_proj.weight", gate
-    yield f"{mlp}up_proj.weight", up
-    key = f"{mc}mlp.linear_fc2.weight"
-    yield f"{mlp}down_proj.weight", stage.check(stage.concat(key, 1), (h, f), key)
+    if not spec.moe:  # a MoE layer's router and experts are mapped by their reader (rl-engines' megatron_weights)
+        key = f"{mc}mlp.linear_fc1.weight"
+        gate, up = fc1_parts([stage.check(s, (2 * f // len(stage.paths), h), key) for s in stage.shards(key)])
+        mlp = f"model.layers.{layer}.mlp."
+        yield f"{mlp}gate_proj.weight", gate
+        yield f"{mlp}up_proj.weight", up
+        key = f"{mc}mlp.linear_fc2.weight"
+        yield f"{mlp}down_proj.weight", stage.check(stage.concat(key, 1), (h, f), key)
     for hf_name, mc_name in FAMILIES.get(spec.model_type).layer_norms.items():
         size = d if "q_norm" in hf_name or "k_norm" in hf_name else h
         yield f"model.layers.{layer}.{hf_name}", stage.check(stage.shards(mc + mc_name)[0], (size,), mc + mc_name)

@@ -34,6 +34,19 @@ class ModelSpec:
     max_position_embeddings: int
     hf_config: dict[str, Any] | None = None
     """The original HF config.json when known (carried through Megatron args), written back verbatim."""
+    num_experts: int = 0
+    """Mixture-of-experts layers (Qwen3-MoE: every layer): experts per layer; 0 for a dense decoder."""
+    moe_ffn_hidden_size: int = 0
+    """An expert's intermediate size (HF ``moe_intermediate_size``)."""
+    moe_topk: int = 0
+    """Experts per token (HF ``num_experts_per_tok``)."""
+    moe_norm_topk_prob: bool = True
+    """Whether the top-k routing weights are renormalised to sum to 1 (HF ``norm_topk_prob``)."""
+
+    @property
+    def moe(self) -> bool:
+        """Whether the decoder's MLPs are mixture-of-experts layers."""
+        return self.num_experts > 0
 
     @property
     def q_per_group(self) -> int:
@@ -61,6 +74,7 @@ def spec_from_hf_config(cfg: Mapping[str, Any]) -> ModelSpec:
         raise CheckpointError("config.json sets mlp_bias=true, which rl-ckpt does not convert yet")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
+    moe = _moe_fields(cfg) if family.moe else {}
     return ModelSpec(
         model_type=family.name,
         num_layers=int(cfg["num_hidden_layers"]),
@@ -76,7 +90,22 @@ def spec_from_hf_config(cfg: Mapping[str, Any]) -> ModelSpec:
         rotary_base=_rope_theta(cfg),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         hf_config=copy.deepcopy(dict(cfg)),
+        **moe,
     )
+
+
+def _moe_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A mixture-of-experts family's expert numbers; a layout other than every layer sparse is refused naming the
+    config key (only that is mapped)."""
+    if int(cfg.get("decoder_sparse_step", 1)) != 1 or cfg.get("mlp_only_layers"):
+        raise CheckpointError(
+            f"config.json sets decoder_sparse_step={cfg.get('decoder_sparse_step')} / mlp_only_layers="
+            f"{cfg.get('mlp_only_layers')}: dense layers between the MoE layers are not mapped yet (every layer MoE is)"
+        )
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes the second
+    return {"num_experts": int(experts), "moe_ffn_hidden_size": int(cfg["moe_intermediate_size"]),
+            "moe_topk": int(cfg["num_experts_per_tok"]),
+            "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", True))}  # fmt: skip
 
 
 def mcore_args(spec: ModelSpec, tp: int, pp: int, padded_vocab_size: int, divisible_by: int) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from rl_engines.config import GeneratingArgs, WorkerConfig
 from rl_engines.strategies.base import STRATEGIES, reject_unknown_keys, worker_device
 from rl_engines.strategies.generation import generate_batch
 from rl_engines.strategies.micro_batches import pass_name, planner, require_no_training, require_no_ulysses
-from rl_engines.strategies.model_io import TORCH_DTYPES, load_model, load_tokenizer
+from rl_engines.strategies.model_io import TORCH_DTYPES, fused_expert_slice, load_model, load_tokenizer
 
 
 @STRATEGIES.register("hf_infer")
@@ -89,6 +89,11 @@ class HfInferStrategy:
         targets = self.model.state_dict(keep_vars=True)
         loaded = 0
         for name, tensor in weights:
+            expert = fused_expert_slice(targets, name)  # a MoE expert under its checkpoint name (Megatron sends them)
+            if expert is not None:
+                expert.copy_(tensor, non_blocking=True)
+                loaded += 1
+                continue
             if name not in targets:
                 raise KeyError(
                     f"{self.role}: weight {name!r} from the train strategy has no counterpart in the inference "

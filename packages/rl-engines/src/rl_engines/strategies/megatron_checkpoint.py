@@ -51,20 +51,21 @@ def save(strategy: Any, path: str) -> None:
     partitioned = local_optimizer(strategy.optimizer) is not strategy.optimizer
 
     def write(tmp: Path, rank: int) -> None:
-        if strategy.dp_rank == 0:
+        if strategy.checkpoint_writer:
             masters = {name: value.detach() for name, value in strategy.masters.items()}  # fp32
             torch.save({"model": masters}, tmp / f"mp_rank_{rank_tag(layout)}.pt")
-        if strategy.dp_rank == 0 or partitioned:
+        if strategy.checkpoint_writer or partitioned:
             torch.save(named_optimizer_state(strategy), tmp / optimizer_file(layout, strategy.dp_rank))
         meta = {"role": strategy.role, "tensor_model_parallel_size": layout.tp,
-                "pipeline_model_parallel_size": layout.pp, "world_size": dist.get_world_size(),
+                "pipeline_model_parallel_size": layout.pp, "expert_model_parallel_size": layout.ep,
+                "world_size": dist.get_world_size(),
                 "data_parallel_size": strategy.dp_size, "use_distributed_optimizer": partitioned,
                 "global_step": strategy.global_step, **lora_meta(strategy)}  # fmt: skip
         save_trainer_state(strategy, tmp, rank, meta)
 
     written = tensor_bytes(
-        strategy.masters if strategy.dp_rank == 0 else {},
-        local_optimizer(strategy.optimizer).state if strategy.dp_rank == 0 or partitioned else {},
+        strategy.masters if strategy.checkpoint_writer else {},
+        local_optimizer(strategy.optimizer).state if strategy.checkpoint_writer or partitioned else {},
     )
     write_checkpoint_atomically(path, strategy.global_step, write, role=strategy.role, rank_bytes=written)
 
@@ -76,7 +77,8 @@ def load(strategy: Any, path: str) -> None:
     check_adapters_only(strategy, root)
     meta = json.loads((root / "meta.json").read_text())
     layout = strategy.model.layout
-    for key, here in (("tensor_model_parallel_size", layout.tp), ("pipeline_model_parallel_size", layout.pp)):
+    for key, here in (("tensor_model_parallel_size", layout.tp), ("pipeline_model_parallel_size", layout.pp),
+                      ("expert_model_parallel_size", layout.ep)):  # fmt: skip
         if meta.get(key, 1) != here:
             raise ValueError(
                 f"{strategy.role}: {path} was saved with {key}={meta.get(key, 1)}, this run has {here} "
@@ -93,8 +95,10 @@ def load(strategy: Any, path: str) -> None:
 
 
 def rank_tag(layout: Any) -> str:
-    """Megatron's model-parallel rank tag of a file: ``<TT>`` (TP rank), ``<TT>_<PPP>`` under pipeline parallelism."""
-    return f"{layout.tp_rank:02d}" if layout.pp == 1 else f"{layout.tp_rank:02d}_{layout.pp_rank:03d}"
+    """Megatron's model-parallel rank tag of a file: ``<TT>`` (TP rank), ``<TT>_<PPP>`` under pipeline parallelism,
+    then ``_<EEE>`` (expert-parallel rank) under expert parallelism."""
+    tag = f"{layout.tp_rank:02d}" if layout.pp == 1 else f"{layout.tp_rank:02d}_{layout.pp_rank:03d}"
+    return tag if layout.ep == 1 else f"{tag}_{layout.ep_rank:03d}"
 
 
 def optimizer_file(layout: Any, dp_rank: int | None) -> str:

@@ -49,10 +49,22 @@ LAYOUT_KEYS: dict[str, tuple[type, ...]] = {
     "virtual_pipeline_model_parallel_size": (int, NoneType),
     "sequence_parallel": (bool,),
 }
+# Mixture-of-experts settings (a MoE model only); the kernel choices among them are logged when not acted on.
+MOE_KEYS: dict[str, tuple[type, ...]] = {"moe_token_dispatcher_type": (str,), "moe_grouped_gemm": (bool,)}
+MOE_DISPATCHERS = ("allgather", "alltoall")
+MOE_SWITCHES: dict[str, str] = {
+    "moe_grouped_gemm": "Transformer Engine's grouped GEMM over a rank's experts (not installed: the experts run one "
+    "after another, Megatron's SequentialMLP, the same math)",
+    "moe_shared_expert_overlap": "overlapping the shared expert with the token dispatch (Qwen3-MoE has no shared "
+    "expert)",
+    "moe_token_dispatcher_type": "the alltoall dispatcher (megatron-core's needs CUDA streams: the allgather "
+    "dispatcher runs here, the same routing and results)",
+}
 INFER_KEYS: dict[str, tuple[type, ...]] = {
     **LAYOUT_KEYS,
     **PRECISION_KEYS,
     **dict.fromkeys(KERNEL_FUSION_SWITCHES, (bool,)),
+    **MOE_KEYS,
 }
 TRAIN_KEYS: dict[str, tuple[type, ...]] = {
     **INFER_KEYS,
@@ -63,8 +75,6 @@ TRAIN_KEYS: dict[str, tuple[type, ...]] = {
     "recompute_modules": (str, list, NoneType),
     "use_distributed_optimizer": (bool,),
     "moe_layer_recompute": (bool,),
-    "moe_token_dispatcher_type": (str,),
-    "moe_grouped_gemm": (bool,),
     "moe_shared_expert_overlap": (bool,),
 }
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
@@ -100,6 +110,14 @@ class MegatronOptions:
     """With ``selective``: the parts of each layer recomputed (Megatron's default: ``core_attn``)."""
     use_distributed_optimizer: bool = False
     """Partition AdamW's state over the data-parallel ranks (ZeRO stage 1, Megatron's DistributedOptimizer)."""
+    expert_model_parallel_size: int = 1
+    """MoE models: ranks a layer's experts are split over (Megatron EP); divides the data-parallel size."""
+    moe_token_dispatcher_type: str = "allgather"
+    """MoE models: how tokens reach their experts' ranks (the one that runs here: allgather without CUDA)."""
+    moe_layer_recompute: bool = False
+    """MoE models: recompute each MoE layer in the backward (Megatron's moe_layer_recompute)."""
+    moe_keys: tuple[str, ...] = ()
+    """The MoE-only keys the config sets (an error on a dense model, checked once the model is known)."""
     unused_switches: tuple[str, ...] = ()
     """Performance-only keys set to true that this build does not act on (logged once at start-up)."""
 
@@ -123,7 +141,6 @@ def _reject_unsupported(config: dict[str, Any], prefix: str) -> None:
     """Keys ROLL accepts that this adapter cannot honour (yet), each with the reason and the alternative."""
     for key, reason in (
         ("context_parallel_size", "needs Transformer Engine attention; the local Megatron spec used here has none"),
-        ("expert_model_parallel_size", "applies to MoE models; this adapter supports dense decoders only"),
     ):
         if config.get(key, 1) > 1:
             raise ValueError(f"{prefix}.{key}={config[key]}: {reason}. Set it to 1 (or remove it).")
@@ -133,11 +150,11 @@ def _reject_unsupported(config: dict[str, Any], prefix: str) -> None:
             "interleaved pipeline schedule is not supported by this adapter (it runs one model chunk per stage with "
             "a 1F1B schedule); remove it and keep pipeline_model_parallel_size."
         )
-    moe = sorted(key for key in config if key.startswith("moe_"))
-    if moe:
+    dispatcher = config.get("moe_token_dispatcher_type", "allgather")
+    if dispatcher not in MOE_DISPATCHERS:
         raise ValueError(
-            f"{[f'{prefix}.{key}' for key in moe]} apply to MoE models; this adapter supports dense decoders "
-            "(Qwen2 / Qwen3 / Llama / Mistral) only. Remove them."
+            f"{prefix}.moe_token_dispatcher_type={dispatcher!r}: use one of {list(MOE_DISPATCHERS)} (flex needs "
+            "DeepEP, which this build does not have)."
         )
     if config.get("overlap_param_gather") and not config.get("use_distributed_optimizer"):
         raise ValueError(
@@ -239,6 +256,10 @@ def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dt
     sequence_parallel = bool(config.get("sequence_parallel", False)) and tp > 1
     if sequence_parallel and not fused_norms_available():
         sequence_parallel, unused = False, (*unused, "sequence_parallel")
+    dispatcher = str(config.get("moe_token_dispatcher_type", "allgather"))
+    unused += tuple(key for key in ("moe_grouped_gemm", "moe_shared_expert_overlap") if config.get(key))
+    if dispatcher == "alltoall" and not _cuda():
+        dispatcher, unused = "allgather", (*unused, "moe_token_dispatcher_type")
     return MegatronOptions(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=int(config.get("pipeline_model_parallel_size", 1)),
@@ -249,14 +270,60 @@ def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dt
         recompute_modules=recompute_modules(config.get("recompute_modules")),
         use_distributed_optimizer=bool(config.get("use_distributed_optimizer", False)),
         unused_switches=unused,
+        expert_model_parallel_size=int(config.get("expert_model_parallel_size", 1)),
+        moe_token_dispatcher_type=dispatcher,
+        moe_layer_recompute=bool(config.get("moe_layer_recompute", False)),
+        moe_keys=tuple(
+            sorted(
+                key
+                for key in config
+                if key.startswith("moe_") or (key == "expert_model_parallel_size" and config[key] > 1)
+            )
+        ),
     )
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_moe_options(options: MegatronOptions, spec: Any, role: str) -> None:
+    """The MoE keys against the model (``spec``: rl_ckpt's ModelSpec): none on a dense decoder; on a MoE one, the
+    expert count divisible by expert_model_parallel_size, TP = 1 (expert tensor parallelism is not built) and no
+    distributed optimizer across expert-parallel ranks."""
+    prefix = f"{role}.strategy_args.strategy_config"
+    if not spec.moe:
+        if options.moe_keys:
+            raise ValueError(
+                f"{[f'{prefix}.{key}' for key in options.moe_keys]} apply to MoE models; {role}'s model is a dense "
+                f"{spec.model_type} decoder. Remove them."
+            )
+        return
+    ep = options.expert_model_parallel_size
+    if spec.num_experts % ep:
+        raise ValueError(f"{prefix}.expert_model_parallel_size={ep} does not divide the model's {spec.num_experts} "
+                         "experts; pick a divisor.")  # fmt: skip
+    if options.tensor_model_parallel_size > 1:
+        raise ValueError(
+            f"{prefix}.tensor_model_parallel_size={options.tensor_model_parallel_size} on a MoE model "
+            f"({spec.model_type}): expert tensor parallelism is not built yet; split the experts with "
+            "expert_model_parallel_size and the layers with pipeline_model_parallel_size."
+        )
+    if options.use_distributed_optimizer and ep > 1:
+        raise ValueError(
+            f"{prefix}.use_distributed_optimizer=true with expert_model_parallel_size={ep}: partitioning the optimizer "
+            "state of experts split over ranks is not built yet; set use_distributed_optimizer: false."
+        )
 
 
 def describe_unused_switches(options: MegatronOptions, role: str) -> str:
     """One line naming the performance-only switches that are set but not acted on, and why ("" when none)."""
     if not options.unused_switches:
         return ""
-    switches = KERNEL_FUSION_SWITCHES | TRAIN_PERFORMANCE_SWITCHES | {"sequence_parallel": SEQUENCE_PARALLEL_REASON}
+    switches = (KERNEL_FUSION_SWITCHES | TRAIN_PERFORMANCE_SWITCHES | MOE_SWITCHES
+                | {"sequence_parallel": SEQUENCE_PARALLEL_REASON})  # fmt: skip
     reasons = "; ".join(f"{key}: {switches[key]}" for key in options.unused_switches)
     return (
         f"{role}.strategy_args.strategy_config: performance-only switches accepted but not used by this build "
@@ -268,10 +335,16 @@ def check_world_size(options: MegatronOptions, world_size: int, role: str) -> in
     """The data-parallel size ``world / (TP x PP)``; raises naming the keys when TP x PP does not divide the world
     size."""
     tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
+    prefix = f"{role}.strategy_args.strategy_config"
     if world_size % (tp * pp):
-        prefix = f"{role}.strategy_args.strategy_config"
         raise ValueError(
             f"{prefix}.tensor_model_parallel_size={tp} x {prefix}.pipeline_model_parallel_size={pp} = {tp * pp} "
             f"does not divide the role's world size {world_size} (len({role}.device_mapping)); pick divisors."
         )
-    return world_size // (tp * pp)
+    dp, ep = world_size // (tp * pp), options.expert_model_parallel_size
+    if dp % ep:
+        raise ValueError(
+            f"{prefix}.expert_model_parallel_size={ep} does not divide the data-parallel size {dp} (world size "
+            f"{world_size} / (TP x PP)); the experts are split over data-parallel ranks: pick a divisor."
+        )
+    return dp

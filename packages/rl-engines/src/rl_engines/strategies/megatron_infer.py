@@ -21,7 +21,7 @@ from rl_engines.strategies.base import STRATEGIES, ensure_process_group, require
 from rl_engines.strategies.generation import sample_responses
 from rl_engines.strategies.megatron_config import check_world_size, parse_megatron_options
 from rl_engines.strategies.megatron_generate import MegatronGenerator, load_generation_config
-from rl_engines.strategies.megatron_model import MegatronModel, build_model, init_model_parallel
+from rl_engines.strategies.megatron_model import MegatronModel, build_model, check_local_model, init_model_parallel
 from rl_engines.strategies.megatron_weights import export_hf, sharded_names
 from rl_engines.strategies.micro_batches import pass_name, planner, require_no_training, require_no_ulysses
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path
@@ -45,6 +45,7 @@ class MegatronInferStrategy:
         self.options = parse_megatron_options(
             dict(config.strategy_args.strategy_config), role, train=False, dtype=config.model_args.dtype
         )
+        check_local_model(config, self.options, role)
         self.device = torch.device("cpu")
         self.megatron: MegatronModel = None  # type: ignore[assignment]
         self.model: MegatronGenerator = None  # type: ignore[assignment]

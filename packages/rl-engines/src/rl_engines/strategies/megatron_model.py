@@ -1,8 +1,9 @@
 """A Megatron-core ``GPTModel`` built from a HF folder, loaded with this rank's shards, and its forward pass.
 
 Supported families are rl_ckpt's dense decoders (Qwen2 / Qwen3 / Llama / Mistral: RMSNorm, SwiGLU, RoPE, GQA,
-optional QKV bias and qk-norm, tied or untied embeddings), built from Megatron's local (non Transformer-Engine)
-layer spec. megatron is imported inside functions only, so this module imports without it.
+optional QKV bias and qk-norm, tied or untied embeddings) and Qwen3-MoE (every layer a softmax top-k router over
+SwiGLU experts, split over ``expert_model_parallel_size`` ranks), built from Megatron's local (non
+Transformer-Engine) layer spec. megatron is imported inside functions only, so this module imports without it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from rl_ckpt.hf_io import HFCheckpoint
 from rl_ckpt.layout import padded_vocab_size
 from rl_ckpt.spec import ModelSpec, spec_from_hf_config
 from rl_core.batch import RolloutBatch
-from rl_engines.strategies.megatron_config import MegatronOptions
+from rl_engines.strategies.megatron_config import MegatronOptions, check_moe_options
 from rl_engines.strategies.megatron_ops import vocab_parallel_log_probs
 from rl_engines.strategies.megatron_pipeline import (
     OnOutput,
@@ -66,16 +67,20 @@ def init_model_parallel(options: MegatronOptions, seed: int, role: str) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
+    ep = options.expert_model_parallel_size
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
-                parallel_state.get_pipeline_model_parallel_world_size())  # fmt: skip
-        if have != (tp, pp):
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                parallel_state.get_expert_model_parallel_world_size())  # fmt: skip
+        if have != (tp, pp, ep):
             raise RuntimeError(
                 f"{role}: this process already runs Megatron with tensor_model_parallel_size={have[0]}, "
-                f"pipeline_model_parallel_size={have[1]}; one process holds one Megatron layout."
+                f"pipeline_model_parallel_size={have[1]}, expert_model_parallel_size={have[2]}; one process holds one "
+                "Megatron layout."
             )
     else:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 expert_model_parallel_size=ep)  # fmt: skip
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
@@ -121,7 +126,29 @@ def transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        **_moe_config(spec, options),
     )
+
+
+def _moe_config(spec: ModelSpec, options: MegatronOptions) -> dict[str, Any]:
+    """TransformerConfig's MoE settings for a Qwen3-MoE ``spec``: HF's router (softmax over the experts, top-k,
+    renormalised when ``norm_topk_prob``: Megatron's top-k then softmax, else softmax then top-k) in fp32, no
+    capacity limit (no token is dropped), no auxiliary loss."""
+    if not spec.moe:
+        return {}
+    return {
+        "num_moe_experts": spec.num_experts,
+        "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
+        "moe_router_topk": spec.moe_topk,
+        "moe_router_pre_softmax": not spec.moe_norm_topk_prob,
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "none",
+        "moe_aux_loss_coeff": 0.0,
+        "moe_token_dispatcher_type": options.moe_token_dispatcher_type,
+        "moe_grouped_gemm": False,
+        "moe_layer_recompute": options.moe_layer_recompute,
+        "expert_model_parallel_size": options.expert_model_parallel_size,
+    }
 
 
 class ValueHead(nn.Module):
@@ -140,6 +167,13 @@ class ValueHead(nn.Module):
 
             hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         return nn.functional.linear(hidden, self.weight, self.bias), None
+
+
+def check_local_model(config: Any, options: MegatronOptions, role: str) -> None:
+    """The MoE keys against the model when its folder is here already (pre-flight); otherwise once it is loaded."""
+    path = Path(str(config.model_args.model_name_or_path))
+    if (path / "config.json").is_file():
+        check_moe_options(options, read_spec(str(path), role), role)
 
 
 @dataclass
@@ -328,14 +362,16 @@ def build_model(
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     spec = read_spec(model_path, role)
+    check_moe_options(options, spec, role)
     _check_divisors(spec, options, role, model_path)
     tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
     stage = current_stage()
     padded = padded_vocab_size(spec.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
     config = transformer_config(spec, options, params_dtype, device)
+    experts = {"num_experts": spec.num_experts, "moe_grouped_gemm": False} if spec.moe else {}
     module = GPTModel(
         config,
-        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm),
+        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm, **experts),
         vocab_size=padded,
         max_sequence_length=spec.max_position_embeddings,
         pre_process=stage.first,
@@ -348,7 +384,8 @@ def build_model(
         module.output_layer = ValueHead(spec.hidden_size, options.sequence_parallel, params_dtype)
     module.to(device)
     layout = RankLayout(spec, parallel_state.get_tensor_model_parallel_rank(), tp, padded, value_head,
-                        stage.rank, pp, _stage_offsets(config, pp))  # fmt: skip
+                        stage.rank, pp, _stage_offsets(config, pp), parallel_state.get_expert_model_parallel_rank(),
+                        options.expert_model_parallel_size)  # fmt: skip
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     mp_group = parallel_state.get_model_parallel_group() if tp * pp > 1 else None
     model = MegatronModel(module, role, layout, group, options.sequence_parallel, device, stage, mp_group)

@@ -106,15 +106,30 @@ def sum_gradients(params: Iterable[nn.Parameter], group: dist.ProcessGroup | Non
             offset += grad.numel()
 
 
-def grad_norm(owned: Iterable[nn.Parameter], group: dist.ProcessGroup | None) -> float:
+def grad_norm(
+    owned: Iterable[nn.Parameter],
+    group: dist.ProcessGroup | None,
+    experts: Iterable[nn.Parameter] = (),
+    expert_group: dist.ProcessGroup | None = None,
+) -> float:
     """Global L2 norm of the gradients; ``owned`` lists each distinct parameter on exactly one rank of ``group``
     (TP shards on every rank, replicated tensors on TP rank 0 only), so nothing is counted twice. ``group`` None
-    means no tensor parallelism (data-parallel ranks hold identical summed gradients and must not add up)."""
-    squares = [param.grad.detach().float().pow(2).sum() for param in owned if param.grad is not None]
-    total = torch.stack(squares).sum().double() if squares else torch.zeros((), dtype=torch.float64)
+    means no tensor parallelism (data-parallel ranks hold identical summed gradients and must not add up).
+    ``experts``: MoE expert parameters, distinct on each rank of ``expert_group`` (expert parallelism), summed
+    over it first."""
+    total = _squares(owned)
+    expert_total = _squares(experts)
+    if expert_group is not None:
+        expert_total = all_reduce_sum(expert_total.cpu().reshape(1), expert_group)[0]
+    total = total + expert_total
     if group is None:  # no tensor parallelism: this rank holds every gradient (None is not "the world" here)
         return math.sqrt(float(total))
     return math.sqrt(float(all_reduce_sum(total.cpu().reshape(1), group)[0]))
+
+
+def _squares(params: Iterable[nn.Parameter]) -> torch.Tensor:
+    squares = [param.grad.detach().float().pow(2).sum() for param in params if param.grad is not None]
+    return torch.stack(squares).sum().double().cpu() if squares else torch.zeros((), dtype=torch.float64)
 
 
 def clip_gradients(params: Iterable[nn.Parameter], norm: float, max_norm: float | None) -> None:

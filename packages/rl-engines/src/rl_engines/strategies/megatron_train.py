@@ -37,7 +37,7 @@ from rl_engines.strategies import lora, megatron_checkpoint
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, require_engine_package, worker_device
 from rl_engines.strategies.megatron_config import check_world_size, describe_unused_switches, parse_megatron_options
 from rl_engines.strategies.megatron_lora import MegatronLora
-from rl_engines.strategies.megatron_model import MegatronModel, build_model, init_model_parallel
+from rl_engines.strategies.megatron_model import MegatronModel, build_model, check_local_model, init_model_parallel
 from rl_engines.strategies.megatron_ops import (
     clip_gradients,
     grad_norm,
@@ -86,6 +86,7 @@ class MegatronTrainStrategy:
         self.options = parse_megatron_options(
             dict(config.strategy_args.strategy_config), role, train=True, dtype=config.model_args.dtype
         )
+        check_local_model(config, self.options, role)
         self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
         check_megatron_lora(config, role, self.value_head, self.options)
         self.adapters: MegatronLora | None = None
@@ -106,6 +107,13 @@ class MegatronTrainStrategy:
         self.tokenizer: Any = None
         self.dp_rank, self.dp_group = 0, None
         self.dp_size = 1
+        self.experts: set[str] = set()
+        """MoE: names of the expert masters (each expert-parallel rank holds its own experts)."""
+        self.ep_group: Any = None
+        self.expert_dp_group: Any = None
+        self.checkpoint_writer = True
+        """Whether this rank writes its model shards (data-parallel rank 0; with expert parallelism, the first
+        replica of each expert-parallel rank's experts)."""
         self.embedding_group: Any = None
         """First and last pipeline stage, which sum the gradients of tied embeddings (PP > 1 only)."""
         self._offloaded_state: list[tuple[int, str, torch.device]] = []
@@ -142,6 +150,12 @@ class MegatronTrainStrategy:
             self._sequence_split = {n for n, p in module.named_parameters() if getattr(p, "sequence_parallel", False)}
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group() if dist.get_world_size() > 1 else None
+        self.experts = {name for name in self.masters if ".mlp.experts." in name}
+        if self.experts and dist.get_world_size() > 1:
+            self.expert_dp_group = parallel_state.get_expert_data_parallel_group()
+        if self.options.expert_model_parallel_size > 1:
+            self.ep_group = parallel_state.get_expert_model_parallel_group()
+        self.checkpoint_writer = (parallel_state.get_expert_data_parallel_rank() if self.experts else self.dp_rank) == 0
         layout = self.model.layout
         if layout.tied_copy and (layout.first or layout.last) and not args.lora:
             self.embedding_group = parallel_state.get_embedding_group()
@@ -220,7 +234,8 @@ class MegatronTrainStrategy:
         self.model.schedule(self.planners["train"].runs(micros), loss_of, train=True)
         self._add_metrics(micros, found, info, metrics)
         self._finalize_gradients()
-        norm = grad_norm(self._norm_owned(), self.model.mp_group)
+        experts = [self.masters[name] for name in sorted(self.experts)]  # distinct on each expert-parallel rank
+        norm = grad_norm(self._norm_owned(), self.model.mp_group, experts, self.ep_group)
         clip_gradients(self.masters.values(), norm, self.config.training_args.max_grad_norm)
         if math.isfinite(norm):  # else skip the update (as DeepSpeed does; the norm, hence the skip, is global)
             self.optimizer.step()  # partitioned: each DP rank updates the tensors it owns, then broadcasts them
@@ -246,11 +261,13 @@ class MegatronTrainStrategy:
 
     def _norm_owned(self) -> list[torch.nn.Parameter]:
         """The masters whose gradients the global norm counts on this rank: TP shards, replicated tensors on TP rank
-        0 only, and not the last stage's copy of tied embeddings (the first stage counts them)."""
+        0 only, and not the last stage's copy of tied embeddings (the first stage counts them); MoE experts are
+        counted apart (over the expert-parallel ranks)."""
         layout = self.model.layout
         copy = "output_layer.weight" if layout.tied_copy and layout.last else None
+        skip = {copy, *self.experts}
         return [master for name, master in self.masters.items()
-                if (name in self.sharded or layout.tp_rank == 0) and name != copy]  # fmt: skip
+                if (name in self.sharded or layout.tp_rank == 0) and name not in skip]  # fmt: skip
 
     def _finalize_gradients(self) -> None:
         """fp32 master gradients summed over DP ranks (and over TP ranks for sequence-split norm weights, and over
@@ -258,7 +275,8 @@ class MegatronTrainStrategy:
         for param, master in self._pairs:
             master.grad = None if param.grad is None else param.grad.float()
             param.grad = None
-        sum_gradients(self.masters.values(), self.dp_group)
+        sum_gradients([m for name, m in self.masters.items() if name not in self.experts], self.dp_group)
+        sum_gradients([m for name, m in self.masters.items() if name in self.experts], self.expert_dp_group)
         for name in self._sequence_split:  # under sequence parallelism each TP rank saw part of the sequence
             grad = self.masters[name].grad
             if grad is not None:
@@ -288,7 +306,8 @@ class MegatronTrainStrategy:
                 params: dict[str, torch.Tensor] = dict(self.masters)
             else:  # the frozen base with the adapters merged into each shard (what an engine without adapters loads)
                 params = self.adapters.merged(dict(self.model.module.named_parameters()))
-            yield from export_hf(params, self.base_sharded, self.model.layout, self.model.tp_group, self.model.stage)
+            yield from export_hf(params, self.base_sharded, self.model.layout, self.model.tp_group, self.model.stage,
+                                 self.ep_group)  # fmt: skip
         finally:
             if was_offloaded:
                 self.offload()

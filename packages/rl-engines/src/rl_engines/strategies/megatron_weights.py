@@ -29,6 +29,7 @@ from rl_engines.strategies.megatron_pipeline import PipelineStage
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _QKV = re.compile(r"self_attn\.([qkv])_proj\.(weight|bias)")
 _FC1 = {"mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up"}
+_EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 VALUE_HEAD = {"score.weight": "output_layer.weight", "score.bias": "output_layer.bias"}
 
 
@@ -46,6 +47,14 @@ class RankLayout:
     pp: int = 1
     stage_offsets: tuple[int, ...] = ()
     """``pp + 1`` layer boundaries; empty means one stage holding every layer."""
+    ep_rank: int = 0
+    ep: int = 1
+    """Expert parallelism (MoE): this rank holds experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)`` of a layer."""
+
+    @property
+    def local_experts(self) -> int:
+        """Experts per layer on this rank (MoE)."""
+        return self.spec.num_experts // self.ep
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -108,11 +117,32 @@ def _layer_target(layout: RankLayout, layer: int, suffix: str) -> Target | None:
                       f"qkv:{which}")  # fmt: skip
     if suffix == "self_attn.o_proj.weight":
         return Target(f"{mc}self_attention.linear_proj.weight", (h, nq * d), "cols")
+    if s.moe:
+        return _moe_target(layout, mc, suffix)
     if suffix in _FC1:
         return Target(f"{mc}mlp.linear_fc1.weight", (f, h), f"fc1:{_FC1[suffix]}")
     if suffix == "mlp.down_proj.weight":
         return Target(f"{mc}mlp.linear_fc2.weight", (h, f), "cols")
     return None
+
+
+def _moe_target(layout: RankLayout, mc: str, suffix: str) -> Target | None:
+    """A MoE layer's router (replicated) and experts: an expert of another expert-parallel rank is ``elsewhere``."""
+    s = layout.spec
+    h, i = s.hidden_size, s.moe_ffn_hidden_size
+    if suffix == "mlp.gate.weight":
+        return Target(f"{mc}mlp.router.weight", (s.num_experts, h), "copy")
+    match = _EXPERT.fullmatch(suffix)
+    if match is None or int(match.group(1)) >= s.num_experts:
+        return None
+    expert, proj = int(match.group(1)), match.group(2)
+    local = expert - layout.ep_rank * layout.local_experts
+    key = f"{mc}mlp.experts.local_experts.{local}."
+    if proj == "down_proj":
+        target = Target(f"{key}linear_fc2.weight", (h, i), "cols")
+    else:
+        target = Target(f"{key}linear_fc1.weight", (i, h), f"fc1:{proj.removesuffix('_proj')}")
+    return _elsewhere(target, 0 <= local < layout.local_experts)
 
 
 def hf_target(layout: RankLayout, name: str) -> Target | None:
@@ -249,12 +279,38 @@ def _from_stage(stage: PipelineStage, owner: int, items: HFTensors | None, devic
     return items
 
 
+def _moe_layer_tensors(
+    params: Mapping[str, torch.Tensor], layout: RankLayout, prefix: str, layer: int, ep_group: dist.ProcessGroup | None
+) -> HFTensors:
+    """A MoE layer's router and every expert under HF's per-expert checkpoint names, the experts gathered over the
+    expert-parallel group (in global expert order: rank r holds experts ``[r * E / ep, (r + 1) * E / ep)``)."""
+    hf = f"model.layers.{layer}.mlp."
+    out = [(f"{hf}gate.weight", params[f"{prefix}mlp.router.weight"].detach())]
+    local = range(layout.local_experts)
+    fc1 = torch.stack([params[f"{prefix}mlp.experts.local_experts.{e}.linear_fc1.weight"].detach() for e in local])
+    fc2 = torch.stack([params[f"{prefix}mlp.experts.local_experts.{e}.linear_fc2.weight"].detach() for e in local])
+    if layout.ep > 1:
+        fc1, fc2 = (_gather_experts(t, layout.ep, ep_group) for t in (fc1, fc2))
+    for expert in range(layout.spec.num_experts):
+        gate, up = fc1[expert].chunk(2, dim=0)
+        out += [(f"{hf}experts.{expert}.gate_proj.weight", gate), (f"{hf}experts.{expert}.up_proj.weight", up),
+                (f"{hf}experts.{expert}.down_proj.weight", fc2[expert])]  # fmt: skip
+    return out
+
+
+def _gather_experts(local: torch.Tensor, ep: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    parts = [torch.empty_like(local) for _ in range(ep)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts)
+
+
 def export_hf(
     params: Mapping[str, torch.Tensor],
     sharded: set[str],
     layout: RankLayout,
     group: dist.ProcessGroup | None,
     stage: PipelineStage | None = None,
+    ep_group: dist.ProcessGroup | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Full HF-named tensors from this rank's ``params`` (Megatron names; ``sharded`` ones split over TP), gathered
     over the TP group and, under pipeline parallelism, broadcast from the stage that holds them (a collective:
@@ -285,10 +341,12 @@ def export_hf(
         def layer_tensors(layer: int = layer) -> HFTensors:
             local = layer - offsets[layout.pp_rank]
             prefix = f"decoder.layers.{local}."
-            keys = [key for key in params if key.startswith(prefix)]
+            keys = [key for key in params if (key.startswith(prefix) and not key.startswith(f"{prefix}mlp."))
+                    or (key.startswith(f"{prefix}mlp.") and not spec.moe)]  # fmt: skip
             gathered = {key: shards(key) for key in keys}
             state = StageShards([{key: gathered[key][r] for key in keys} for r in range(tp)], paths)
-            return list(layer_to_hf(state, spec, local, layer))
+            moe = _moe_layer_tensors(params, layout, prefix, layer, ep_group) if spec.moe else []
+            return [*layer_to_hf(state, spec, local, layer), *moe]
 
         yield from piece(layout.stage_of(layer), layer_tensors)
     yield from piece(layout.pp - 1, lambda: _last_stage_tensors(params, layout, vocab))

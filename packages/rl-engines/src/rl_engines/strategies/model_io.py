@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,26 @@ def load_tokenizer(path: str) -> Any | None:
 def unwrapped(model: Any) -> Any:
     """The transformers model inside a peft wrapper (the model itself otherwise)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+_EXPERT = re.compile(r"(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate|up|down)_proj\.weight")
+
+
+def fused_expert_slice(targets: dict[str, torch.Tensor], name: str) -> torch.Tensor | None:
+    """The view of a transformers 5 fused MoE tensor that checkpoint name ``name`` (``...experts.<e>.gate_proj
+    .weight`` / ``up_proj`` / ``down_proj``) stands for: rows ``[:I]`` / ``[I:]`` of ``experts.gate_up_proj[e]``
+    ``[2I, H]``, or ``experts.down_proj[e]``; None for any other name."""
+    match = _EXPERT.fullmatch(name)
+    if match is None:
+        return None
+    expert, proj = int(match["expert"]), match["proj"]
+    fused = targets.get(f"{match['prefix']}.{'down_proj' if proj == 'down' else 'gate_up_proj'}")
+    if fused is None or expert >= fused.shape[0]:
+        return None
+    if proj == "down":
+        return fused.data[expert]
+    half = fused.shape[1] // 2
+    return fused.data[expert, :half] if proj == "gate" else fused.data[expert, half:]
 
 
 def in_checkpoint_names(model: Any, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -1,0 +1,187 @@
+"""megatron_train / megatron_infer on a mixture-of-experts model (a tiny Qwen3-MoE): Megatron's MoE layers score as
+the HF model, train as fsdp2_train does (router auxiliary loss off on both), export and checkpoint, and the MoE keys
+are checked against the model. In-process, a world of one (expert parallelism at 2, and at PP=2, is in the alignment
+matrix: tests/apps/test_apps_alignment.py). The harness's megatron shims stand in for Transformer Engine's names
+(megatron_shims)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from engine_fixtures import CORPUS, reference_log_probs, require_engine, rollout_batch, worker_config
+
+from rl_engines.objectives import ActorObjective
+from rl_engines.strategies import create_strategy
+from rl_engines.tiny_model import build_tiny_moe_lm, build_tiny_tokenizer
+
+pytest.importorskip("megatron.core")
+ARGS = {"learning_rate": 1e-2, "per_device_train_batch_size": 2, "adam_epsilon": 1e-4}
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    path = tmp_path_factory.mktemp("qwen3_moe")
+    build_tiny_tokenizer(path, CORPUS, vocab_size=256)
+    build_tiny_moe_lm(path, vocab_size=len(AutoTokenizer.from_pretrained(str(path))))
+    return path
+
+
+def make(model_dir, name="megatron_train", role="actor_train", options=None, model_args=None):
+    strategy_args = {"strategy_name": require_engine(name), "strategy_config": options or {}}
+    config = worker_config(model_dir, role, training_args=ARGS, infer_batch_size=3, model_args=model_args or {},
+                           strategy_args=strategy_args)  # fmt: skip
+    strategy = create_strategy(config, role)
+    strategy.initialize()
+    return strategy
+
+
+def fused(weights):
+    """Per-expert HF checkpoint names folded into transformers 5's fused expert tensors (what fsdp2 exports)."""
+    out, experts = {}, {}
+    for name, tensor in weights.items():
+        if ".mlp.experts." in name:
+            prefix, rest = name.split(".mlp.experts.")
+            expert, proj, _ = rest.split(".")
+            experts.setdefault(prefix, {}).setdefault(int(expert), {})[proj] = tensor
+        else:
+            out[name] = tensor
+    for prefix, by_expert in experts.items():
+        order = sorted(by_expert)
+        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in order]
+        )
+        out[f"{prefix}.mlp.experts.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in order])
+    return out
+
+
+def test_moe_layers_score_train_and_export_as_the_hf_model_does(moe_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rl_engines.strategies.model_io import forward_log_probs
+
+    megatron, fsdp2 = make(moe_dir), make(moe_dir, "fsdp2_train", model_args={"moe_aux_loss_coef": 0})
+    batch = rollout_batch(batch_size=4, seed=2)
+    mask = batch.batch["response_mask"].bool()
+    scored = megatron.compute_log_probs(batch).batch["log_probs"]
+    torch.testing.assert_close(scored[mask].double(), reference_log_probs(moe_dir, batch)[mask], atol=2e-5, rtol=0)
+    batch.batch["old_log_probs"] = scored
+    for _ in range(2):  # the router picks the same experts, the experts learn the same (fp32)
+        ours, theirs = megatron.train_step(batch, ActorObjective()), fsdp2.train_step(batch, ActorObjective())
+        for key in ("pg_loss", "grad_norm"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
+    exported, expected = fused(dict(megatron.named_weights())), dict(fsdp2.named_weights())
+    assert exported.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(exported[name], value, atol=1e-5, rtol=0, msg=name)
+
+    megatron.save_hf(str(tmp_path / "hf"))  # HF's per-expert checkpoint layout, which transformers loads
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        loaded = forward_log_probs(model, batch, torch.device("cpu"))[0]
+    trained = megatron.compute_log_probs(batch).batch["log_probs"]
+    torch.testing.assert_close(loaded[mask], trained[mask], atol=2e-5, rtol=0)
+
+    reference = make(tmp_path / "hf", "megatron_infer", role="reference")  # loads the export, scores alike
+    torch.testing.assert_close(reference.compute_log_probs(batch).batch["log_probs"][mask], trained[mask], atol=2e-5,
+                               rtol=0)  # fmt: skip
+
+
+def test_a_moe_checkpoint_resumes_like_the_uninterrupted_run(moe_dir, tmp_path):
+    batches = [rollout_batch(batch_size=4, seed=s) for s in (5, 6)]
+    first = make(moe_dir)
+    batches[0].batch["old_log_probs"] = first.compute_log_probs(batches[0]).batch["log_probs"]
+    first.train_step(batches[0], ActorObjective())
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    assert json.loads((tmp_path / "ckpt" / "meta.json").read_text())["expert_model_parallel_size"] == 1
+    batches[1].batch["old_log_probs"] = first.compute_log_probs(batches[1]).batch["log_probs"]
+    expected = first.train_step(batches[1], ActorObjective())
+    resumed = make(moe_dir)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed.train_step(batches[1], ActorObjective()) == expected
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (
+            {"tensor_model_parallel_size": 2},
+            r"tensor_model_parallel_size=2 on a MoE model \(qwen3_moe\): expert tensor",
+        ),
+        ({"expert_model_parallel_size": 3}, r"expert_model_parallel_size=3 does not divide the model's 4 experts"),
+        ({"moe_token_dispatcher_type": "flex"}, r"moe_token_dispatcher_type='flex': use one of"),
+    ],
+)
+def test_moe_keys_are_checked_against_the_model(moe_dir, options, message):
+    with pytest.raises(ValueError, match=message):
+        make(moe_dir, options=options)
+
+
+def test_moe_keys_on_a_dense_model_are_refused_naming_them(tmp_path):
+    from rl_engines.tiny_model import build_tiny_causal_lm
+
+    build_tiny_tokenizer(tmp_path, CORPUS, vocab_size=256)
+    build_tiny_causal_lm(tmp_path, vocab_size=259)
+    with pytest.raises(ValueError, match=r"strategy_config\.expert_model_parallel_size', .*moe_grouped_gemm'\] apply "
+                                         r"to MoE models; actor_train's model is a dense qwen2"):  # fmt: skip
+        make(tmp_path, options={"expert_model_parallel_size": 2, "moe_grouped_gemm": True})
+
+
+def test_the_alltoall_dispatcher_runs_as_allgather_without_cuda_and_says_so(moe_dir):
+    from rl_engines.strategies.megatron_config import describe_unused_switches, parse_megatron_options
+
+    options = parse_megatron_options({"moe_token_dispatcher_type": "alltoall", "moe_grouped_gemm": True},
+                                     "actor_train", train=True, dtype="fp32")  # fmt: skip
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is present: the alltoall dispatcher runs")
+    assert options.moe_token_dispatcher_type == "allgather"
+    line = describe_unused_switches(options, "actor_train")
+    assert "moe_token_dispatcher_type: the alltoall dispatcher" in line and "moe_grouped_gemm: Transformer" in line
+
+
+def test_expert_parallel_ranks_checkpoint_their_own_experts_and_resume_alike(moe_dir, ray_session, tmp_path):
+    """expert_model_parallel_size 2 on 2 Ray ranks (each holds 2 of the 4 experts of a layer): a checkpoint holds
+    each rank's experts in its own file, resuming equals the uninterrupted run, and the export gathers every
+    expert."""
+    import megatron_shims
+
+    from rl_engines.placement import ClusterSpec
+    from rl_engines.roles import Roles
+
+    options = {"expert_model_parallel_size": 2}
+    config = worker_config(moe_dir, "actor_train", device_mapping=[0, 1], training_args=ARGS, infer_batch_size=4,
+                           strategy_args={"strategy_name": "megatron_train", "strategy_config": options})  # fmt: skip
+    envs = megatron_shims.worker_envs(tmp_path / "shims")
+    with Roles(ClusterSpec(1, 2), {"actor_train": config}, rpc_timeout=120, system_envs=envs) as roles:
+        train = roles["actor_train"]
+        batches = [rollout_batch(batch_size=8, seed=s) for s in (7, 8)]
+        for batch in batches:
+            batch.batch["old_log_probs"] = train.call("compute_log_probs", batch, dispatch="dp_split").batch[
+                "log_probs"
+            ]
+        train.call("train_step", batches[0], ActorObjective(), dispatch="dp_split")
+        train.call("save_checkpoint", str(tmp_path / "ckpt"))
+        uninterrupted = train.call("train_step", batches[1], ActorObjective(), dispatch="dp_split")
+        train.call("save_hf", str(tmp_path / "hf_uninterrupted"))
+        train.call("load_checkpoint", str(tmp_path / "ckpt"))
+        assert train.call("train_step", batches[1], ActorObjective(), dispatch="dp_split") == uninterrupted
+        train.call("save_hf", str(tmp_path / "hf_resumed"))
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("mp_rank_*.pt")) == [
+        "mp_rank_00_000.pt",
+        "mp_rank_00_001.pt",
+    ]
+    files = [torch.load(tmp_path / "ckpt" / f"mp_rank_00_00{r}.pt", weights_only=True)["model"] for r in (0, 1)]
+    expert, router = (
+        "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight",
+        "decoder.layers.0.mlp.router.weight",
+    )
+    assert not torch.equal(files[0][expert], files[1][expert])  # local expert 0: global experts 0 and 2
+    assert torch.equal(files[0][router], files[1][router])  # replicated
+    from rl_ckpt.hf_io import HFCheckpoint
+
+    a, b = HFCheckpoint(tmp_path / "hf_uninterrupted"), HFCheckpoint(tmp_path / "hf_resumed")
+    assert sum(".mlp.experts." in name for name in a.weight_map) == 2 * 4 * 3  # 2 layers x 4 experts x 3 projections
+    assert all(torch.equal(a.get(name), b.get(name)) for name in a.weight_map)
