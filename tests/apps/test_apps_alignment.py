@@ -9,12 +9,10 @@ and ZeRO-3 (2 ranks), megatron_train TP=1 (2 data-parallel ranks), TP=2 (1 data-
 stages, 1 data-parallel rank) train on the same samples in the same mini-batches, in fp32 on CPU. Their per-step
 pg_loss, total_loss, approx_kl (ppo_kl) and grad_norm must match the reference to within what fp32 reduction order
 explains. LoRA (ROLL's lora_* keys) on fsdp2_train, deepspeed_train ZeRO-3 and megatron_train TP=2 (adapters
-sharded like their base weights), from the same adapter init, must match each other the same way. A second matrix
-replays a tiny Qwen3-MoE's rollouts: fsdp2_train (router auxiliary loss off) against megatron_train with
-expert_model_parallel_size 2 (each rank 2 of the 4 experts, tokens exchanged by the allgather dispatcher). Megatron's
-Ray workers get the test harness's CUDA shims through a sitecustomize on their PYTHONPATH
-(tests/rl_engines/megatron_shims.py), never through product code. One matrix per model (one dump, one replay per
-other variant) serves every test of this module.
+sharded like their base weights), from the same adapter init, must match each other the same way. (Megatron's expert
+parallelism against fsdp2 on a MoE model: tests/rl_engines/test_engines_megatron_moe.py.) Megatron's Ray workers get
+the test harness's CUDA shims through a sitecustomize on their PYTHONPATH (tests/rl_engines/megatron_shims.py), never
+through product code. One matrix (one dump, one replay per other variant) serves every test of this module.
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import pytest
 from rlvr_fixtures import NO_KL, make_setup, megatron_shim_overrides
 
 from apps.rlvr.alignment import ALIGNED, AlignmentResult, alignment_matrix, parse_variant
-from rl_engines.tiny_model import build_tiny_moe_lm
 
 # Rewards with a learning signal on the random tiny model: REINFORCE on a length penalty, plus an entropy term;
 # two PPO epochs of two optimizer steps each, so approx_kl (ppo_kl) is not trivially 0 and the mini-batches must be
@@ -117,23 +114,6 @@ def matrix(tmp_path_factory, ray_session) -> AlignmentResult:
     return result
 
 
-@pytest.fixture(scope="module")
-def moe_matrix(tmp_path_factory, ray_session) -> AlignmentResult:
-    """fsdp2_train (no router auxiliary loss: Megatron's MoE layers here have none) against megatron_train at
-    expert_model_parallel_size 2 (2 data-parallel ranks). Measured too: EP=1 and PP=2 within 2e-7."""
-    if not _installed("megatron.core"):
-        pytest.skip("megatron.core is not installed")
-    root = tmp_path_factory.mktemp("alignment_moe")
-    setup = make_setup(root / "setup")
-    build_tiny_moe_lm(setup / "model", vocab_size=259)  # over the dense model, the same tokenizer
-    ep2 = [f"{STRATEGY}.strategy_name=megatron_train", f"+{STRATEGY}.strategy_config.expert_model_parallel_size=2",
-           *megatron_shim_overrides(root / "shims")]  # fmt: skip
-    found = {"moe_fsdp2": ["+actor_train.model_args.moe_aux_loss_coef=0"], "moe_megatron_ep2": ep2}
-    result = alignment_matrix(setup / "rlvr.yaml", [*BASE, _varied_prompts(setup)], found, root / "work")
-    print("\n" + result.table())
-    return result
-
-
 def _assert_aligned(result: AlignmentResult, variant: str, tolerance: float, against: str | None = None) -> None:
     reference = result.metrics[against or result.reference]
     for key in ALIGNED:
@@ -201,13 +181,6 @@ def test_every_training_engine_replays_the_same_rollouts_alike(matrix, variant):
     if variant not in matrix.metrics:
         pytest.skip(f"{engine} is not installed")
     _assert_aligned(matrix, variant, ENGINE_TOLERANCE)
-
-
-@pytest.mark.slow
-def test_moe_experts_split_over_ranks_train_as_one_model_does(moe_matrix):
-    """The router picks the same experts and the experts learn the same whether 2 ranks hold 2 experts each
-    (Megatron expert parallelism) or every rank holds all 4 (fsdp2 on the HF model)."""
-    _assert_aligned(moe_matrix, "moe_megatron_ep2", FSDP2_TOLERANCE)
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,7 @@
 """megatron_train / megatron_infer on a mixture-of-experts model (a tiny Qwen3-MoE): Megatron's MoE layers score as
-the HF model, train as fsdp2_train does (router auxiliary loss off on both), export and checkpoint, and the MoE keys
-are checked against the model. In-process, a world of one (expert parallelism at 2, and at PP=2, is in the alignment
-matrix: tests/apps/test_apps_alignment.py). The harness's megatron shims stand in for Transformer Engine's names
-(megatron_shims)."""
+the HF model, train as fsdp2_train does (router auxiliary loss off on both), export, sync and checkpoint, and the MoE
+keys are checked against the model. In-process, a world of one, and expert parallelism at 2 on two Ray ranks (the
+last test). The harness's megatron shims stand in for Transformer Engine's names (megatron_shims)."""
 
 from __future__ import annotations
 
@@ -30,10 +29,10 @@ def moe_dir(tmp_path_factory):
     return path
 
 
-def make(model_dir, name="megatron_train", role="actor_train", options=None, model_args=None):
+def make(model_dir, name="megatron_train", role="actor_train", options=None, model_args=None, **training_args):
     strategy_args = {"strategy_name": require_engine(name), "strategy_config": options or {}}
-    config = worker_config(model_dir, role, training_args=ARGS, infer_batch_size=3, model_args=model_args or {},
-                           strategy_args=strategy_args)  # fmt: skip
+    config = worker_config(model_dir, role, training_args={**ARGS, **training_args}, infer_batch_size=3,
+                           model_args=model_args or {}, strategy_args=strategy_args)  # fmt: skip
     strategy = create_strategy(config, role)
     strategy.initialize()
     return strategy
@@ -142,32 +141,53 @@ def test_the_alltoall_dispatcher_runs_as_allgather_without_cuda_and_says_so(moe_
     assert "moe_token_dispatcher_type: the alltoall dispatcher" in line and "moe_grouped_gemm: Transformer" in line
 
 
-def test_expert_parallel_ranks_checkpoint_their_own_experts_and_resume_alike(moe_dir, ray_session, tmp_path):
-    """expert_model_parallel_size 2 on 2 Ray ranks (each holds 2 of the 4 experts of a layer): a checkpoint holds
-    each rank's experts in its own file, resuming equals the uninterrupted run, and the export gathers every
-    expert."""
+def test_expert_parallel_ranks_train_sync_and_checkpoint_as_one_model(moe_dir, ray_session, tmp_path):
+    """expert_model_parallel_size 2 on 2 Ray ranks (each holds 2 of the 4 experts of a layer, tokens exchanged by the
+    allgather dispatcher): the update equals fsdp2_train's on the HF model (router loss off), a weight sync into a
+    colocated hf_infer (HF's per-expert names, gathered over the ranks) scores as the trained model, a checkpoint holds
+    each rank's experts in its own file and resuming equals the uninterrupted run."""
     import megatron_shims
 
     from rl_engines.placement import ClusterSpec
     from rl_engines.roles import Roles
 
+    train_args = {**ARGS, "per_device_train_batch_size": 2}  # 2 ranks x 2 samples: 4 per optimizer step
     options = {"expert_model_parallel_size": 2}
-    config = worker_config(moe_dir, "actor_train", device_mapping=[0, 1], training_args=ARGS, infer_batch_size=4,
-                           strategy_args={"strategy_name": "megatron_train", "strategy_config": options})  # fmt: skip
+    configs = {
+        "actor_train": worker_config(moe_dir, "actor_train", device_mapping=[0, 1], training_args=train_args,
+                                     infer_batch_size=4,
+                                     strategy_args={"strategy_name": "megatron_train", "strategy_config": options}),
+        "actor_infer": worker_config(moe_dir, "actor_infer", device_mapping=[0], infer_batch_size=4,
+                                     strategy_args={"strategy_name": "hf_infer"}),
+    }  # fmt: skip
+    single = make(
+        moe_dir, "fsdp2_train", model_args={"moe_aux_loss_coef": 0}, gradient_accumulation_steps=2
+    )  # the same 4 samples per optimizer step
+    batch, later = rollout_batch(batch_size=8, seed=7), rollout_batch(batch_size=8, seed=8)
+    mask = batch.batch["response_mask"].bool()
+    # rank 0 takes the first half, rank 1 the second: mini-batches {0, 1, 2, 3} and {4, 5, 6, 7} on both engines
+    spread = batch.reorder([0, 1, 4, 5, 2, 3, 6, 7])
     envs = megatron_shims.worker_envs(tmp_path / "shims")
-    with Roles(ClusterSpec(1, 2), {"actor_train": config}, rpc_timeout=120, system_envs=envs) as roles:
+    with Roles(ClusterSpec(1, 2), configs, rpc_timeout=120, system_envs=envs) as roles:
         train = roles["actor_train"]
-        batches = [rollout_batch(batch_size=8, seed=s) for s in (7, 8)]
-        for batch in batches:
-            batch.batch["old_log_probs"] = train.call("compute_log_probs", batch, dispatch="dp_split").batch[
-                "log_probs"
-            ]
-        train.call("train_step", batches[0], ActorObjective(), dispatch="dp_split")
+        batch.batch["old_log_probs"] = single.compute_log_probs(batch).batch["log_probs"]
+        spread.batch["old_log_probs"] = batch.batch["old_log_probs"][[0, 1, 4, 5, 2, 3, 6, 7]]
+        ours, theirs = train.call("train_step", spread, ActorObjective(), dispatch="dp_split")[0], single.train_step(
+            batch, ActorObjective())  # fmt: skip
+        assert ours["actor/pg_loss"] == pytest.approx(theirs["pg_loss"], abs=1e-6)
+        assert ours["actor/grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+        roles.model_updater().sync()
+        synced = roles["actor_infer"].call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
+        trained = single.compute_log_probs(batch).batch["log_probs"]
+        torch.testing.assert_close(synced[mask], trained[mask], atol=2e-5, rtol=0)
+
+        later.batch["old_log_probs"] = trained = train.call("compute_log_probs", later, dispatch="dp_split").batch[
+            "log_probs"]  # fmt: skip
         train.call("save_checkpoint", str(tmp_path / "ckpt"))
-        uninterrupted = train.call("train_step", batches[1], ActorObjective(), dispatch="dp_split")
+        uninterrupted = train.call("train_step", later, ActorObjective(), dispatch="dp_split")
         train.call("save_hf", str(tmp_path / "hf_uninterrupted"))
         train.call("load_checkpoint", str(tmp_path / "ckpt"))
-        assert train.call("train_step", batches[1], ActorObjective(), dispatch="dp_split") == uninterrupted
+        assert train.call("train_step", later, ActorObjective(), dispatch="dp_split") == uninterrupted
         train.call("save_hf", str(tmp_path / "hf_resumed"))
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("mp_rank_*.pt")) == [
         "mp_rank_00_000.pt",
