@@ -205,3 +205,8 @@ def test_expert_parallel_ranks_train_sync_and_checkpoint_as_one_model(moe_dir, r
     a, b = HFCheckpoint(tmp_path / "hf_uninterrupted"), HFCheckpoint(tmp_path / "hf_resumed")
     assert sum(".mlp.experts." in name for name in a.weight_map) == 2 * 4 * 3  # 2 layers x 4 experts x 3 projections
     assert all(torch.equal(a.get(name), b.get(name)) for name in a.weight_map)
+
+
+def test_lora_on_a_moe_model_is_refused_naming_the_key(moe_dir):
+    with pytest.raises(ValueError, match=r"actor_train\.model_args\.lora_target is set on a mixture-of-experts model"):
+        make(moe_dir, model_args={"lora_target": "all-linear"})

@@ -90,16 +90,12 @@ class HfInferStrategy:
         loaded = 0
         for name, tensor in weights:
             expert = fused_expert_slice(targets, name)  # a MoE expert under its checkpoint name (Megatron sends them)
-            if expert is not None:
-                expert.copy_(tensor, non_blocking=True)
-                loaded += 1
-                continue
-            if name not in targets:
+            target = expert if expert is not None else targets.get(name)
+            if target is None:
                 raise KeyError(
                     f"{self.role}: weight {name!r} from the train strategy has no counterpart in the inference "
                     f"model ({type(self.model).__name__}); are actor_train and {self.role} the same architecture?"
                 )
-            target = targets[name]
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"{self.role}: weight {name!r} has shape {tuple(tensor.shape)} in the train strategy but "

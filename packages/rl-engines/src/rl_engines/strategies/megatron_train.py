@@ -70,7 +70,8 @@ logger = logging.getLogger(__name__)
 
 @STRATEGIES.register("megatron_train")
 class MegatronTrainStrategy:
-    """Megatron-core TP x PP x DP training of a dense decoder (or its critic, with a ``score`` value head)."""
+    """Megatron-core TP x PP x DP training of a dense decoder (or its critic, with a ``score`` value head), or of a
+    Qwen3-MoE model with its experts split over ``expert_model_parallel_size`` ranks."""
 
     kind = "train"
     lora: str | None = "adapters"
@@ -140,6 +141,11 @@ class MegatronTrainStrategy:
         module = self.model.module
         self.base_sharded = sharded_names(module)
         if args.lora:  # the adapters are the only trained weights; the base stays in the compute dtype, frozen
+            if self.model.layout.spec.moe:
+                raise ValueError(
+                    f"{self.role}.model_args.lora_target is set on a mixture-of-experts model ({path}): megatron_train "
+                    "has no LoRA on experts yet; train it full-parameter (remove the lora_* keys)."
+                )
             module.requires_grad_(False)
             self.adapters = MegatronLora(module, self.model.layout, args, self.role, seed, self.device)
             self.masters, self._pairs = dict(self.adapters.named_parameters()), []
