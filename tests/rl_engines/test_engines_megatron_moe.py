@@ -119,6 +119,23 @@ def test_moe_keys_are_checked_against_the_model(moe_dir, options, message):
         make(moe_dir, options=options)
 
 
+def test_moe_layer_recompute_recomputes_the_moe_layers_with_the_same_update(moe_dir):
+    """ROLL's moe_layer_recompute reaches Megatron (selective recompute of the MoE layers, as megatron-core maps the
+    deprecated switch) and changes memory, not the update; with full recompute it is refused naming both keys."""
+    batch = rollout_batch(batch_size=4, seed=9)
+    results = []
+    for options in ({}, {"moe_layer_recompute": True}):
+        strategy = make(moe_dir, options=options)
+        config = strategy.model.module.config
+        assert ("moe" in config.recompute_modules) == bool(options)
+        assert config.recompute_granularity == ("selective" if options else None)
+        batch.batch["old_log_probs"] = strategy.compute_log_probs(batch).batch["log_probs"]
+        results.append(strategy.train_step(batch, ActorObjective()))
+    assert results[0] == results[1]
+    with pytest.raises(ValueError, match=r"moe_layer_recompute=true with recompute_granularity: full"):
+        make(moe_dir, options={"moe_layer_recompute": True, "recompute_granularity": "full"})
+
+
 def test_moe_keys_on_a_dense_model_are_refused_naming_them(tmp_path):
     from rl_engines.tiny_model import build_tiny_causal_lm
 

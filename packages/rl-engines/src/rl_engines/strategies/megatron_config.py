@@ -186,6 +186,11 @@ def _check_recompute(config: dict[str, Any], prefix: str) -> None:
             f"{prefix}.recompute_method / recompute_num_layers apply to recompute_granularity: full only; "
             f"recompute_granularity is {granularity!r}. Remove them or set recompute_granularity: full."
         )
+    if config.get("moe_layer_recompute") and granularity == "full":
+        raise ValueError(
+            f"{prefix}.moe_layer_recompute=true with recompute_granularity: full: full recompute already recomputes "
+            "the MoE layers (Megatron refuses both); remove one of them."
+        )
     modules = recompute_modules(config.get("recompute_modules"))
     if modules is not None and granularity != "selective":
         raise ValueError(
