@@ -1,4 +1,5 @@
-"""End to end on Ray (CPU device slots): actor_train + actor_infer + reference, colocated and separate.
+"""End to end on Ray (CPU device slots): actor_train + actor_infer + reference, actor_infer in actor_train's
+processes, partly in them (the rest colocated in processes of its own), and on devices of its own.
 
 Each mode generates, scores with all three roles, trains one step with an rl-core loss on two data-parallel
 ranks, syncs weights into the inference role and checks the new scores match the trained model. The two-rank
@@ -14,6 +15,7 @@ from engine_fixtures import prompt_batch, tiny_model_dir, worker_config
 from rl_engines.objectives import ActorObjective
 from rl_engines.placement import ClusterSpec, PlacementError
 from rl_engines.roles import Roles
+from rl_engines.shared_processes import Guest
 from rl_engines.strategies import create_strategy
 from rl_engines.weight_sync import SHM_DIR
 
@@ -37,11 +39,16 @@ def role_configs(model_dir, infer_devices):
     }  # fmt: skip
 
 
-@pytest.fixture(scope="module", params=["colocated", "separate"])
+INFER_DEVICES = {"shared_processes": [0, 1], "partly_shared": [1, 2], "separate": [2, 3]}
+"""actor_infer's devices (actor_train: 0, 1): both ranks run in actor_train's processes (hf_infer's default on the
+same devices) and sync in process; rank 0 in train rank 1's process, rank 1 in its own (synced through shared
+memory by train rank 0); on devices of their own (broadcast)."""
+
+
+@pytest.fixture(scope="module", params=list(INFER_DEVICES))
 def roles(request, ray_session, tiny_model_dir):
-    infer_devices = [0, 1] if request.param == "colocated" else [2, 3]
     before = _slots()  # other runs on this machine may hold slots of their own
-    with Roles(CLUSTER, role_configs(tiny_model_dir, infer_devices), rpc_timeout=120,
+    with Roles(CLUSTER, role_configs(tiny_model_dir, INFER_DEVICES[request.param]), rpc_timeout=120,
                system_envs={"RL_TEST_FLAG": request.param}) as started:  # fmt: skip
         yield started
     assert not _slots() - before, "colocated sync left shared-memory slots behind"
@@ -51,12 +58,31 @@ def _slots() -> set[str]:
     return {path.name for path in SHM_DIR.glob("rl_sync_*")}
 
 
+ROLLOUTS: dict[str, object] = {}
+"""The first mode's rollout, which the other modes must reproduce."""
+
+
+def _mode(roles) -> str:
+    devices = sorted(roles.plan.roles["actor_infer"].device_ids)
+    return next(mode for mode, mapping in INFER_DEVICES.items() if mapping == devices)
+
+
 def test_generate_score_train_sync_and_rescore(roles, tiny_model_dir, tmp_path):
+    mode = _mode(roles)
     colocated = roles.plan.is_colocated("actor_train", "actor_infer")
-    assert colocated == (roles.plan.roles["actor_infer"].device_ids == frozenset({0, 1}))
+    assert colocated == (mode != "separate")
+    hosted = {"shared_processes": {0: 0, 1: 1}, "partly_shared": {0: 1}, "separate": None}[mode]
+    assert roles.shared == ({"actor_infer": Guest("actor_train", hosted)} if hosted else {})  # reference: own envs
+    train_pids, infer_pids = roles["actor_train"].call("pid"), roles["actor_infer"].call("pid")
+    assert [pid in train_pids for pid in infer_pids] == [rank in (hosted or {}) for rank in range(2)]
+    assert all(infer_pids[rank] == train_pids[host] for rank, host in (hosted or {}).items())
+    assert not set(roles["reference"].call("pid")) & {*train_pids, *infer_pids}
     rollout = roles["actor_infer"].call("generate", prompt_batch(tiny_model_dir, QUESTIONS), dispatch="dp_split")
     mask = rollout.batch["response_mask"]
     assert len(rollout) == 8
+    first = ROLLOUTS.setdefault("first", rollout)  # every mode samples the same tokens, bit for bit
+    for key in ("responses", "rollout_log_probs"):
+        assert torch.equal(rollout.batch[key], first.batch[key]), key
     old = roles["actor_train"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
     ref = roles["reference"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
     torch.testing.assert_close(old[mask], rollout.batch["rollout_log_probs"][mask], atol=1e-5, rtol=0)
@@ -74,8 +100,7 @@ def test_generate_score_train_sync_and_rescore(roles, tiny_model_dir, tmp_path):
     sync = roles.model_updater(bucket_bytes=100_000).sync()
     assert sync["model_update/tensors"] == 26  # 27 HF names; the tied lm_head travels once
     assert sync["model_update/buckets"] >= 3 and sync["time/model_update"] > 0
-    if colocated:
-        assert len(_slots() - slots_before) == 2  # the two reusable slots of train rank 0
+    assert len(_slots() - slots_before) == (2 if mode == "partly_shared" else 0)  # train rank 0's two slots
     new_train = roles["actor_train"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
     new_infer = roles["actor_infer"].call("compute_log_probs", rollout, dispatch="dp_split").batch["log_probs"]
     torch.testing.assert_close(new_infer[mask], new_train[mask], atol=1e-6, rtol=0)
@@ -103,9 +128,12 @@ def test_generate_score_train_sync_and_rescore(roles, tiny_model_dir, tmp_path):
 
 
 def test_system_envs_reach_every_worker_of_every_role(roles):
-    expected = "colocated" if roles.plan.is_colocated("actor_train", "actor_infer") else "separate"
+    expected = _mode(roles)
     for role in ("actor_train", "actor_infer", "reference"):
         assert roles[role].call("get_env", "RL_TEST_FLAG") == [expected] * roles[role].world_size
+    # a hosted rank sees its own rank variables, its host its own
+    assert roles["actor_infer"].call("get_env", "RANK") == ["0", "1"]
+    assert roles["actor_train"].call("get_env", "RANK") == ["0", "1"]
     # a role's own system_envs (ROLL's per-worker key) reach that role's workers, and only them
     assert roles["reference"].call("get_env", "RL_ROLE_FLAG") == ["reference only"]
     assert roles["actor_train"].call("get_env", "RL_ROLE_FLAG") == [None, None]

@@ -45,6 +45,10 @@ class ModelUpdater:
         self.names = names
         self.syncs = 0
         self._hosts: list[bool] | None = None
+        hosted = infer.hosted_ranks
+        if hosted and not (colocated and {infer.actors[rank] for rank in hosted} <= set(train.actors)):
+            raise ValueError(f"{infer.role} rank(s) {sorted(hosted)} run in another role's processes; only that role "
+                             f"can sync weights into them, not {train.role}.")  # fmt: skip
         if not colocated:
             self._join_broadcast_group()
 
@@ -64,13 +68,14 @@ class ModelUpdater:
         receivers.get()
 
     def _receivers_by_host(self) -> tuple[list[Any], list[Any]]:
-        """Inference workers on train rank 0's host (shared memory) and elsewhere (object store)."""
+        """Inference workers with processes of their own on train rank 0's host (shared memory) and elsewhere
+        (object store); hosted ranks load in process, from the train rank that hosts them."""
         if self._hosts is None:
             sender = self.train.call("node_ip", dispatch="rank_zero")
             self._hosts = [ip == sender for ip in self.infer.call("node_ip")]
-        actors = self.infer.actors
-        return ([a for a, same in zip(actors, self._hosts) if same],
-                [a for a, same in zip(actors, self._hosts) if not same])  # fmt: skip
+        own = [(actor, same) for rank, (actor, same) in enumerate(zip(self.infer.actors, self._hosts))
+               if rank not in self.infer.hosted_ranks]  # fmt: skip
+        return [a for a, same in own if same], [a for a, same in own if not same]
 
     def close(self) -> None:
         """Release the sender's shared-memory slots (the next colocated sync creates them again)."""
@@ -82,8 +87,9 @@ class ModelUpdater:
         start = time.perf_counter()
         if self.colocated:
             shm, store = self._receivers_by_host()
+            guest = self.infer.role if self.infer.hosted_ranks else None
             results = self.train.call("send_weights_on_host", shm, store, self.bucket_bytes, self.dtype, self.timeout_s,
-                                      self.names)  # fmt: skip
+                                      self.names, guest)  # fmt: skip
         else:
             receiving = self.infer.call_async("receive_weights_by_broadcast")
             results = self.train.call("send_weights_by_broadcast", self.bucket_bytes, self.dtype, self.names)

@@ -63,13 +63,13 @@ class ScheduledGeneration:
             self.error = error
 
     def _schedule(self) -> None:
-        actors, load = self.group.actors, [0] * self.group.world_size
+        load = [0] * self.group.world_size
         in_flight: dict[Any, tuple[int, int]] = {}
         pending = list(range(len(self.chunks)))
         while pending or in_flight:
             while pending and min(load) < self.per_rank:
                 rank, chunk = load.index(min(load)), pending.pop(0)
-                ref = actors[rank].generate.remote(self.chunks[chunk], self._args(chunk, rank))
+                ref = self.group.remote(rank, "generate", self.chunks[chunk], self._args(chunk, rank))
                 in_flight[ref], load[rank] = (chunk, rank), load[rank] + 1
             ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=max(self.deadline - time.monotonic(), 0.0))
             if not ready:

@@ -8,7 +8,7 @@ Every role (actor_train, actor_infer, reference, critic) uses this one class; th
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs, WorkerConfig
 from rl_engines.objectives import Objective
+from rl_engines.shared_processes import GuestContext, HostedRole
 from rl_engines.strategies.base import create_strategy
 from rl_engines.strategies.model_io import in_checkpoint_names
 from rl_engines.weight_sync import (
@@ -25,13 +26,14 @@ from rl_engines.weight_sync import (
     SharedStagingReader,
     TensorMeta,
     expand_aliases,
+    load_in_process,
     receive_by_broadcast,
     send_by_broadcast,
     send_on_host,
     shared_memory_available,
     unpack_from_store,
 )
-from rl_engines.worker_group import WorkerBase
+from rl_engines.worker_group import WorkerBase, rank_variables
 
 METRIC_PREFIX = {"actor_train": "actor", "critic": "critic"}
 ROLE_NAMED_METRICS = frozenset({"load_balancing_loss"})
@@ -58,7 +60,10 @@ def collector_paused() -> Iterator[None]:
 
 
 class RoleWorker(WorkerBase):
-    """One rank of a role; create through ``WorkerGroup(role, RoleWorker, ..., init_args=(config,))``."""
+    """One rank of a role; create through ``WorkerGroup(role, RoleWorker, ..., init_args=(config, guests))``.
+
+    ``guests`` (role -> :class:`~rl_engines.shared_processes.HostedRole`): ranks of other roles this worker hosts.
+    """
 
     def __init__(
         self,
@@ -69,6 +74,7 @@ class RoleWorker(WorkerBase):
         master_port: int,
         env: dict[str, str],
         config: WorkerConfig,
+        guests: Mapping[str, HostedRole] | None = None,
     ) -> None:
         super().__init__(role, rank, world_size, master_addr, master_port, env)
         self.config = config
@@ -76,13 +82,24 @@ class RoleWorker(WorkerBase):
         self._broadcast: BroadcastGroup | None = None
         self._staging: SharedStaging | None = None
         self._reader: SharedStagingReader | None = None
+        for name, hosted in (guests or {}).items():  # same devices and system_envs (plan_sharing's rules)
+            if rank in hosted.ranks:
+                variables = rank_variables(hosted.ranks[rank], hosted.world_size, master_addr, master_port)
+                context = GuestContext(variables)
+                with context.active():  # the guest's WorkerBase sets its rank variables; the host keeps its own
+                    worker = RoleWorker(name, hosted.ranks[rank], hosted.world_size, master_addr, master_port, env,
+                                        hosted.config)  # fmt: skip
+                self.guests[name] = (worker, context)
 
     def initialize(self, collective_timeout_s: float | None = None) -> str:
-        """Join the role's process group, build and load the strategy; returns the device it runs on."""
+        """Join the role's process group (unless its strategy needs none: ``shares_process``), build and load the
+        strategy; returns the device it runs on."""
         with collector_paused():  # the engine's imports and the model: objects that live as long as the worker
-            self.init_process_group(timeout_s=collective_timeout_s)
+            strategy = create_strategy(self.config, self.role)  # parses the config; the engine loads in initialize
+            if not getattr(strategy, "shares_process", False):
+                self.init_process_group(timeout_s=collective_timeout_s)
             torch.manual_seed(self.config.training_args.seed)
-            self.strategy = create_strategy(self.config, self.role)
+            self.strategy = strategy
             self.strategy.initialize()
         return str(self.strategy.device)
 
@@ -151,11 +168,16 @@ class RoleWorker(WorkerBase):
         dtype: str | None = None,
         timeout_s: float | None = None,
         names: str = "module",
+        guest: str | None = None,
     ) -> dict[str, float]:
         """Colocated sync: every rank un-shards; rank 0 sends each bucket through shared memory to receivers on
         its host (falling back to the object store where /dev/shm is missing) and through the object store to
-        the rest. ``names``: see :func:`_weights_to_send`."""
+        the rest; a rank hosting a rank of the inference role ``guest`` loads it in process. ``names``: see
+        :func:`_weights_to_send`."""
         weights = self._weights_to_send(names)
+        local = self._guest_loader(guest)
+        if local is not None and (self.rank != 0 or not (shm_receivers or store_receivers)):
+            return load_in_process(weights, local, bucket_bytes=bucket_bytes, dtype=self._sync_dtype(dtype)).metrics()
         if self.rank != 0:
             for _ in weights:  # take part in each all-gather
                 pass
@@ -167,9 +189,18 @@ class RoleWorker(WorkerBase):
             self._staging = SharedStaging(bucket_bytes)
         stats = send_on_host(
             weights, staging=self._staging, shm_receivers=shm_receivers, store_receivers=store_receivers,
-            bucket_bytes=bucket_bytes, dtype=self._sync_dtype(dtype), timeout_s=timeout_s,
+            bucket_bytes=bucket_bytes, dtype=self._sync_dtype(dtype), timeout_s=timeout_s, load=local,
         )  # fmt: skip
         return stats.metrics()
+
+    def _guest_loader(self, guest: str | None) -> Callable[[Iterable[tuple[str, torch.Tensor]]], int] | None:
+        """``load_weights`` of the rank of ``guest`` this worker hosts (None: it hosts none)."""
+        if guest is None or guest not in self.guests:
+            return None
+        worker = self.guests[guest][0]
+        if not isinstance(worker, RoleWorker):
+            raise TypeError(f"{self.role} rank {self.rank}: the hosted {guest!r} is not a role worker")
+        return worker.strategy.load_weights  # type: ignore[no-any-return]
 
     def _weights_to_send(self, names: str) -> Iterator[tuple[str, torch.Tensor]]:
         """``module``: the (merged) named weights; ``checkpoint``: the same under a model folder's names (a strategy

@@ -7,6 +7,7 @@ colocated), turn-taking for colocated roles, and a :class:`ModelUpdater` per tra
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -15,10 +16,12 @@ from rl_engines.model_update import ModelUpdater
 from rl_engines.placement import ClusterSpec, PlacementPlan, RoleResources, plan_placement
 from rl_engines.ray_cluster import ResourcePool
 from rl_engines.role_worker import RoleWorker
+from rl_engines.shared_processes import hosted_roles, plan_sharing
 from rl_engines.weight_sync import DEFAULT_BUCKET_BYTES
 from rl_engines.worker_group import WorkerError, WorkerGroup
 
 INFERENCE_ROLES = ("actor_infer", "reward")
+logger = logging.getLogger(__name__)
 
 
 TRAIN_ROLES = ("actor_train", "critic")
@@ -139,6 +142,8 @@ class Roles:
 
     Construction plans placement (bad mappings fail here, naming the role), starts every role's workers at once,
     then loads every role's model concurrently. ``rpc_timeout`` (seconds, ROLL key) bounds every remote call.
+    An inference role on exactly another role's devices runs in that role's processes where the results are those
+    of separate processes (:mod:`rl_engines.shared_processes`; ``share_processes=False``: every role in its own).
     """
 
     def __init__(
@@ -149,20 +154,32 @@ class Roles:
         rpc_timeout: float = 3600.0,
         system_envs: dict[str, str] | None = None,
         use_gpu: bool | None = None,
+        share_processes: bool = True,
     ) -> None:
         self.configs = dict(configs)
         self.plan = plan_roles(cluster, self.configs)
         self.rpc_timeout = rpc_timeout
+        envs = {name: {**(system_envs or {}), **config.system_envs} for name, config in self.configs.items()}
+        self.shared = plan_sharing(self.plan, self.configs, envs) if share_processes else {}
+        """Guest role -> where its shared ranks run (:mod:`rl_engines.shared_processes`)."""
         self.pool = ResourcePool(cluster, use_gpu=use_gpu)
         self.groups: dict[str, WorkerGroup] = {}
         self._updaters: list[ModelUpdater] = []
         try:
-            for name, config in self.configs.items():
+            for name in sorted(self.configs, key=lambda role: role in self.shared):  # hosts first
+                guest = self.shared.get(name)
+                host_actors = self.groups[guest.host].actors if guest is not None else ()
+                hosted = {rank: host_actors[host_rank] for rank, host_rank in guest.ranks.items()} if guest else {}
+                guests = hosted_roles(self.shared, name, self.plan, self.configs)
                 self.groups[name] = WorkerGroup(
-                    name, RoleWorker, self.plan.roles[name], self.pool,
-                    rpc_timeout=rpc_timeout, system_envs={**(system_envs or {}), **config.system_envs},
-                    init_args=(config,), wait=False,
+                    name, RoleWorker, self.plan.roles[name], self.pool, rpc_timeout=rpc_timeout,
+                    system_envs=envs[name], init_args=(self.configs[name], guests), wait=False, hosted=hosted,
                 )  # fmt: skip
+                if guest is not None:
+                    logger.info("%s: rank(s) %s run in the worker processes of %s (same devices and system_envs; "
+                                "%s needs no process of its own)", name, sorted(guest.ranks), guest.host,
+                                self.configs[name].strategy_args.strategy_name)  # fmt: skip
+            self.groups = {name: self.groups[name] for name in self.configs}  # config order
             for group in self.groups.values():  # processes of all roles start (and import) side by side
                 group.wait_started()
             futures = [group.call_async("initialize", rpc_timeout) for group in self.groups.values()]

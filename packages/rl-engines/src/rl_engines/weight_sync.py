@@ -21,7 +21,7 @@ import mmap
 import time
 import uuid
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,13 +75,18 @@ class SyncStats:
 
 
 def iter_buckets(
-    weights: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int, dtype: torch.dtype | None = None
+    weights: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    *,
+    on_host: bool = True,
 ) -> Iterator[list[tuple[TensorMeta, torch.Tensor]]]:
     """Group named tensors into buckets of at most ``bucket_bytes`` (a larger tensor travels alone).
 
     Tensors sharing storage with one earlier in the same bucket are folded into its ``aliases`` (senders yield
     tied names consecutively, so they share a bucket); ``dtype`` casts floating
-    tensors (e.g. fp32 masters to the engine's bf16) before sending. Tensors are detached, contiguous, on CPU.
+    tensors (e.g. fp32 masters to the engine's bf16) before sending. Tensors are detached, contiguous and, with
+    ``on_host`` (what leaves the process), on CPU; else on the device they came from.
     """
     pending: list[tuple[TensorMeta, torch.Tensor]] = []
     size = 0
@@ -95,7 +100,8 @@ def iter_buckets(
             continue
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
-        value = tensor.detach().contiguous().cpu()
+        value = tensor.detach().contiguous()
+        value = value.cpu() if on_host else value
         meta = TensorMeta(name, tuple(value.shape), str(value.dtype))
         if pending and size + meta.nbytes > bucket_bytes:
             yield pending
@@ -125,6 +131,26 @@ def expand_aliases(items: Iterable[tuple[TensorMeta, torch.Tensor]]) -> Iterator
         yield meta.name, tensor
         for alias in meta.aliases:
             yield alias, tensor
+
+
+# ---- a guest in the sender's own process (rl_engines.shared_processes) ------------------------------------------
+def load_in_process(
+    weights: Iterable[tuple[str, torch.Tensor]],
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], int],
+    *,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    dtype: torch.dtype | None = None,
+) -> SyncStats:
+    """Sync into an engine of the same process: the buckets a colocated sync would send (same casts, same
+    tied-weight aliases), handed to ``load`` (the engine's ``load_weights``, which copies them) on their device."""
+    stats, start = SyncStats(), time.perf_counter()
+    for bucket in iter_buckets(weights, bucket_bytes, dtype, on_host=False):
+        load(expand_aliases(bucket))
+        stats.buckets += 1
+        stats.tensors += len(bucket)
+        stats.bytes += sum(meta.nbytes for meta, _ in bucket)
+    stats.seconds = time.perf_counter() - start
+    return stats
 
 
 # ---- colocated: Ray object store --------------------------------------------------------------------------
@@ -219,10 +245,12 @@ def send_on_host(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     dtype: torch.dtype | None = None,
     timeout_s: float | None = None,
+    load: Callable[[Iterable[tuple[str, torch.Tensor]]], int] | None = None,
 ) -> SyncStats:
     """Colocated sync, sender side. Same-host receivers read alternating shared-memory slots
     (``receive_shared_bucket``); the others get each bucket through the object store (``receive_weight_bucket``).
-    A slot is reused only after every receiver copied its previous bucket out, so at most two are in flight."""
+    A slot is reused only after every receiver copied its previous bucket out, so at most two are in flight.
+    ``load``: an engine in this process (:func:`load_in_process`) takes each bucket too."""
     import ray
 
     if shm_receivers and staging is None:
@@ -242,6 +270,8 @@ def send_on_host(
             ref = ray.put(pack_for_store(bucket))
             calls += [receiver.receive_weight_bucket.remote(ref) for receiver in store_receivers]
         in_flight[slot] = calls
+        if load is not None:
+            load(expand_aliases(bucket))
         stats.buckets += 1
         stats.tensors += len(bucket)
         stats.bytes += sum(meta.nbytes for meta in metas)

@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from rl_core.registry import Registry
 from rl_engines.placement import RolePlacement
 from rl_engines.ray_cluster import ResourcePool, free_port, node_ip, rendezvous_address, scheduling_options
+from rl_engines.shared_processes import GuestContext
 
 DEFAULT_START_TIMEOUT_S = 300.0
 """Seconds a group may take to start its workers (process start, imports, ``__init__``) unless told otherwise."""
@@ -56,6 +57,12 @@ class WorkerCallError(WorkerError):
         self.follows_another_rank = False
 
 
+def rank_variables(rank: int, world_size: int, master_addr: str, master_port: int) -> dict[str, str]:
+    """The environment variables that place a worker in its role's ``torch.distributed`` world."""
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": "0", "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port)}  # fmt: skip
+
+
 class WorkerBase:
     """Base of the actor classes a ``WorkerGroup`` starts (a plain class; the group wraps it with ``ray.remote``).
 
@@ -71,8 +78,20 @@ class WorkerBase:
         self.role, self.rank, self.world_size = role, rank, world_size
         self.master_addr, self.master_port = master_addr, master_port
         os.environ.update(env)  # first, so that a stray RANK in system_envs cannot override the group's own
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        os.environ.update(rank_variables(rank, world_size, master_addr, master_port))
+        self.guests: dict[str, tuple[WorkerBase, GuestContext]] = {}
+        """Ranks of other roles hosted in this process (:mod:`rl_engines.shared_processes`), by role."""
+
+    def call_guest(self, role: str, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        """``method`` of the guest ``role``'s rank hosted in this process, under its random streams and rank
+        variables."""
+        guest, streams = self.guests[role]
+        with streams.active():
+            return getattr(guest, method)(*args, **kwargs)
+
+    def pid(self) -> int:
+        """This worker's process id (roles sharing processes answer alike)."""
+        return os.getpid()
 
     def __repr__(self) -> str:
         # Ray prefixes this actor's log lines with its repr: "(actor_train_rank1 pid=...)".
@@ -341,6 +360,8 @@ class WorkerGroup:
     them) and through ``WorkerBase.__init__``. Starting (processes, imports, ``__init__``) may take
     ``start_timeout`` seconds; every later call ``rpc_timeout`` seconds. With ``wait=False`` the constructor returns
     once the actors are requested, so that several groups start at once; ``wait_started()`` then waits for them.
+    ``hosted`` (rank -> a running actor of another role that was given this rank as a guest, see
+    :mod:`rl_engines.shared_processes`): those ranks start no process; their calls go to the host's ``call_guest``.
     """
 
     def __init__(
@@ -356,6 +377,7 @@ class WorkerGroup:
         init_kwargs: dict[str, Any] | None = None,
         start_timeout: float = DEFAULT_START_TIMEOUT_S,
         wait: bool = True,
+        hosted: dict[int, Any] | None = None,
     ) -> None:
         timeouts = {"rpc_timeout": rpc_timeout, "start_timeout": start_timeout}
         envs = _check_group_args(role, worker_cls, timeouts, system_envs)
@@ -363,17 +385,22 @@ class WorkerGroup:
         self._world_size = placement.world_size
         self._actors: list[Any] = []
         self._starting: GroupFuture | None = None
+        self._routes: list[tuple[Any, bool]] = []  # per rank: (actor, whether the rank is a guest in it)
         try:
             addr, port = rendezvous_address(pool, placement.workers[0], timeout_s=start_timeout)
             actor_cls = ray.remote(worker_cls)
             for worker in placement.workers:
+                if worker.rank in (hosted or {}):  # a guest in another role's actor, which already runs
+                    self._routes.append(((hosted or {})[worker.rank], True))
+                    continue
                 args = (role, worker.rank, placement.world_size, addr, port, envs, *init_args)
                 options = scheduling_options(pool, worker, env_vars=envs)
                 self._actors.append(actor_cls.options(**options).remote(*args, **(init_kwargs or {})))
-            pings = [actor.ping.remote() for actor in self._actors]
+                self._routes.append((self._actors[-1], False))
+            own = [rank for rank, (_, hosted) in enumerate(self._routes) if not hosted]
+            pings = [self._routes[rank][0].ping.remote() for rank in own]
             label = "__init__ (worker start-up)"
-            self._starting = GroupFuture(pings, list(range(len(pings))), list, role, label, start_timeout,
-                                         "start_timeout")  # fmt: skip
+            self._starting = GroupFuture(pings, own, list, role, label, start_timeout, "start_timeout")
             if wait:
                 self.wait_started()
         except BaseException:
@@ -404,8 +431,13 @@ class WorkerGroup:
 
     @property
     def actors(self) -> tuple[Any, ...]:
-        """Ray actor handles in rank order (empty after ``shutdown``)."""
-        return tuple(self._actors)
+        """Ray actor handles in rank order, a hosted rank's being its host's (empty after ``shutdown``)."""
+        return tuple(actor for actor, _ in self._routes)
+
+    @property
+    def hosted_ranks(self) -> frozenset[int]:
+        """Ranks running in another role's actors (``hosted``; see :mod:`rl_engines.shared_processes`)."""
+        return frozenset(rank for rank, (_, hosted) in enumerate(self._routes) if hosted)
 
     def call(self, method: str, /, *args: Any, dispatch: str = "one_to_all", **kwargs: Any) -> Any:
         """Call ``method`` on the ranks chosen by ``dispatch`` and block for the gathered result."""
@@ -413,7 +445,7 @@ class WorkerGroup:
 
     def call_async(self, method: str, /, *args: Any, dispatch: str = "one_to_all", **kwargs: Any) -> GroupFuture:
         """Start ``method`` on the ranks chosen by ``dispatch`` (a ``DISPATCH_MODES`` name) and return at once."""
-        if not self._actors:
+        if not self._routes:
             message = f"{self._role}: the worker group is shut down; create a new WorkerGroup to call `{method}`."
             raise WorkerError(message, self._role, method, [])
         if not callable(getattr(self._worker_cls, method, None)):
@@ -426,12 +458,20 @@ class WorkerGroup:
 
             kind = next(k for k in (BatchSizeError, TypeError, ValueError) if isinstance(exc, k))
             raise kind(f"{self._role}.{method} (dispatch='{dispatch}'): {exc}") from exc
-        refs = [getattr(self._actors[rank], method).remote(*a, **kw) for rank, a, kw in calls]
+        refs = [self.remote(rank, method, *a, **kw) for rank, a, kw in calls]
         return GroupFuture(refs, [rank for rank, _, _ in calls], mode.gather, self._role, method, self._rpc_timeout)
 
+    def remote(self, rank: int, method: str, /, *args: Any, **kwargs: Any) -> ray.ObjectRef[Any]:
+        """Start ``method`` on one rank; the reference to its result (no timeout, no error translation)."""
+        actor, hosted = self._routes[rank]
+        if not hosted:
+            return getattr(actor, method).remote(*args, **kwargs)  # type: ignore[no-any-return]
+        return actor.call_guest.remote(self._role, method, *args, **kwargs)  # type: ignore[no-any-return]
+
     def shutdown(self) -> None:
-        """Kill every worker (idempotent). Calls made afterwards raise ``WorkerError``."""
-        actors, self._actors = self._actors, []
+        """Kill every worker (idempotent; hosted ranks go with their host's). Calls made afterwards raise
+        ``WorkerError``."""
+        actors, self._actors, self._routes = self._actors, [], []
         if not ray.is_initialized():
             return
         for actor in actors:

@@ -26,6 +26,8 @@ class HfInferStrategy:
     kind = "infer"
     lora = "merged"
     """LoRA on the actor: this engine receives the weights with the adapters merged in at every sync."""
+    shares_process = True
+    """No process group and no process-wide state: may run in a colocated role's processes (shared_processes)."""
 
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config
