@@ -26,10 +26,10 @@ def test_ckpt_imports_no_sibling_package():
 
 
 def test_ckpt_family_registry():
-    assert FAMILIES.names() == ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
+    assert FAMILIES.names() == ["llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"]
     assert FAMILIES.get("qwen3").qk_norm and not FAMILIES.get("qwen2").qk_norm
-    assert FAMILIES.get("qwen3_moe").moe and not FAMILIES.get("qwen3").moe
-    with pytest.raises(CheckpointError, match=r"unknown model type 'gpt2'; supported: llama, mistral, qwen2, qwen3, "):
+    assert FAMILIES.get("qwen3_moe").moe and FAMILIES.get("qwen2_moe").moe and not FAMILIES.get("qwen3").moe
+    with pytest.raises(CheckpointError, match=r"unknown model type 'gpt2'; supported: llama, mistral, qwen2, "):
         FAMILIES.get("gpt2")
     with pytest.raises(ValueError, match="registered twice"):
         FAMILIES.register("qwen2")(ModelFamily("qwen2", "Qwen2ForCausalLM", fixed_qkv_bias=True))
@@ -45,6 +45,11 @@ def test_a_qwen3_moe_config_reads_its_experts_and_file_conversion_refuses_it(tmp
     build_tiny_moe_lm(tmp_path / "moe", vocab_size=64)
     spec = spec_from_hf_config(json.loads((tmp_path / "moe" / "config.json").read_text()))
     assert (spec.num_experts, spec.moe_ffn_hidden_size, spec.moe_topk, spec.moe_norm_topk_prob) == (4, 32, 2, True)
+    assert (spec.moe_shared_expert_ffn_hidden_size, spec.qkv_bias) == (0, False)
     with pytest.raises(CheckpointError, match=r"is a mixture-of-experts model \(qwen3_moe, 4 experts\)"):
         convert_hf_to_mcore(tmp_path / "moe", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+    build_tiny_moe_lm(tmp_path / "qwen2_moe", model_type="qwen2_moe", vocab_size=64)  # a gated shared expert
+    spec = spec_from_hf_config(json.loads((tmp_path / "qwen2_moe" / "config.json").read_text()))
+    assert (spec.moe_shared_expert_ffn_hidden_size, spec.moe_norm_topk_prob, spec.qkv_bias) == (32, False, True)

@@ -1,7 +1,8 @@
-"""megatron_train / megatron_infer on a mixture-of-experts model (a tiny Qwen3-MoE): Megatron's MoE layers score as
-the HF model, train as fsdp2_train does (router auxiliary loss off on both), export, sync and checkpoint, and the MoE
-keys are checked against the model. In-process, a world of one, and expert parallelism at 2 on two Ray ranks (the
-last test). The harness's megatron shims stand in for Transformer Engine's names (megatron_shims)."""
+"""megatron_train / megatron_infer on a mixture-of-experts model (a tiny Qwen3-MoE; the first test also Qwen2-MoE
+with its gated shared expert): Megatron's MoE layers score as the HF model, train as fsdp2_train does (router
+auxiliary loss off on both), export, sync and checkpoint, and the MoE keys are checked against the model.
+In-process, a world of one, and expert parallelism at 2 on two Ray ranks (the last test). The harness's megatron
+shims stand in for Transformer Engine's names (megatron_shims)."""
 
 from __future__ import annotations
 
@@ -19,14 +20,24 @@ pytest.importorskip("megatron.core")
 ARGS = {"learning_rate": 1e-2, "per_device_train_batch_size": 2, "adam_epsilon": 1e-4}
 
 
-@pytest.fixture(scope="module")
-def moe_dir(tmp_path_factory):
+def _moe_model(tmp_path_factory, model_type):
     from transformers import AutoTokenizer
 
-    path = tmp_path_factory.mktemp("qwen3_moe")
+    path = tmp_path_factory.mktemp(model_type)
     build_tiny_tokenizer(path, CORPUS, vocab_size=256)
-    build_tiny_moe_lm(path, vocab_size=len(AutoTokenizer.from_pretrained(str(path))))
+    build_tiny_moe_lm(path, model_type=model_type, vocab_size=len(AutoTokenizer.from_pretrained(str(path))))
     return path
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    return _moe_model(tmp_path_factory, "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe_dir(tmp_path_factory):
+    """Qwen2-MoE: q, k, v biases, routing weights not renormalised, a shared expert behind a sigmoid gate."""
+    return _moe_model(tmp_path_factory, "qwen2_moe")
 
 
 def make(model_dir, name="megatron_train", role="actor_train", options=None, model_args=None, **training_args):
@@ -57,10 +68,13 @@ def fused(weights):
     return out
 
 
-def test_moe_layers_score_train_and_export_as_the_hf_model_does(moe_dir, tmp_path):
+@pytest.mark.parametrize("model", ["moe_dir", "qwen2_moe_dir"], ids=["qwen3_moe", "qwen2_moe"])
+def test_moe_layers_score_train_and_export_as_the_hf_model_does(model, request, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from rl_engines.strategies.model_io import forward_log_probs
+
+    moe_dir = request.getfixturevalue(model)
 
     megatron, fsdp2 = make(moe_dir), make(moe_dir, "fsdp2_train", model_args={"moe_aux_loss_coef": 0})
     batch = rollout_batch(batch_size=4, seed=2)

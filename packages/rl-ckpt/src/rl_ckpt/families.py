@@ -45,7 +45,12 @@ class ModelFamily:
     ``decoder.layers.N.``; all replicated over TP."""
 
     moe: bool = False
-    """Mixture-of-experts MLPs (a router and per-expert SwiGLU MLPs in every layer, no shared expert)."""
+    """Mixture-of-experts MLPs (a router and per-expert SwiGLU MLPs in every layer; Qwen2-MoE adds a shared expert
+    behind a sigmoid gate)."""
+    qkv_bias_key: str = "attention_bias"
+    """The HF config key of q, k, v biases when the family does not fix them (Qwen2-MoE: ``qkv_bias``)."""
+    qkv_bias_default: bool = False
+    """Their presence when the config does not say."""
 
     @property
     def qk_norm(self) -> bool:
@@ -56,7 +61,7 @@ class ModelFamily:
         """Whether a model of this family with ``hf_config`` has q, k, v biases."""
         if self.fixed_qkv_bias is not None:
             return self.fixed_qkv_bias
-        return bool(hf_config.get("attention_bias", False))
+        return bool(hf_config.get(self.qkv_bias_key, self.qkv_bias_default))
 
 
 FAMILIES: Registry[ModelFamily] = Registry("model type", "--model_type")
@@ -68,6 +73,7 @@ for _family in (
     ModelFamily(
         "qwen3_moe", "Qwen3MoeForCausalLM", fixed_qkv_bias=None, layer_norms={**_DENSE_NORMS, **_QK_NORMS}, moe=True
     ),
+    ModelFamily("qwen2_moe", "Qwen2MoeForCausalLM", None, moe=True, qkv_bias_key="qkv_bias", qkv_bias_default=True),
 ):
     FAMILIES.register(_family.name)(_family)
 

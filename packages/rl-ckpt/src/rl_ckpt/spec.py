@@ -42,6 +42,9 @@ class ModelSpec:
     """Experts per token (HF ``num_experts_per_tok``)."""
     moe_norm_topk_prob: bool = True
     """Whether the top-k routing weights are renormalised to sum to 1 (HF ``norm_topk_prob``)."""
+    moe_shared_expert_ffn_hidden_size: int = 0
+    """The shared expert's intermediate size (Qwen2-MoE ``shared_expert_intermediate_size``, its output scaled by a
+    sigmoid gate); 0: no shared expert."""
 
     @property
     def moe(self) -> bool:
@@ -105,7 +108,8 @@ def _moe_fields(cfg: Mapping[str, Any]) -> dict[str, Any]:
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))  # transformers 5 writes the second
     return {"num_experts": int(experts), "moe_ffn_hidden_size": int(cfg["moe_intermediate_size"]),
             "moe_topk": int(cfg["num_experts_per_tok"]),
-            "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", True))}  # fmt: skip
+            "moe_norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+            "moe_shared_expert_ffn_hidden_size": int(cfg.get("shared_expert_intermediate_size") or 0)}  # fmt: skip
 
 
 def mcore_args(spec: ModelSpec, tp: int, pp: int, padded_vocab_size: int, divisible_by: int) -> dict[str, Any]:

@@ -55,8 +55,8 @@ MOE_DISPATCHERS = ("allgather", "alltoall")
 MOE_SWITCHES: dict[str, str] = {
     "moe_grouped_gemm": "Transformer Engine's grouped GEMM over a rank's experts (not installed: the experts run one "
     "after another, Megatron's SequentialMLP, the same math)",
-    "moe_shared_expert_overlap": "overlapping the shared expert with the token dispatch (Qwen3-MoE has no shared "
-    "expert)",
+    "moe_shared_expert_overlap": "overlapping the shared expert with the token dispatch on CUDA streams (Qwen2-MoE's "
+    "shared expert runs after the routed experts here, the same math; Qwen3-MoE has none)",
     "moe_token_dispatcher_type": "the alltoall dispatcher (megatron-core's needs CUDA streams: the allgather "
     "dispatcher runs here, the same routing and results)",
 }

@@ -141,6 +141,8 @@ def _moe_config(spec: ModelSpec, options: MegatronOptions) -> dict[str, Any]:
         "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
         "moe_router_topk": spec.moe_topk,
         "moe_router_pre_softmax": not spec.moe_norm_topk_prob,
+        "moe_shared_expert_intermediate_size": spec.moe_shared_expert_ffn_hidden_size or None,
+        "moe_shared_expert_gate": spec.moe_shared_expert_ffn_hidden_size > 0,  # Qwen2-MoE: sigmoid(x w) * shared
         "moe_router_dtype": "fp32",
         "moe_router_load_balancing_type": "none",
         "moe_aux_loss_coeff": 0.0,

@@ -30,6 +30,7 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _QKV = re.compile(r"self_attn\.([qkv])_proj\.(weight|bias)")
 _FC1 = {"mlp.gate_proj.weight": "gate", "mlp.up_proj.weight": "up"}
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+_SHARED = re.compile(r"mlp\.shared_expert(_gate|\.gate_proj|\.up_proj|\.down_proj)\.weight")
 VALUE_HEAD = {"score.weight": "output_layer.weight", "score.bias": "output_layer.bias"}
 
 
@@ -132,6 +133,8 @@ def _moe_target(layout: RankLayout, mc: str, suffix: str) -> Target | None:
     h, i = s.hidden_size, s.moe_ffn_hidden_size
     if suffix == "mlp.gate.weight":
         return Target(f"{mc}mlp.router.weight", (s.num_experts, h), "copy")
+    if s.moe_shared_expert_ffn_hidden_size and (shared := _SHARED.fullmatch(suffix)):
+        return _shared_expert_target(layout, mc, shared.group(1))
     match = _EXPERT.fullmatch(suffix)
     if match is None or int(match.group(1)) >= s.num_experts:
         return None
@@ -143,6 +146,17 @@ def _moe_target(layout: RankLayout, mc: str, suffix: str) -> Target | None:
     else:
         target = Target(f"{key}linear_fc1.weight", (i, h), f"fc1:{proj.removesuffix('_proj')}")
     return _elsewhere(target, 0 <= local < layout.local_experts)
+
+
+def _shared_expert_target(layout: RankLayout, mc: str, part: str) -> Target:
+    """Qwen2-MoE's shared expert (a SwiGLU MLP on every token, replicated over expert-parallel ranks) and its gate."""
+    h, j = layout.spec.hidden_size, layout.spec.moe_shared_expert_ffn_hidden_size
+    key = f"{mc}mlp.shared_experts."
+    if part == "_gate":
+        return Target(f"{key}gate_weight", (1, h), "copy")
+    if part == ".down_proj":
+        return Target(f"{key}linear_fc2.weight", (h, j), "cols")
+    return Target(f"{key}linear_fc1.weight", (j, h), f"fc1:{part.removeprefix('.').removesuffix('_proj')}")
 
 
 def hf_target(layout: RankLayout, name: str) -> Target | None:
@@ -295,6 +309,12 @@ def _moe_layer_tensors(
         gate, up = fc1[expert].chunk(2, dim=0)
         out += [(f"{hf}experts.{expert}.gate_proj.weight", gate), (f"{hf}experts.{expert}.up_proj.weight", up),
                 (f"{hf}experts.{expert}.down_proj.weight", fc2[expert])]  # fmt: skip
+    if layout.spec.moe_shared_expert_ffn_hidden_size:  # TP = 1 on MoE models (check_moe_options): whole tensors
+        shared = f"{prefix}mlp.shared_experts."
+        gate, up = params[f"{shared}linear_fc1.weight"].detach().chunk(2, dim=0)
+        out += [(f"{hf}shared_expert.gate_proj.weight", gate), (f"{hf}shared_expert.up_proj.weight", up),
+                (f"{hf}shared_expert.down_proj.weight", params[f"{shared}linear_fc2.weight"].detach()),
+                (f"{hf}shared_expert_gate.weight", params[f"{shared}gate_weight"].detach())]  # fmt: skip
     return out
 
 
