@@ -1,6 +1,6 @@
 """megatron_train / megatron_infer on a mixture-of-experts model (a tiny Qwen3-MoE; the first test also Qwen2-MoE
 with its gated shared expert): Megatron's MoE layers score as the HF model, train as fsdp2_train does (router
-auxiliary loss off on both), export, sync and checkpoint, and the MoE keys are checked against the model.
+load-balancing loss on both), export, sync and checkpoint, and the MoE keys are checked against the model.
 In-process, a world of one, and expert parallelism at 2 on two Ray ranks (the last test). The harness's megatron
 shims stand in for Transformer Engine's names (megatron_shims)."""
 
@@ -12,12 +12,15 @@ import pytest
 import torch
 from engine_fixtures import CORPUS, reference_log_probs, require_engine, rollout_batch, worker_config
 
+from rl_engines.config import WorkerConfigError
 from rl_engines.objectives import ActorObjective
 from rl_engines.strategies import create_strategy
 from rl_engines.tiny_model import build_tiny_moe_lm, build_tiny_tokenizer
 
 pytest.importorskip("megatron.core")
 ARGS = {"learning_rate": 1e-2, "per_device_train_batch_size": 2, "adam_epsilon": 1e-4}
+ROUTER = {"moe_aux_loss_coef": 0.5}
+"""The router load-balancing loss on both engines (ROLL's key), large so that a loss left out or wrong shows."""
 
 
 def _moe_model(tmp_path_factory, model_type):
@@ -76,7 +79,7 @@ def test_moe_layers_score_train_and_export_as_the_hf_model_does(model, request, 
 
     moe_dir = request.getfixturevalue(model)
 
-    megatron, fsdp2 = make(moe_dir), make(moe_dir, "fsdp2_train", model_args={"moe_aux_loss_coef": 0})
+    megatron, fsdp2 = make(moe_dir, model_args=ROUTER), make(moe_dir, "fsdp2_train", model_args=ROUTER)
     batch = rollout_batch(batch_size=4, seed=2)
     mask = batch.batch["response_mask"].bool()
     scored = megatron.compute_log_probs(batch).batch["log_probs"]
@@ -84,7 +87,7 @@ def test_moe_layers_score_train_and_export_as_the_hf_model_does(model, request, 
     batch.batch["old_log_probs"] = scored
     for _ in range(2):  # the router picks the same experts, the experts learn the same (fp32)
         ours, theirs = megatron.train_step(batch, ActorObjective()), fsdp2.train_step(batch, ActorObjective())
-        for key in ("pg_loss", "grad_norm"):
+        for key in ("pg_loss", "grad_norm", "load_balancing_loss"):  # the router loss over real tokens, as fsdp2's
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
     exported, expected = fused(dict(megatron.named_weights())), dict(fsdp2.named_weights())
     assert exported.keys() == expected.keys()
@@ -126,11 +129,28 @@ def test_a_moe_checkpoint_resumes_like_the_uninterrupted_run(moe_dir, tmp_path):
         ),
         ({"expert_model_parallel_size": 3}, r"expert_model_parallel_size=3 does not divide the model's 4 experts"),
         ({"moe_token_dispatcher_type": "flex"}, r"moe_token_dispatcher_type='flex': use one of"),
+        ({"moe_aux_loss_coeff": -1.0}, r"strategy_config\.moe_aux_loss_coeff must be a finite number >= 0, got -1"),
     ],
 )
 def test_moe_keys_are_checked_against_the_model(moe_dir, options, message):
     with pytest.raises(ValueError, match=message):
         make(moe_dir, options=options)
+
+
+@pytest.mark.parametrize(
+    ("options", "model_args", "coef"),
+    [
+        ({}, {}, 0.001),
+        ({}, {"moe_aux_loss_coef": 0.1}, 0.1),
+        ({"moe_aux_loss_coeff": 0}, {"moe_aux_loss_coef": 0.1}, 0),
+    ],
+    ids=["model_config", "model_args", "strategy_config"],
+)
+def test_the_router_loss_coefficient_is_picked_as_roll_picks_it(moe_dir, options, model_args, coef):
+    """Megatron's key, else ROLL's model_args key, else the model config's router_aux_loss_coef (0.001 here)."""
+    config = make(moe_dir, options=options, model_args=model_args).model.module.config
+    assert config.moe_aux_loss_coeff == coef
+    assert config.moe_router_load_balancing_type == ("aux_loss" if coef else "none")
 
 
 def test_moe_layer_recompute_recomputes_the_moe_layers_with_the_same_update(moe_dir):
@@ -158,6 +178,8 @@ def test_moe_keys_on_a_dense_model_are_refused_naming_them(tmp_path):
     with pytest.raises(ValueError, match=r"strategy_config\.expert_model_parallel_size', .*moe_grouped_gemm'\] apply "
                                          r"to MoE models; actor_train's model is a dense qwen2"):  # fmt: skip
         make(tmp_path, options={"expert_model_parallel_size": 2, "moe_grouped_gemm": True})
+    with pytest.raises(WorkerConfigError, match=r"actor_train\.model_args\.moe_aux_loss_coef=0\.1 .* dense model"):
+        make(tmp_path, model_args={"moe_aux_loss_coef": 0.1})
 
 
 def test_the_alltoall_dispatcher_runs_as_allgather_without_cuda_and_says_so(moe_dir):
@@ -174,7 +196,7 @@ def test_the_alltoall_dispatcher_runs_as_allgather_without_cuda_and_says_so(moe_
 
 def test_expert_parallel_ranks_train_sync_and_checkpoint_as_one_model(moe_dir, ray_session, tmp_path):
     """expert_model_parallel_size 2 on 2 Ray ranks (each holds 2 of the 4 experts of a layer, tokens exchanged by the
-    allgather dispatcher): the update equals fsdp2_train's on the HF model (router loss off), a weight sync into a
+    allgather dispatcher): the update equals fsdp2_train's on the HF model (router loss on), a weight sync into a
     colocated hf_infer (HF's per-expert names, gathered over the ranks) scores as the trained model, a checkpoint holds
     each rank's experts in its own file and resuming equals the uninterrupted run."""
     import megatron_shims
@@ -186,13 +208,13 @@ def test_expert_parallel_ranks_train_sync_and_checkpoint_as_one_model(moe_dir, r
     options = {"expert_model_parallel_size": 2}
     configs = {
         "actor_train": worker_config(moe_dir, "actor_train", device_mapping=[0, 1], training_args=train_args,
-                                     infer_batch_size=4,
+                                     infer_batch_size=4, model_args=ROUTER,
                                      strategy_args={"strategy_name": "megatron_train", "strategy_config": options}),
         "actor_infer": worker_config(moe_dir, "actor_infer", device_mapping=[0], infer_batch_size=4,
                                      strategy_args={"strategy_name": "hf_infer"}),
     }  # fmt: skip
     single = make(
-        moe_dir, "fsdp2_train", model_args={"moe_aux_loss_coef": 0}, gradient_accumulation_steps=2
+        moe_dir, "fsdp2_train", model_args=ROUTER, gradient_accumulation_steps=2
     )  # the same 4 samples per optimizer step
     batch, later = rollout_batch(batch_size=8, seed=7), rollout_batch(batch_size=8, seed=8)
     mask = batch.batch["response_mask"].bool()
@@ -207,6 +229,8 @@ def test_expert_parallel_ranks_train_sync_and_checkpoint_as_one_model(moe_dir, r
             batch, ActorObjective())  # fmt: skip
         assert ours["actor/pg_loss"] == pytest.approx(theirs["pg_loss"], abs=1e-6)
         assert ours["actor/grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+        # the router loss of each rank's micro-batch, weighted 1 / 2 on both engines
+        assert ours["actor_train/load_balancing_loss"] == pytest.approx(theirs["load_balancing_loss"], rel=1e-5)
         roles.model_updater().sync()
         synced = roles["actor_infer"].call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
         trained = single.compute_log_probs(batch).batch["log_probs"]

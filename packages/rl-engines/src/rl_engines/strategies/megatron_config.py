@@ -8,6 +8,7 @@ performance-only switch (a kernel choice that does not change what is computed),
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +51,13 @@ LAYOUT_KEYS: dict[str, tuple[type, ...]] = {
     "sequence_parallel": (bool,),
 }
 # Mixture-of-experts settings (a MoE model only); the kernel choices among them are logged when not acted on.
-MOE_KEYS: dict[str, tuple[type, ...]] = {"moe_token_dispatcher_type": (str,), "moe_grouped_gemm": (bool,)}
+MOE_KEYS: dict[str, tuple[type, ...]] = {
+    "moe_token_dispatcher_type": (str,),
+    "moe_grouped_gemm": (bool,),
+    "moe_aux_loss_coeff": (float, int),
+}
+COEFFICIENT_KEYS = frozenset({"moe_aux_loss_coeff"})
+"""Numbers that may be 0 (a finite number >= 0), unlike the sizes and counts (>= 1)."""
 MOE_DISPATCHERS = ("allgather", "alltoall")
 MOE_SWITCHES: dict[str, str] = {
     "moe_grouped_gemm": "Transformer Engine's grouped GEMM over a rank's experts (not installed: the experts run one "
@@ -116,6 +123,9 @@ class MegatronOptions:
     """MoE models: how tokens reach their experts' ranks (the one that runs here: allgather without CUDA)."""
     moe_layer_recompute: bool = False
     """MoE models: recompute each MoE layer in the backward (Megatron's moe_layer_recompute)."""
+    moe_aux_loss_coeff: float | None = None
+    """MoE models: the router load-balancing loss coefficient (Megatron's key; None: model_args.moe_aux_loss_coef, else
+    the model config's router_aux_loss_coef, see megatron_router)."""
     moe_keys: tuple[str, ...] = ()
     """The MoE-only keys the config sets (an error on a dense model, checked once the model is known)."""
     unused_switches: tuple[str, ...] = ()
@@ -133,7 +143,10 @@ def _check_types(config: dict[str, Any], keys: dict[str, tuple[type, ...]], pref
         if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
             wanted = " or ".join("null" if t is NoneType else t.__name__ for t in types)
             raise ValueError(f"{prefix}.{key} must be {wanted}, got {type(value).__name__} {value!r}.")
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+        if key in COEFFICIENT_KEYS and isinstance(value, (int, float)):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{prefix}.{key} must be a finite number >= 0, got {value!r}.")
+        elif isinstance(value, int) and not isinstance(value, bool) and value < 1:
             raise ValueError(f"{prefix}.{key} must be >= 1, got {value}.")
 
 
@@ -278,6 +291,7 @@ def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dt
         expert_model_parallel_size=int(config.get("expert_model_parallel_size", 1)),
         moe_token_dispatcher_type=dispatcher,
         moe_layer_recompute=bool(config.get("moe_layer_recompute", False)),
+        moe_aux_loss_coeff=None if config.get("moe_aux_loss_coeff") is None else float(config["moe_aux_loss_coeff"]),
         moe_keys=tuple(
             sorted(
                 key

@@ -85,7 +85,11 @@ def init_model_parallel(options: MegatronOptions, seed: int, role: str) -> None:
 
 
 def transformer_config(
-    spec: ModelSpec, options: MegatronOptions, params_dtype: torch.dtype, device: torch.device
+    spec: ModelSpec,
+    options: MegatronOptions,
+    params_dtype: torch.dtype,
+    device: torch.device,
+    aux_loss_coef: float = 0.0,
 ) -> Any:
     """Megatron's TransformerConfig for ``spec``: no dropout, no fused CUDA kernels (they need Apex / TE)."""
     import torch.nn.functional as F
@@ -126,14 +130,15 @@ def transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
-        **_moe_config(spec, options),
+        **_moe_config(spec, options, aux_loss_coef),
     )
 
 
-def _moe_config(spec: ModelSpec, options: MegatronOptions) -> dict[str, Any]:
-    """TransformerConfig's MoE settings for a Qwen3-MoE ``spec``: HF's router (softmax over the experts, top-k,
-    renormalised when ``norm_topk_prob``: Megatron's top-k then softmax, else softmax then top-k) in fp32, no
-    capacity limit (no token is dropped), no auxiliary loss."""
+def _moe_config(spec: ModelSpec, options: MegatronOptions, aux_loss_coef: float) -> dict[str, Any]:
+    """TransformerConfig's MoE settings for a Qwen3-MoE / Qwen2-MoE ``spec``: HF's router (softmax over the
+    experts, top-k, renormalised when ``norm_topk_prob``: Megatron's top-k then softmax, else softmax then top-k) in
+    fp32, no capacity limit (no token is dropped), Megatron's load-balancing loss (``aux_loss``) at
+    ``aux_loss_coef`` (0: none)."""
     if not spec.moe:
         return {}
     return {
@@ -144,8 +149,8 @@ def _moe_config(spec: ModelSpec, options: MegatronOptions) -> dict[str, Any]:
         "moe_shared_expert_intermediate_size": spec.moe_shared_expert_ffn_hidden_size or None,
         "moe_shared_expert_gate": spec.moe_shared_expert_ffn_hidden_size > 0,  # Qwen2-MoE: sigmoid(x w) * shared
         "moe_router_dtype": "fp32",
-        "moe_router_load_balancing_type": "none",
-        "moe_aux_loss_coeff": 0.0,
+        "moe_router_load_balancing_type": "aux_loss" if aux_loss_coef else "none",
+        "moe_aux_loss_coeff": float(aux_loss_coef),
         "moe_token_dispatcher_type": options.moe_token_dispatcher_type,
         "moe_grouped_gemm": False,
         "moe_layer_recompute": options.moe_layer_recompute,
@@ -237,7 +242,9 @@ class MegatronModel:
         positions = torch.arange(seq, device=self.device).expand_as(ids)
         if not self.stage.first:
             self.module.set_input_tensor(hidden)
-        out = self.module(ids, positions, ~allowed.unsqueeze(1))  # mask [B, 1, S, S], True = masked
+        # A MoE layer's router leaves padding out of its load-balancing loss (padding_mask: True = padding).
+        routing = {"padding_mask": ~mask} if self.layout.spec.moe else {}
+        out = self.module(ids, positions, ~allowed.unsqueeze(1), **routing)  # mask [B, 1, S, S], True = masked
         return out[:, :length] if self.stage.last else out  # type: ignore[no-any-return]
 
     def forward(self, batch: RolloutBatch | PackedBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
@@ -351,6 +358,7 @@ def build_model(
     device: torch.device,
     value_head: bool,
     seed: int,
+    aux_loss_coef: float = 0.0,
 ) -> MegatronModel:
     """This rank's GPTModel stage in ``params_dtype`` (also the compute dtype) with the HF folder's weights; a
     critic gets a fresh ``score`` head (HF's init).
@@ -369,7 +377,7 @@ def build_model(
     tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
     stage = current_stage()
     padded = padded_vocab_size(spec.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
-    config = transformer_config(spec, options, params_dtype, device)
+    config = transformer_config(spec, options, params_dtype, device, aux_loss_coef)
     experts = {"num_experts": spec.num_experts, "moe_grouped_gemm": False} if spec.moe else {}
     module = GPTModel(
         config,

@@ -37,7 +37,13 @@ from rl_engines.strategies import lora, megatron_checkpoint
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, require_engine_package, worker_device
 from rl_engines.strategies.megatron_config import check_world_size, describe_unused_switches, parse_megatron_options
 from rl_engines.strategies.megatron_lora import MegatronLora
-from rl_engines.strategies.megatron_model import MegatronModel, build_model, check_local_model, init_model_parallel
+from rl_engines.strategies.megatron_model import (
+    MegatronModel,
+    build_model,
+    check_local_model,
+    init_model_parallel,
+    read_spec,
+)
 from rl_engines.strategies.megatron_ops import (
     clip_gradients,
     grad_norm,
@@ -46,6 +52,7 @@ from rl_engines.strategies.megatron_ops import (
     sum_gradients,
 )
 from rl_engines.strategies.megatron_pipeline import broadcast_object_from_last
+from rl_engines.strategies.megatron_router import router_loss_coef, set_micro_weight, tracked_layer_mean
 from rl_engines.strategies.megatron_weights import export_hf, sharded_names
 from rl_engines.strategies.micro_batches import pass_name, planner, require_no_ulysses
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path, response_length, widen
@@ -71,11 +78,13 @@ logger = logging.getLogger(__name__)
 @STRATEGIES.register("megatron_train")
 class MegatronTrainStrategy:
     """Megatron-core TP x PP x DP training of a dense decoder (or its critic, with a ``score`` value head), or of a
-    Qwen3-MoE model with its experts split over ``expert_model_parallel_size`` ranks."""
+    Qwen3-MoE / Qwen2-MoE model with its experts split over ``expert_model_parallel_size`` ranks."""
 
     kind = "train"
     lora: str | None = "adapters"
     """LoRA (``model_args.lora_target``): adapters on the tensor-parallel linears (:mod:`.megatron_lora`)."""
+    router_loss = True
+    """Mixture-of-experts models: Megatron's router load-balancing loss (:mod:`.megatron_router`)."""
 
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config
@@ -119,6 +128,8 @@ class MegatronTrainStrategy:
         """First and last pipeline stage, which sum the gradients of tied embeddings (PP > 1 only)."""
         self._offloaded_state: list[tuple[int, str, torch.device]] = []
         self._offloaded = False
+        self.aux_loss_coef = 0.0
+        """Megatron's router load-balancing loss coefficient (a MoE model; set in initialize)."""
 
     # ---- setup ---------------------------------------------------------------------------------------------
     def initialize(self) -> None:
@@ -136,8 +147,11 @@ class MegatronTrainStrategy:
         seed = self.config.training_args.seed
         init_model_parallel(self.options, seed, self.role)
         path = resolve_model_path(args, self.role)
+        spec = read_spec(path, self.role)
+        self.aux_loss_coef = router_loss_coef(self.config, self.role, spec, self.options.moe_aux_loss_coeff)
         self.model = build_model(path, self.options, role=self.role, params_dtype=TORCH_DTYPES[args.dtype],
-                                 device=self.device, value_head=self.value_head, seed=seed)  # fmt: skip
+                                 device=self.device, value_head=self.value_head, seed=seed,
+                                 aux_loss_coef=self.aux_loss_coef)  # fmt: skip
         module = self.model.module
         self.base_sharded = sharded_names(module)
         if args.lora:  # the adapters are the only trained weights; the base stays in the compute dtype, frozen
@@ -229,6 +243,7 @@ class MegatronTrainStrategy:
         info = minibatch_info(micros, self.dp_group)
         self.optimizer.zero_grad(set_to_none=True)
         found: list[dict[str, torch.Tensor]] = []
+        weight = set_micro_weight(len(micros), self.dp_group) if self.aux_loss_coef else 0.0
 
         def loss_of(index: int, run: RolloutBatch, out: torch.Tensor) -> torch.Tensor:  # on the last stage
             outputs = self.model.head(run, out, temperature=objective.temperature,
@@ -238,6 +253,8 @@ class MegatronTrainStrategy:
             return loss
 
         self.model.schedule(self.planners["train"].runs(micros), loss_of, train=True)
+        if self.aux_loss_coef:
+            self._add_router_metric(weight, metrics)
         self._add_metrics(micros, found, info, metrics)
         self._finalize_gradients()
         experts = [self.masters[name] for name in sorted(self.experts)]  # distinct on each expert-parallel rank
@@ -264,6 +281,15 @@ class MegatronTrainStrategy:
         for micro, values in zip(micros, found, strict=True):
             metrics.add({k: v if reports else torch.zeros(()) for k, v in values.items()}, token_share(micro, info))
         metrics.end_minibatch()
+
+    def _add_router_metric(self, weight: float, metrics: MetricAccumulator) -> None:
+        """``load_balancing_loss``: this replica's share of the mean over layers and the micro-batches of every
+        replica (``weight`` = 1 / their count; one rank per replica adds it, as :meth:`_add_metrics`)."""
+        layout = self.model.layout
+        stage = self.model.stage
+        mean = tracked_layer_mean(layout.spec.num_layers, stage.group if stage.size > 1 else None)
+        if mean is not None and layout.tp_rank == 0 and stage.last:
+            metrics.add({"load_balancing_loss": mean * weight}, 1.0)
 
     def _norm_owned(self) -> list[torch.nn.Parameter]:
         """The masters whose gradients the global norm counts on this rank: TP shards, replicated tensors on TP rank
