@@ -262,6 +262,31 @@ def test_expert_parallel_ranks_train_sync_and_checkpoint_as_one_model(moe_dir, r
     assert all(torch.equal(a.get(name), b.get(name)) for name in a.weight_map)
 
 
+def test_pipeline_stages_add_their_layers_router_loss_as_one_model(moe_dir, ray_session, tmp_path):
+    """pipeline_model_parallel_size 2 on 2 Ray ranks, one layer each: every stage's router loss reaches the update
+    and the reported load_balancing_loss (the stages' layers together), as fsdp2_train's on one rank."""
+    import megatron_shims
+
+    from rl_engines.placement import ClusterSpec
+    from rl_engines.roles import Roles
+
+    train_args = {**ARGS, "gradient_accumulation_steps": 2}  # one replica: 2 micro-batches of 2 per step
+    options = {"pipeline_model_parallel_size": 2}
+    configs = {"actor_train": worker_config(
+        moe_dir, "actor_train", device_mapping=[0, 1], training_args=train_args, infer_batch_size=4, model_args=ROUTER,
+        strategy_args={"strategy_name": "megatron_train", "strategy_config": options})}  # fmt: skip
+    single = make(moe_dir, "fsdp2_train", model_args=ROUTER, gradient_accumulation_steps=2)
+    batch = rollout_batch(batch_size=4, seed=7)
+    batch.batch["old_log_probs"] = single.compute_log_probs(batch).batch["log_probs"]
+    envs = megatron_shims.worker_envs(tmp_path / "shims")
+    with Roles(ClusterSpec(1, 2), configs, rpc_timeout=120, system_envs=envs) as roles:
+        ours = roles["actor_train"].call("train_step", batch, ActorObjective(), dispatch="dp_split")[0]  # pooled
+    theirs = single.train_step(batch, ActorObjective())
+    assert ours["actor/pg_loss"] == pytest.approx(theirs["pg_loss"], abs=1e-6)
+    assert ours["actor/grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    assert ours["actor_train/load_balancing_loss"] == pytest.approx(theirs["load_balancing_loss"], rel=1e-5)
+
+
 def test_lora_on_a_moe_model_is_refused_naming_the_key(moe_dir):
     with pytest.raises(ValueError, match=r"actor_train\.model_args\.lora_target is set on a mixture-of-experts model"):
         make(moe_dir, model_args={"lora_target": "all-linear"})

@@ -284,12 +284,14 @@ class MegatronTrainStrategy:
 
     def _add_router_metric(self, weight: float, metrics: MetricAccumulator) -> None:
         """``load_balancing_loss``: this replica's share of the mean over layers and the micro-batches of every
-        replica (``weight`` = 1 / their count; one rank per replica adds it, as :meth:`_add_metrics`)."""
+        replica (``weight`` = 1 / their count; one rank per replica adds it, the others zero under the same name, as
+        :meth:`_add_metrics`: every rank sums the same metric names)."""
         layout = self.model.layout
         stage = self.model.stage
         mean = tracked_layer_mean(layout.spec.num_layers, stage.group if stage.size > 1 else None)
-        if mean is not None and layout.tp_rank == 0 and stage.last:
-            metrics.add({"load_balancing_loss": mean * weight}, 1.0)
+        if mean is not None:
+            reports = layout.tp_rank == 0 and stage.last
+            metrics.add({"load_balancing_loss": mean * weight if reports else torch.zeros(())}, 1.0)
 
     def _norm_owned(self) -> list[torch.nn.Parameter]:
         """The masters whose gradients the global norm counts on this rank: TP shards, replicated tensors on TP rank
