@@ -1,10 +1,12 @@
 """Benchmark: rl-ckpt conversion throughput against reading the same bytes from disk, and peak memory vs model size.
 
 Model: Qwen2.5-0.5B's config (hidden 896, 14 heads in 2 KV groups, FFN 4864, vocabulary 151,936, tied embeddings,
-bfloat16 as released) with ``--layers`` decoder layers, random weights, saved by transformers (one safetensors file).
+bfloat16 as released) with ``--layers`` decoder layers, random weights, saved by transformers (one safetensors file);
+``--model qwen3_moe``: a Qwen3-MoE-shaped model (hidden 1024, 16 heads in 4 KV groups, 32 experts of intermediate
+size 384 per layer, top 4, Qwen3's vocabulary, untied), converted at TP=1 x PP=2 x EP=2 (``dist2hf`` does not apply).
 Layouts, each conversion in its own fresh process:
 
-- ``hf2mcore``: HF -> Megatron-core TP=2 x PP=2 per-rank files;
+- ``hf2mcore``: HF -> Megatron-core TP=2 x PP=2 per-rank files (MoE: TP=1 x PP=2 x EP=2);
 - ``mcore2hf``: those per-rank files -> HF (``--max_shard_size`` shards);
 - ``dist2hf``: a torch_dist (DCP) folder -> HF. The folder holds megatron's global keys (layers stacked on a leading
   dimension) saved by ``torch.distributed.checkpoint`` in one process: one chunk per tensor, so a layer is a slice
@@ -31,8 +33,8 @@ Memory, sampled every 5 ms in the converting process from /proc/self/status: the
 touched pages of memory-mapped files) and the peak anonymous RSS (RssAnon: memory the converter allocated), both
 above the process's RSS before converting, against the model size.
 
-Run: python benchmarks/bench_ckpt.py [--layers 24] [--repeat 3] [--max_shard_size 500MB] [--cache cold|warm]
-     [--layouts hf2mcore,mcore2hf,dist2hf] [--settle 3] [--dir /tmp/somewhere]
+Run: python benchmarks/bench_ckpt.py [--layers 24] [--model qwen2|qwen3_moe] [--repeat 3] [--max_shard_size 500MB]
+     [--cache cold|warm] [--layouts hf2mcore,mcore2hf,dist2hf] [--settle 3] [--dir /tmp/somewhere]
 """
 
 from __future__ import annotations
@@ -70,13 +72,35 @@ CHUNK = 16 * 2**20
 LAYOUTS = ("hf2mcore", "mcore2hf", "dist2hf")
 
 
-def build_model(path: Path, layers: int) -> None:
-    """Qwen2.5-0.5B-shaped random model in bfloat16, saved by transformers."""
+QWEN3_MOE = {
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "moe_intermediate_size": 384,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+PARALLEL = {"qwen2": {"tp": 2, "pp": 2}, "qwen3_moe": {"tp": 1, "pp": 2, "ep": 2}}
+"""hf2mcore's parallel sizes per ``--model``."""
+
+
+def build_model(path: Path, layers: int, model: str = "qwen2") -> None:
+    """Qwen2.5-0.5B-shaped (or ``QWEN3_MOE``-shaped) random model in bfloat16, saved by transformers."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.Qwen2Config(**QWEN25_05B, num_hidden_layers=layers)
+    if model == "qwen3_moe":
+        config = transformers.AutoConfig.for_model("qwen3_moe", **QWEN3_MOE, num_hidden_layers=layers)
+    else:
+        config = transformers.Qwen2Config(**QWEN25_05B, num_hidden_layers=layers)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         for p in model.parameters():
@@ -205,12 +229,12 @@ class MemorySampler:
         self._thread.join()
 
 
-def child(layout: str, src: str, dst: str, max_shard_size: str) -> None:
+def child(layout: str, src: str, dst: str, max_shard_size: str, model: str) -> None:
     """Run one conversion in this (fresh) process and print its time and memory as JSON."""
     import torch.distributed.checkpoint  # noqa: F401 (fixed import costs, kept off the clock)
     from transformers import AutoConfig
 
-    AutoConfig.for_model("qwen2")  # imports the config class config.json is written with
+    AutoConfig.for_model(model)  # imports the config class config.json is written with
 
     from rl_ckpt import convert_hf_to_mcore, convert_mcore_to_hf, open_mcore_checkpoint
 
@@ -218,7 +242,7 @@ def child(layout: str, src: str, dst: str, max_shard_size: str) -> None:
     with MemorySampler() as sampler:
         start = time.perf_counter()
         if layout == "hf2mcore":
-            convert_hf_to_mcore(src, dst, tp=2, pp=2)
+            convert_hf_to_mcore(src, dst, **PARALLEL[model])
         else:
             convert_mcore_to_hf(open_mcore_checkpoint(src), dst, max_shard_size=max_shard_size)
         seconds = time.perf_counter() - start
@@ -235,7 +259,8 @@ def run_child(layout: str, src: Path, dst: Path, ns: argparse.Namespace) -> dict
     """One conversion in a subprocess (inputs cold or warm first); its JSON result."""
     shutil.rmtree(dst, ignore_errors=True)
     prepare(files_of(src), ns.cache, ns.settle)
-    cmd = [sys.executable, __file__, "--child", layout, str(src), str(dst), "--max_shard_size", ns.max_shard_size]
+    cmd = [sys.executable, __file__, "--child", layout, str(src), str(dst), "--max_shard_size", ns.max_shard_size,
+           "--model", ns.model]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, check=True)
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
@@ -267,14 +292,19 @@ def measure(layout: str, src: Path, dst: Path, root: Path, ns: argparse.Namespac
 
 def bench(root: Path, ns: argparse.Namespace) -> None:
     hf, mcore, dist = root / "hf", root / "mcore", root / "dist"
-    build_model(hf, ns.layers)
+    build_model(hf, ns.layers, ns.model)
     model_bytes = sum(p.stat().st_size for p in files_of(hf))
-    print(f"model: Qwen2.5-0.5B shape, {ns.layers} layers, bfloat16, {model_bytes / MB:.0f} MB of safetensors")
+    shape = "Qwen2.5-0.5B" if ns.model == "qwen2" else "Qwen3-MoE (32 experts)"
+    print(f"model: {shape} shape, {ns.layers} layers, bfloat16, {model_bytes / MB:.0f} MB of safetensors; hf2mcore "
+          f"at {PARALLEL[ns.model]}")  # fmt: skip
     print(f"inputs {ns.cache}; HF shards --max_shard_size {ns.max_shard_size}; median of {ns.repeat}\n")
     header = f"{'layout':<9} {'in MB':>6} {'out MB':>6} {'read MB/s':>9} {'write MB/s':>10} {'convert MB/s':>12}"
     print(f"{header} {'/read':>5} {'/I-O':>5} {'peak RSS MB':>11} {'/model':>6} {'peak anon MB':>12} {'/model':>6}")
     sources = {"hf2mcore": (hf, mcore), "mcore2hf": (mcore, root / "hf_back"), "dist2hf": (dist, root / "hf_dist")}
     for layout in ns.layouts.split(","):
+        if layout == "dist2hf" and ns.model != "qwen2":
+            print("dist2hf   skipped: rl-ckpt reads MoE checkpoints in per-rank files only")
+            continue
         src, dst = sources[layout]
         if layout == "mcore2hf" and not mcore.exists():
             run_child("hf2mcore", hf, mcore, ns)
@@ -286,6 +316,7 @@ def bench(root: Path, ns: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2.5-0.5B has 24; even for PP=2)")
+    parser.add_argument("--model", choices=tuple(PARALLEL), default="qwen2", help="the model's shape (see above)")
     parser.add_argument("--repeat", type=int, default=3, help="timed runs per layout (median)")
     parser.add_argument("--max_shard_size", default="500MB", help="HF output shard size")
     parser.add_argument("--cache", choices=("cold", "warm"), default="cold", help="inputs evicted / in page cache")
@@ -295,7 +326,7 @@ def main() -> None:
     parser.add_argument("--child", nargs=3, metavar=("LAYOUT", "SRC", "DST"), help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.child:
-        child(*ns.child, ns.max_shard_size)
+        child(*ns.child, ns.max_shard_size, ns.model)
         return
     if ns.dir:
         Path(ns.dir).mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from engine_fixtures import CORPUS, reference_log_probs, require_engine, rollout_batch, worker_config
 
+from rl_ckpt.verify import fused_experts
 from rl_engines.config import WorkerConfigError
 from rl_engines.objectives import ActorObjective
 from rl_engines.strategies import create_strategy
@@ -52,25 +53,6 @@ def make(model_dir, name="megatron_train", role="actor_train", options=None, mod
     return strategy
 
 
-def fused(weights):
-    """Per-expert HF checkpoint names folded into transformers 5's fused expert tensors (what fsdp2 exports)."""
-    out, experts = {}, {}
-    for name, tensor in weights.items():
-        if ".mlp.experts." in name:
-            prefix, rest = name.split(".mlp.experts.")
-            expert, proj, _ = rest.split(".")
-            experts.setdefault(prefix, {}).setdefault(int(expert), {})[proj] = tensor
-        else:
-            out[name] = tensor
-    for prefix, by_expert in experts.items():
-        order = sorted(by_expert)
-        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(
-            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in order]
-        )
-        out[f"{prefix}.mlp.experts.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in order])
-    return out
-
-
 @pytest.mark.parametrize("model", ["moe_dir", "qwen2_moe_dir"], ids=["qwen3_moe", "qwen2_moe"])
 def test_moe_layers_score_train_and_export_as_the_hf_model_does(model, request, tmp_path):
     from transformers import AutoModelForCausalLM
@@ -89,7 +71,8 @@ def test_moe_layers_score_train_and_export_as_the_hf_model_does(model, request, 
         ours, theirs = megatron.train_step(batch, ActorObjective()), fsdp2.train_step(batch, ActorObjective())
         for key in ("pg_loss", "grad_norm", "load_balancing_loss"):  # the router loss over real tokens, as fsdp2's
             assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), key
-    exported, expected = fused(dict(megatron.named_weights())), dict(fsdp2.named_weights())
+    expected = dict(fsdp2.named_weights())  # transformers 5's fused expert tensors; Megatron exports per expert
+    exported = fused_experts(dict(megatron.named_weights()), set(expected))
     assert exported.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(exported[name], value, atol=1e-5, rtol=0, msg=name)

@@ -78,8 +78,10 @@ for _family in (
     FAMILIES.register(_family.name)(_family)
 
 
-def guess_family_name(qkv_bias: bool, qk_layernorm: bool) -> str:
+def guess_family_name(qkv_bias: bool, qk_layernorm: bool, num_experts: int | None = None, shared: bool = False) -> str:
     """Family of a Megatron checkpoint whose args do not name one (megatron-core's own argparse Namespace)."""
+    if num_experts:
+        return "qwen2_moe" if shared or qkv_bias else "qwen3_moe"
     if qk_layernorm:
         return "qwen3"
     return "qwen2" if qkv_bias else "llama"

@@ -17,6 +17,7 @@ from rl_ckpt.families import FAMILIES
 from rl_ckpt.hf_io import HFCheckpoint
 from rl_ckpt.layout import fuse_qkv_parts, padded_vocab_size
 from rl_ckpt.mcore_io import RankLayout, iteration_dir_name, save_rank, write_tracker
+from rl_ckpt.mcore_merge import check_moe_layout
 from rl_ckpt.sources import Source, cat
 from rl_ckpt.spec import ModelSpec, mcore_args, spec_from_hf_config
 from rl_ckpt.staged_file import StagingBuffers
@@ -64,12 +65,16 @@ def _block(src: HFCheckpoint, name: str, shape: tuple[int, ...], dim: int, tp: i
     return src.lazy(name).narrow(dim, rank * size, size)
 
 
-def layer_to_mcore(src: HFCheckpoint, spec: ModelSpec, layer: int, tp: int, rank: int) -> dict[str, Source]:
+def layer_to_mcore(
+    src: HFCheckpoint, spec: ModelSpec, layer: int, tp: int, rank: int, ep_rank: int = 0, ep: int = 1
+) -> dict[str, Source]:
     """One HF decoder layer -> TP rank ``rank``'s megatron-core tensors (keys after ``decoder.layers.N.``).
 
     linear_qkv [g*(r+2)*d/tp, H] (this rank's groups: their q heads, k, v); linear_proj [H, nq*d/tp];
     linear_fc1 [2F/tp, H] (this rank's gate rows on its up rows); linear_fc2 [H, F/tp]; norms [H] (q/k norms [d]).
-    Each is a plan (views of the HF files, concatenated), read when the rank file is written.
+    A MoE layer (TP = 1): the router, expert-parallel rank ``ep_rank``'s experts as SequentialMLP's local experts,
+    Qwen2-MoE's shared expert and its gate. Each is a plan (views of the HF files, concatenated), read when the rank
+    file is written.
     """
     hf = f"model.layers.{layer}."
     h, d, g, nq, f = (
@@ -87,12 +92,32 @@ def layer_to_mcore(src: HFCheckpoint, spec: ModelSpec, layer: int, tp: int, rank
         )
         out[f"self_attention.linear_qkv.{kind}"] = fuse_qkv_parts(q, k, v, g // tp)
     out["self_attention.linear_proj.weight"] = _block(src, f"{hf}self_attn.o_proj.weight", (h, nq * d), 1, tp, rank)
-    gate = _block(src, f"{hf}mlp.gate_proj.weight", (f, h), 0, tp, rank)
-    out["mlp.linear_fc1.weight"] = cat([gate, _block(src, f"{hf}mlp.up_proj.weight", (f, h), 0, tp, rank)], 0)
-    out["mlp.linear_fc2.weight"] = _block(src, f"{hf}mlp.down_proj.weight", (h, f), 1, tp, rank)
+    if spec.moe:
+        out.update(_moe_layer(src, spec, f"model.layers.{layer}.mlp.", ep_rank, ep))
+    else:
+        gate = _block(src, f"{hf}mlp.gate_proj.weight", (f, h), 0, tp, rank)
+        out["mlp.linear_fc1.weight"] = cat([gate, _block(src, f"{hf}mlp.up_proj.weight", (f, h), 0, tp, rank)], 0)
+        out["mlp.linear_fc2.weight"] = _block(src, f"{hf}mlp.down_proj.weight", (h, f), 1, tp, rank)
     for hf_name, mcore_name in FAMILIES.get(spec.model_type).layer_norms.items():
         size = d if "q_norm" in hf_name or "k_norm" in hf_name else h
         out[mcore_name] = _get(src, hf + hf_name, (size,))
+    return out
+
+
+def _moe_layer(src: HFCheckpoint, spec: ModelSpec, mlp: str, ep_rank: int, ep: int) -> dict[str, Source]:
+    """A MoE layer's Megatron tensors on expert-parallel rank ``ep_rank`` (TP = 1): experts
+    ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)`` as local experts 0.., the router and shared expert replicated."""
+    h, local = spec.hidden_size, spec.num_experts // ep
+    out: dict[str, Source] = {"mlp.router.weight": _get(src, f"{mlp}gate.weight", (spec.num_experts, h))}
+    parts = [(f"mlp.experts.local_experts.{j}.", f"{mlp}experts.{ep_rank * local + j}.", spec.moe_ffn_hidden_size)
+             for j in range(local)]  # fmt: skip
+    if spec.moe_shared_expert_ffn_hidden_size:
+        parts.append(("mlp.shared_experts.", f"{mlp}shared_expert.", spec.moe_shared_expert_ffn_hidden_size))
+        out["mlp.shared_experts.gate_weight"] = _get(src, f"{mlp}shared_expert_gate.weight", (1, h))
+    for target, source, size in parts:
+        gate, up = (_get(src, f"{source}{p}_proj.weight", (size, h)) for p in ("gate", "up"))
+        out[f"{target}linear_fc1.weight"] = cat([gate, up], 0)
+        out[f"{target}linear_fc2.weight"] = _get(src, f"{source}down_proj.weight", (h, size))
     return out
 
 
@@ -110,16 +135,18 @@ def vocab_block(src: HFCheckpoint, name: str, spec: ModelSpec, padded: int, tp: 
 
 
 def rank_to_mcore(
-    src: HFCheckpoint, spec: ModelSpec, tp: int, rank: int, stage: int, bounds: list[tuple[int, int]], padded: int
-) -> dict[str, Source]:
-    """The model state dict of TP rank ``rank`` of PP stage ``stage`` (local layer numbers restart at 0), planned."""
+    src: HFCheckpoint, spec: ModelSpec, tp: int, rank: int, stage: int, bounds: list[tuple[int, int]], padded: int,
+    ep_rank: int = 0, ep: int = 1,
+) -> dict[str, Source]:  # fmt: skip
+    """The model state dict of TP rank ``rank`` of PP stage ``stage`` (local layer numbers restart at 0) and, for a
+    MoE model, expert-parallel rank ``ep_rank`` of ``ep``, planned."""
     state: dict[str, Source] = {}
     if stage == 0:
         embedding = vocab_block(src, "model.embed_tokens.weight", spec, padded, tp, rank)
         state["embedding.word_embeddings.weight"] = embedding
     start, stop = bounds[stage]
     for local, layer in enumerate(range(start, stop)):
-        for key, tensor in layer_to_mcore(src, spec, layer, tp, rank).items():
+        for key, tensor in layer_to_mcore(src, spec, layer, tp, rank, ep_rank, ep).items():
             state[f"decoder.layers.{local}.{key}"] = tensor
     if stage == len(bounds) - 1:
         state["decoder.final_layernorm.weight"] = _get(src, "model.norm.weight", (spec.hidden_size,))
@@ -136,10 +163,12 @@ def convert_hf_to_mcore(
     tp: int = 1,
     pp: int = 1,
     *,
+    ep: int = 1,
     make_vocab_size_divisible_by: int = 128,
     iteration: int = 1,
 ) -> RankLayout:
-    """Write ``out_path/iter_NNNNNNN/mp_rank_XX[_YYY]/model_optim_rng.pt`` for a HF model folder.
+    """Write ``out_path/iter_NNNNNNN/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt`` for a HF model folder (``ep``: a MoE
+    model's experts split over that many expert-parallel ranks, as Megatron's ``expert_model_parallel_size``).
 
     Works one rank file at a time: each rank reads only its rows / columns of the HF files, straight into a few
     16 MiB write buffers, so peak memory does not grow with the model. Each rank file stores ``args`` (a dict with
@@ -147,25 +176,25 @@ def convert_hf_to_mcore(
     """
     src = HFCheckpoint(Path(hf_path))
     spec = spec_from_hf_config(src.config)
-    if spec.moe:
-        raise CheckpointError(
-            f"{hf_path} is a mixture-of-experts model ({spec.model_type}, {spec.num_experts} experts): rl-ckpt "
-            "converts dense decoders to Megatron files for now (megatron_train loads MoE HF folders itself)"
-        )
+    if ep < 1:
+        raise CheckpointError(f"--ep {ep}: must be >= 1")
+    check_moe_layout(spec, tp, ep, str(hf_path))
     check_parallel_sizes(spec, tp, pp)
     padded = padded_vocab_size(spec.vocab_size, make_vocab_size_divisible_by, tp)
     args = mcore_args(spec, tp, pp, padded, make_vocab_size_divisible_by)
-    args["hf_generation_config"] = src.generation_config()
+    args.update(hf_generation_config=src.generation_config(), expert_model_parallel_size=ep)
     out = Path(out_path)
-    layout = RankLayout(out / iteration_dir_name(iteration), tp, pp)
+    layout = RankLayout(out / iteration_dir_name(iteration), tp, pp, ep)
     bounds = stage_bounds(spec.num_layers, pp)
     buffers = StagingBuffers()
     with output_folder(out), FileReader() as reader:  # a failed conversion leaves no partial output
         for stage in range(pp):
-            for tp_rank in range(tp):
-                state = rank_to_mcore(src, spec, tp, tp_rank, stage, bounds, padded)
-                save_rank(layout.path(tp_rank, stage), state, args, iteration, buffers=buffers, reader=reader)
-                del state
+            for ep_rank in range(ep):
+                for tp_rank in range(tp):
+                    state = rank_to_mcore(src, spec, tp, tp_rank, stage, bounds, padded, ep_rank, ep)
+                    path = layout.path(tp_rank, stage, ep_rank)
+                    save_rank(path, state, args, iteration, buffers=buffers, reader=reader)
+                    del state
         src.release()
         write_tracker(out, iteration)
     return layout

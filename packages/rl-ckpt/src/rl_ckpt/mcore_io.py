@@ -5,6 +5,8 @@ Layout (megatron's ``save_checkpoint`` without dist_checkpointing)::
     <root>/latest_checkpointed_iteration.txt        "1" (or "release")
     <root>/iter_0000001/mp_rank_00/model_optim_rng.pt        PP == 1: mp_rank_<tp:02d>
     <root>/iter_0000001/mp_rank_00_001/model_optim_rng.pt    PP > 1:  mp_rank_<tp:02d>_<pp:03d>
+    <root>/iter_0000001/mp_rank_00_001_002/model_optim_rng.pt  EP > 1: _<ep:03d> appended (a MoE model's
+                                                             expert-parallel rank: its experts, the rest replicated)
 
 Each file is a ``torch.save`` dict ``{"args", "checkpoint_version", "iteration", "model", ...}``; Megatron-LM's
 training loop adds ``optimizer``, ``opt_param_scheduler``, ``rng_state`` (numpy arrays inside) and more, and its
@@ -38,13 +40,14 @@ RANK_FILE = "model_optim_rng.pt"
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 DIST_MARKERS = ("metadata.json", ".metadata")
 """Files that make a folder a dist_checkpointing one (megatron's backend description, torch DCP's metadata)."""
-_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?")
-_EXPERT_RANK_DIR = re.compile(r"mp_rank_\d{2}_\d{3}_\d{3}")  # TP, PP, EP; TP + EP alone looks like TP + PP
+_RANK_DIR = re.compile(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?")  # TP, PP, EP; TP + EP alone looks like TP + PP
 
 
-def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    """``mp_rank_XX`` when PP == 1, else ``mp_rank_XX_YYY``."""
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int = 0, ep: int = 1) -> str:
+    """``mp_rank_XX`` when PP == 1, else ``mp_rank_XX_YYY``; ``_ZZZ`` (the expert-parallel rank) added when EP > 1,
+    as Megatron names them."""
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name if ep == 1 else f"{name}_{ep_rank:03d}"
 
 
 def iteration_dir_name(iteration: int) -> str:
@@ -86,63 +89,62 @@ def resolve_iteration_dir(path: Path) -> Path:
 
 @dataclass(frozen=True)
 class RankLayout:
-    """The rank files of one iteration folder; ``path(t, p)`` is TP rank t, PP stage p."""
+    """The rank files of one iteration folder; ``path(t, p, e)`` is TP rank t, PP stage p, expert-parallel rank e."""
 
     iteration_dir: Path
     tp: int
     pp: int
+    ep: int = 1
 
-    def path(self, tp_rank: int, pp_rank: int) -> Path:
+    def path(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> Path:
         """Path of one rank file."""
-        return self.iteration_dir / rank_dir_name(tp_rank, pp_rank, self.pp) / RANK_FILE
+        return self.iteration_dir / rank_dir_name(tp_rank, pp_rank, self.pp, ep_rank, self.ep) / RANK_FILE
 
     def check_complete(self) -> None:
         """Raise naming the first missing rank file."""
+        sizes = f"TP={self.tp} x PP={self.pp}" + (f" x EP={self.ep}" if self.ep > 1 else "")
         for p in range(self.pp):
-            for t in range(self.tp):
-                if not self.path(t, p).is_file():
-                    raise CheckpointError(
-                        f"missing rank file {self.path(t, p)} (TP={self.tp} x PP={self.pp}); "
-                        "the checkpoint is incomplete: copy that file from where it was saved"
-                    )
+            for e in range(self.ep):
+                for t in range(self.tp):
+                    if not self.path(t, p, e).is_file():
+                        raise CheckpointError(
+                            f"missing rank file {self.path(t, p, e)} ({sizes}); "
+                            "the checkpoint is incomplete: copy that file from where it was saved"
+                        )
 
 
 def discover_layout(iteration_dir: Path) -> RankLayout:
-    """TP and PP sizes from the ``mp_rank_*`` folder names (expert-parallel folders are not supported yet)."""
+    """TP, PP and EP sizes from the ``mp_rank_*`` folder names (``mp_rank_XX_EEE``, expert parallelism without
+    PP, reads as PP here: :func:`check_layout_against_args` tells them apart by the args)."""
     names = [p.name for p in iteration_dir.iterdir() if p.is_dir()]
-    if any(_EXPERT_RANK_DIR.fullmatch(name) for name in names):
-        raise CheckpointError(
-            f"{iteration_dir} holds expert-parallel rank folders (mp_rank_XX_YYY_EEE): MoE / expert parallelism "
-            "is not supported yet"
-        )
     matches = [m for m in (_RANK_DIR.fullmatch(name) for name in names) if m]
     if not matches:
         raise CheckpointError(f"no mp_rank_* folders in {iteration_dir}; is it a dist_checkpointing (torch_dist) one?")
     tp = max(int(m.group(1)) for m in matches) + 1
     pp = max(int(m.group(2) or 0) for m in matches) + 1
-    layout = RankLayout(iteration_dir, tp, pp)
+    ep = max(int(m.group(3) or 0) for m in matches) + 1
+    layout = RankLayout(iteration_dir, tp, pp, ep)
     layout.check_complete()
     return layout
 
 
-def check_layout_against_args(layout: RankLayout, args: object) -> None:
-    """Catch a whole missing rank folder (which the folder names alone cannot show) from the saved TP / PP, and
-    expert-parallel checkpoints (``mp_rank_XX_EEE`` looks like ``mp_rank_XX_YYY``)."""
-    experts, ep = int(arg(args, "num_experts", 0) or 0), int(arg(args, "expert_model_parallel_size", 1) or 1)
-    if experts or ep > 1:
-        raise CheckpointError(
-            f"{layout.iteration_dir}: the args describe a MoE model (num_experts={experts}, "
-            f"expert_model_parallel_size={ep}), which is not supported yet"
-        )
+def check_layout_against_args(layout: RankLayout, args: object) -> RankLayout:
+    """The layout the args describe: catches a whole missing rank folder (which the folder names alone cannot show)
+    from the saved TP / PP / EP, and reads ``mp_rank_XX_EEE`` folders as expert-parallel ranks when the args say
+    PP = 1 and EP > 1."""
     want_tp = int(arg(args, "tensor_model_parallel_size", layout.tp) or layout.tp)
     want_pp = int(arg(args, "pipeline_model_parallel_size", layout.pp) or layout.pp)
-    if (want_tp, want_pp) != (layout.tp, layout.pp):
-        full = RankLayout(layout.iteration_dir, want_tp, want_pp)
+    want_ep = int(arg(args, "expert_model_parallel_size", layout.ep) or layout.ep)
+    if want_pp == 1 and want_ep > 1 and layout.ep == 1:  # mp_rank_XX_EEE: the second number is the EP rank
+        layout = RankLayout(layout.iteration_dir, layout.tp, 1, layout.pp)
+    if (want_tp, want_pp, want_ep) != (layout.tp, layout.pp, layout.ep):
+        full = RankLayout(layout.iteration_dir, want_tp, want_pp, want_ep)
         full.check_complete()
         raise CheckpointError(
-            f"{layout.iteration_dir}: args say TP={want_tp} x PP={want_pp} but the folders give "
-            f"TP={layout.tp} x PP={layout.pp}; remove stray mp_rank_* folders"
+            f"{layout.iteration_dir}: args say TP={want_tp} x PP={want_pp} x EP={want_ep} but the folders give "
+            f"TP={layout.tp} x PP={layout.pp} x EP={layout.ep}; remove stray mp_rank_* folders"
         )
+    return layout
 
 
 def local_norm_name(key: str) -> str:

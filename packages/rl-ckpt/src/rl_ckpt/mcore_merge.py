@@ -26,6 +26,11 @@ from rl_ckpt.sources import Source, cat, materialize, rows, shape_of
 from rl_ckpt.spec import ModelSpec, arg, spec_from_mcore_args
 
 _LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.")
+_EXPERT_KEY = re.compile(
+    r"(decoder\.layers\.\d+\.mlp\.experts\.)(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))"
+)
+"""A rank's local expert j: SequentialMLP's ``local_experts.<j>.linear_fc1.weight`` or Transformer Engine's grouped
+GEMM ``linear_fc1.weight<j>`` (megatron-core writes either, by ``moe_grouped_gemm``)."""
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -95,16 +100,22 @@ class StageShards:
         return sorted(set(self.states[0]) - self.used)
 
 
-def layer_to_hf(stage: StageShards, spec: ModelSpec, local: int, layer: int) -> Iterator[tuple[str, torch.Tensor]]:
+def layer_to_hf(
+    stage: StageShards, spec: ModelSpec, local: int, layer: int, *, experts: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
     """HF tensors of global layer ``layer`` from local layer ``local`` of ``stage`` (see :func:`layer_sources`)."""
-    for name, src in layer_sources(stage, spec, local, layer):
+    for name, src in layer_sources(stage, spec, local, layer, experts=experts):
         yield name, materialize(src)
 
 
-def layer_sources(stage: StageShards, spec: ModelSpec, local: int, layer: int) -> Iterator[tuple[str, Source]]:
+def layer_sources(
+    stage: StageShards, spec: ModelSpec, local: int, layer: int, *, experts: bool = True
+) -> Iterator[tuple[str, Source]]:
     """HF tensors of global layer ``layer`` from local layer ``local`` of ``stage``, as views / concatenations.
 
     linear_qkv [g*(r+2)*d, H] -> q [nq*d, H], k, v [g*d, H]; linear_fc1 shards [2F/tp, H] -> gate, up [F, H].
+    ``experts=False``: a MoE layer's MLP (router, experts, shared expert) is left to the caller (rl-engines gathers
+    the experts over its expert-parallel ranks itself).
     """
     mc, hf = f"decoder.layers.{local}.", f"model.layers.{layer}.self_attn."
     h, d, g, nq, f = (
@@ -121,7 +132,9 @@ def layer_sources(stage: StageShards, spec: ModelSpec, local: int, layer: int) -
         yield from ((f"{hf}{n}_proj.{kind}", t) for n, t in (("q", q), ("k", k), ("v", v)))
     key = f"{mc}self_attention.linear_proj.weight"
     yield f"{hf}o_proj.weight", stage.check(stage.concat(key, 1), (h, nq * d), key)
-    if not spec.moe:  # a MoE layer's router and experts are mapped by their reader (rl-engines' megatron_weights)
+    if spec.moe:
+        yield from _moe_sources(stage, spec, mc, layer) if experts else ()
+    else:
         key = f"{mc}mlp.linear_fc1.weight"
         gate, up = fc1_parts([stage.check(s, (2 * f // len(stage.paths), h), key) for s in stage.shards(key)])
         mlp = f"model.layers.{layer}.mlp."
@@ -132,6 +145,62 @@ def layer_sources(stage: StageShards, spec: ModelSpec, local: int, layer: int) -
     for hf_name, mc_name in FAMILIES.get(spec.model_type).layer_norms.items():
         size = d if "q_norm" in hf_name or "k_norm" in hf_name else h
         yield f"model.layers.{layer}.{hf_name}", stage.check(stage.shards(mc + mc_name)[0], (size,), mc + mc_name)
+
+
+def _moe_sources(stage: StageShards, spec: ModelSpec, mc: str, layer: int) -> Iterator[tuple[str, Source]]:
+    """A MoE layer (TP = 1, experts under their global index, see :func:`merge_expert_ranks`): the router, every
+    expert's gate / up / down projections in HF's per-expert names, and Qwen2-MoE's gated shared expert."""
+    mlp, h = f"model.layers.{layer}.mlp.", spec.hidden_size
+    key = f"{mc}mlp.router.weight"
+    yield f"{mlp}gate.weight", stage.check(stage.shards(key)[0], (spec.num_experts, h), key)
+    parts = [(f"{mc}mlp.experts.local_experts.{e}.", f"{mlp}experts.{e}.", spec.moe_ffn_hidden_size)
+             for e in range(spec.num_experts)]  # fmt: skip
+    if spec.moe_shared_expert_ffn_hidden_size:
+        parts.append((f"{mc}mlp.shared_experts.", f"{mlp}shared_expert.", spec.moe_shared_expert_ffn_hidden_size))
+    for source, target, size in parts:
+        key = f"{source}linear_fc1.weight"
+        gate, up = fc1_parts([stage.check(s, (2 * size, h), key) for s in stage.shards(key)])
+        yield f"{target}gate_proj.weight", gate
+        yield f"{target}up_proj.weight", up
+        key = f"{source}linear_fc2.weight"
+        yield f"{target}down_proj.weight", stage.check(stage.shards(key)[0], (h, size), key)
+    if spec.moe_shared_expert_ffn_hidden_size:
+        key = f"{mc}mlp.shared_experts.gate_weight"
+        yield f"{mlp}shared_expert_gate.weight", stage.check(stage.shards(key)[0], (1, h), key)
+
+
+def check_moe_layout(spec: ModelSpec, tp: int, ep: int, where: str) -> None:
+    """Expert parallelism only on a MoE model, dividing its experts; a MoE model at TP = 1 (Megatron's expert tensor
+    parallelism, experts split over TP ranks or not, is not mapped)."""
+    if ep > 1 and not spec.moe:
+        raise CheckpointError(f"{where}: expert-parallel size {ep} on a dense {spec.model_type} model")
+    if spec.moe and spec.num_experts % ep:
+        raise CheckpointError(f"{where}: expert-parallel size {ep} does not divide the {spec.num_experts} experts")
+    if spec.moe and tp > 1:
+        raise CheckpointError(
+            f"{where}: a MoE model ({spec.model_type}) at tensor-parallel size {tp}: rl-ckpt maps MoE checkpoints at "
+            "TP = 1 (any EP and PP); expert tensor parallelism is not mapped yet"
+        )
+
+
+def merge_expert_ranks(states: Sequence[Mapping[str, Source]], local_experts: int) -> dict[str, Source]:
+    """One state dict from the expert-parallel ranks of one TP rank and stage: rank e's local expert j becomes
+    expert ``e * local_experts + j`` (SequentialMLP names), everything else is taken from rank 0 (the router,
+    attention and norms are replicated over the expert-parallel ranks)."""
+    merged: dict[str, Source] = {}
+    for rank, state in enumerate(states):
+        for key, value in state.items():
+            match = _EXPERT_KEY.fullmatch(key)
+            if match is None:
+                if rank == 0:
+                    merged[key] = value
+                continue
+            prefix, fc = match.group(1), match.group(3) or match.group(4)
+            local = int(match.group(2) or match.group(5))
+            if local >= local_experts:
+                raise CheckpointError(f"{key}: local expert {local} but the args give {local_experts} per rank")
+            merged[f"{prefix}local_experts.{rank * local_experts + local}.{fc}.weight"] = value
+    return merged
 
 
 def vocab_rows(stage: StageShards, key: str, spec: ModelSpec) -> Source:
@@ -171,7 +240,8 @@ def _end_of_piece(stage: StageShards, spec: ModelSpec) -> Iterator[tuple[str, So
     if unused:
         raise CheckpointError(
             f"{stage.paths[0]} holds tensors rl-ckpt does not convert: {', '.join(unused[:6])}"
-            f"{' ...' if len(unused) > 6 else ''} (linear biases, MoE experts and other extras are not supported yet)"
+            f"{' ...' if len(unused) > 6 else ''} (linear biases, grouped MoE weights in one tensor and other "
+            "extras are not supported yet)"
         )
 
 

@@ -23,11 +23,13 @@ from rl_ckpt.mcore_io import (
 from rl_ckpt.mcore_merge import (
     McoreSource,
     StageShards,
+    check_moe_layout,
     checkpoint_spec,
     iter_hf_sources,
     iter_hf_tensors,
     layer_sources,
     layer_to_hf,
+    merge_expert_ranks,
 )
 from rl_ckpt.megatron_lora import is_megatron_adapter
 from rl_ckpt.sources import dtype_of
@@ -61,14 +63,19 @@ class McoreCheckpoint:
         """The ``iter_NNNNNNN`` folder."""
         return self.layout.iteration_dir
 
+    def _load(self, tp_rank: int, pp_rank: int, ep_rank: int) -> dict[str, torch.Tensor]:
+        return load_rank(self.layout.path(tp_rank, pp_rank, ep_rank), self.trust_checkpoint, lazy=True)[1]
+
     def stages(self) -> Iterator[StageShards]:
-        """One PP stage at a time: its TP ranks' model state dicts, left on disk (see ``load_rank``)."""
-        pp = self.layout.pp
+        """One PP stage at a time: its TP ranks' model state dicts, left on disk (see ``load_rank``); a MoE model's
+        expert-parallel ranks merged into one (experts under their global index, :func:`merge_expert_ranks`)."""
+        pp, ep = self.layout.pp, self.layout.ep
+        local = self.spec.num_experts // ep
         for p in range(pp):
             paths = [self.layout.path(t, p) for t in range(self.layout.tp)]
             # No local variable keeps the states: the caller's ``del`` must free the stage before the next is read.
             yield StageShards(
-                [load_rank(path, self.trust_checkpoint, lazy=True)[1] for path in paths],
+                [merge_expert_ranks([self._load(t, p, e) for e in range(ep)], local) for t in range(self.layout.tp)],
                 paths,
                 first=p == 0,
                 last=p == pp - 1,
@@ -101,11 +108,12 @@ def open_mcore_checkpoint(
             trust_checkpoint=trust_checkpoint,
         )  # fmt: skip
     layout = discover_layout(iteration_dir)
-    args, _ = load_rank(layout.path(0, 0), trust_checkpoint, lazy=True)
+    args, _ = load_rank(layout.path(0, 0, 0), trust_checkpoint, lazy=True)
     if args is None:
-        raise CheckpointError(f"{layout.path(0, 0)} has no 'args'; pass --model_type and the sizes are unknown")
-    check_layout_against_args(layout, args)
+        raise CheckpointError(f"{layout.path(0, 0, 0)} has no 'args'; pass --model_type and the sizes are unknown")
+    layout = check_layout_against_args(layout, args)
     spec = checkpoint_spec(args, vocab_size=vocab_size, model_type=model_type, tokenizer_path=tokenizer_path)
+    check_moe_layout(spec, layout.tp, layout.ep, str(iteration_dir))
     return McoreCheckpoint(layout, args, spec, trust_checkpoint)
 
 

@@ -139,6 +139,23 @@ def mcore_args(spec: ModelSpec, tp: int, pp: int, padded_vocab_size: int, divisi
         "max_position_embeddings": spec.max_position_embeddings,
         "model_type_hf": spec.model_type,
         "hf_config": copy.deepcopy(spec.hf_config),
+        **_moe_args(spec),
+    }
+
+
+def _moe_args(spec: ModelSpec) -> dict[str, Any]:
+    """Megatron's MoE arguments of a MoE ``spec`` (HF's router: softmax, top-k, renormalised when norm_topk_prob)."""
+    if not spec.moe:
+        return {}
+    shared = spec.moe_shared_expert_ffn_hidden_size
+    return {
+        "num_experts": spec.num_experts,
+        "moe_ffn_hidden_size": spec.moe_ffn_hidden_size,
+        "moe_router_topk": spec.moe_topk,
+        "moe_router_pre_softmax": not spec.moe_norm_topk_prob,
+        "moe_shared_expert_intermediate_size": shared or None,
+        "moe_shared_expert_gate": shared > 0,
+        "moe_grouped_gemm": False,
     }
 
 
@@ -198,9 +215,12 @@ _SUPPORTED_ARGS: dict[str, tuple[Any, ...]] = {
     "add_bias_linear": (False,),
     "apply_layernorm_1p": (False,),
     "multi_latent_attention": (False,),
-    "num_experts": (0,),
+    "moe_layer_freq": (1,),
+    "moe_router_score_function": ("softmax",),
+    "moe_router_topk_scaling_factor": (1.0,),
+    "moe_expert_capacity_factor": (),
 }
-"""Megatron args whose other values make a model the dense-decoder families cannot express (absent: fine)."""
+"""Megatron args whose other values make a model the families cannot express (absent: fine)."""
 
 
 def check_supported_args(args: object, hf_config: Mapping[str, Any] | None) -> None:
@@ -209,8 +229,9 @@ def check_supported_args(args: object, hf_config: Mapping[str, Any] | None) -> N
         value = arg(args, key)
         if value is not None and value not in allowed:
             raise CheckpointError(
-                f"the checkpoint's args set {key}={value!r}; rl-ckpt converts only {key} in {allowed} "
-                "(dense RMSNorm / SwiGLU / RoPE decoders without linear biases or experts)"
+                f"the checkpoint's args set {key}={value!r}; rl-ckpt converts only {key} in {allowed or '(unset)'} "
+                "(RMSNorm / SwiGLU / RoPE decoders without linear biases; MoE layers in every layer with a softmax "
+                "top-k router and no capacity limit)"
             )
     if arg(args, "use_rope_scaling") and hf_config is None:
         raise CheckpointError(
@@ -238,7 +259,9 @@ def spec_from_mcore_args(
     qkv_bias = bool(arg(args, "add_qkv_bias", False))
     qk_norm = bool(arg(args, "qk_layernorm", False))
     known = (hf_config or {}).get("model_type")
-    name = model_type or arg(args, "model_type_hf") or known or guess_family_name(qkv_bias, qk_norm)
+    shared = bool(arg(args, "moe_shared_expert_intermediate_size"))
+    guessed = guess_family_name(qkv_bias, qk_norm, arg(args, "num_experts"), shared)
+    name = model_type or arg(args, "model_type_hf") or known or guessed
     groups = int(arg(args, "num_query_groups") or heads) if arg(args, "group_query_attention", True) else heads
     spec = ModelSpec(
         model_type=FAMILIES.get(name).name,
@@ -255,10 +278,36 @@ def spec_from_mcore_args(
         rotary_base=float(arg(args, "rotary_base", 10000.0)),
         max_position_embeddings=int(arg(args, "max_position_embeddings", 4096)),
         hf_config=copy.deepcopy(dict(hf_config)) if hf_config is not None else None,
+        **_moe_fields_from_args(args, hf_config),
     )
+    if spec.moe != FAMILIES.get(spec.model_type).moe:
+        raise CheckpointError(
+            f"the checkpoint's args set num_experts={spec.num_experts} but the model type is {spec.model_type!r} "
+            f"(a {'MoE' if FAMILIES.get(spec.model_type).moe else 'dense'} family); pass the right --model_type"
+        )
     if hf_config is not None:
         _check_hf_config(spec, hf_config)
     return spec
+
+
+def _moe_fields_from_args(args: object, hf_config: Mapping[str, Any] | None) -> dict[str, Any]:
+    """ModelSpec's MoE fields from Megatron's args (norm_topk_prob from the HF config when known)."""
+    experts = int(arg(args, "num_experts") or 0)
+    if not experts:
+        return {}
+    missing = [key for key in ("moe_ffn_hidden_size", "moe_router_topk") if not arg(args, key)]
+    if missing:
+        raise CheckpointError(f"the checkpoint's args set num_experts={experts} but lack {missing}; are they "
+                              "megatron's?")  # fmt: skip
+    pre_softmax = bool(arg(args, "moe_router_pre_softmax", False))
+    norm = bool((hf_config or {}).get("norm_topk_prob", not pre_softmax))
+    return {
+        "num_experts": experts,
+        "moe_ffn_hidden_size": int(arg(args, "moe_ffn_hidden_size")),
+        "moe_topk": int(arg(args, "moe_router_topk")),
+        "moe_norm_topk_prob": norm,
+        "moe_shared_expert_ffn_hidden_size": int(arg(args, "moe_shared_expert_intermediate_size") or 0),
+    }
 
 
 def hf_config_dict(spec: ModelSpec, dtype: str) -> dict[str, Any]:
@@ -286,5 +335,11 @@ def hf_config_dict(spec: ModelSpec, dtype: str) -> dict[str, Any]:
         "torch_dtype": dtype,
     }
     if family.fixed_qkv_bias is None:
-        cfg["attention_bias"] = spec.qkv_bias
+        cfg[family.qkv_bias_key] = spec.qkv_bias
+    if spec.moe:
+        cfg.update(num_experts=spec.num_experts, moe_intermediate_size=spec.moe_ffn_hidden_size,
+                   num_experts_per_tok=spec.moe_topk, norm_topk_prob=spec.moe_norm_topk_prob, decoder_sparse_step=1,
+                   mlp_only_layers=[])  # fmt: skip
+        if spec.moe_shared_expert_ffn_hidden_size:
+            cfg["shared_expert_intermediate_size"] = spec.moe_shared_expert_ffn_hidden_size
     return cfg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +35,36 @@ def model_from_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor])
     kwargs = {k: v for k, v in config.items() if k != "model_type"}
     cfg = tf.AutoConfig.for_model(config["model_type"], **kwargs)
     model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").float()
-    missing, unexpected = model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=False)
+    state = fused_experts({k: v.float() for k, v in tensors.items()}, set(model.state_dict()))
+    missing, unexpected = model.load_state_dict(state, strict=False)
     allowed = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
     if unexpected or set(missing) - allowed:
         raise CheckpointError(f"converted tensors do not fit the model: missing {missing}, unexpected {unexpected}")
     return model
+
+
+_PER_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def fused_experts(tensors: dict[str, torch.Tensor], model_keys: set[str]) -> dict[str, torch.Tensor]:
+    """HF's per-expert checkpoint names (``mlp.experts.<e>.gate_proj.weight``, ...) folded into the fused tensors a
+    transformers 5 MoE model holds (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj [E, H, I]``),
+    where the model has them; everything else as it is."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, tensor in tensors.items():
+        match = _PER_EXPERT.fullmatch(name)
+        if match is None or f"{match.group(1)}.gate_up_proj" not in model_keys:
+            out[name] = tensor
+            continue
+        experts.setdefault(match.group(1), {}).setdefault(int(match.group(2)), {})[match.group(3)] = tensor
+    for prefix, by_expert in experts.items():
+        order = sorted(by_expert)
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in order]
+        )
+        out[f"{prefix}.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in order])
+    return out
 
 
 def model_from_folder(path: Path) -> Any:

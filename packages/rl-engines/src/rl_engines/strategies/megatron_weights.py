@@ -366,7 +366,7 @@ def export_hf(
             gathered = {key: shards(key) for key in keys}
             state = StageShards([{key: gathered[key][r] for key in keys} for r in range(tp)], paths)
             moe = _moe_layer_tensors(params, layout, prefix, layer, ep_group) if spec.moe else []
-            return [*layer_to_hf(state, spec, local, layer), *moe]
+            return [*layer_to_hf(state, spec, local, layer, experts=False), *moe]
 
         yield from piece(layout.stage_of(layer), layer_tensors)
     yield from piece(layout.pp - 1, lambda: _last_stage_tensors(params, layout, vocab))
