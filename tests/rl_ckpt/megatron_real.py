@@ -1,7 +1,8 @@
 """Real megatron-core checkpoints for the rl_ckpt tests, written the way Megatron-LM's training loop writes them.
 
-Two gloo processes (``torch.multiprocessing.spawn``) build a megatron-core ``GPTModel`` (local layer spec, CPU) for
-each :class:`Case`, load it from the per-rank files rl-ckpt wrote for a tiny HF model, run a forward pass, and save:
+Two gloo processes (``torch.multiprocessing.spawn``) build a megatron-core ``GPTModel`` (local layer spec, CPU; a MoE
+model's experts split over the two ranks under expert parallelism) for each :class:`Case`, load it from the
+per-rank files rl-ckpt wrote for a tiny HF model, run a forward pass, and save:
 
 - ``legacy/``: Megatron-LM's ``--ckpt-format torch`` layout: ``latest_checkpointed_iteration.txt`` ("10", no
   newline) and ``iter_0000010/mp_rank_XX[_YYY]/model_optim_rng.pt`` = ``generate_state_dict``'s dict: ``args`` (an
@@ -47,6 +48,10 @@ class Case:
     tp: int
     pp: int
     hf_dir_in_args: bool = True
+    ep: int = 1
+    """Expert-parallel size (a MoE model: its experts split over the ranks, which are its data-parallel ranks)."""
+    formats: tuple[str, ...] = ("torch", "torch_dist")
+    """The formats megatron saves this case in."""
     """Whether the args' ``tokenizer_model`` names ``hf_dir`` (else a folder of the training cluster, absent here)."""
 
     def root(self, out: Path) -> Path:
@@ -62,13 +67,21 @@ def _apply_shims() -> None:
     module.apply()
 
 
-def megatron_lm_args(spec: Any, tp: int, pp: int, padded_vocab: int, ckpt_format: str, tokenizer_model: str) -> Any:
+def megatron_lm_args(
+    spec: Any, tp: int, pp: int, padded_vocab: int, ckpt_format: str, tokenizer_model: str, ep: int = 1
+) -> Any:
     """The ``args`` Megatron-LM's ``parse_args`` + ``validate_args`` store (the fields a converter may read, plus a
     few typical non-primitive ones: an enum, torch dtypes). Megatron-LM records neither the unpadded vocabulary
     size (``vocab_size`` is None without ``--vocab-size``) nor the HF model type."""
     from megatron.core.transformer.enums import AttnBackend
 
+    moe = dict(num_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+               moe_router_topk=spec.moe_topk, moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+               moe_shared_expert_intermediate_size=spec.moe_shared_expert_ffn_hidden_size or None,
+               moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.001, moe_grouped_gemm=False,
+               moe_token_dispatcher_type="allgather") if spec.moe else {"num_experts": None}  # fmt: skip
     return argparse.Namespace(
+        **moe,
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, ffn_hidden_size=spec.ffn_hidden_size,
         num_attention_heads=spec.num_attention_heads, kv_channels=spec.head_dim,
         group_query_attention=spec.num_query_groups != spec.num_attention_heads,
@@ -77,19 +90,26 @@ def megatron_lm_args(spec: Any, tp: int, pp: int, padded_vocab: int, ckpt_format
         normalization="RMSNorm", norm_epsilon=spec.norm_epsilon, swiglu=True,
         untie_embeddings_and_output_weights=not spec.tied_embeddings, add_qkv_bias=spec.qkv_bias,
         add_bias_linear=False, qk_layernorm=spec.qk_norm, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=1,
-        num_experts=None, make_vocab_size_divisible_by=128, padded_vocab_size=padded_vocab, vocab_size=None,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=ep,
+        make_vocab_size_divisible_by=128, padded_vocab_size=padded_vocab, vocab_size=None,
         tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_model, ckpt_format=ckpt_format,
         use_dist_ckpt=ckpt_format != "torch", transformer_impl="local", attention_backend=AttnBackend.auto,
         params_dtype=torch.float32, bf16=False, fp16=False, seed=1234, iteration=ITERATION, save=None,
     )  # fmt: skip
 
 
-def _transformer_config(spec: Any, tp: int, pp: int) -> Any:
+def _transformer_config(spec: Any, tp: int, pp: int, ep: int = 1) -> Any:
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
+    moe = dict(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+               moe_router_topk=spec.moe_topk, moe_router_pre_softmax=not spec.moe_norm_topk_prob,
+               moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
+               moe_grouped_gemm=False, expert_model_parallel_size=ep,
+               moe_shared_expert_intermediate_size=spec.moe_shared_expert_ffn_hidden_size or None,
+               moe_shared_expert_gate=spec.moe_shared_expert_ffn_hidden_size > 0) if spec.moe else {}  # fmt: skip
     return TransformerConfig(
+        **moe,
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_query_groups, kv_channels=spec.head_dim, ffn_hidden_size=spec.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=spec.norm_epsilon, gated_linear_unit=True, activation_func=F.silu,
@@ -101,7 +121,7 @@ def _transformer_config(spec: Any, tp: int, pp: int) -> Any:
     )  # fmt: skip
 
 
-def build_gpt(spec: Any, tp: int, pp: int, padded_vocab: int) -> Any:
+def build_gpt(spec: Any, tp: int, pp: int, padded_vocab: int, ep: int = 1) -> Any:
     """This rank's GPTModel stage (megatron-core, local spec, fp32, CPU).
 
     One more CPU shim, for construction only: with tied embeddings and PP > 1, ``setup_embeddings_and_output_layer``
@@ -114,9 +134,10 @@ def build_gpt(spec: Any, tp: int, pp: int, padded_vocab: int) -> Any:
     real_cuda = torch.Tensor.cuda
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     try:
+        experts = {"num_experts": spec.num_experts, "moe_grouped_gemm": False} if spec.moe else {}
         return GPTModel(
-            _transformer_config(spec, tp, pp),
-            get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm),
+            _transformer_config(spec, tp, pp, ep),
+            get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm, **experts),
             vocab_size=padded_vocab,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(),
@@ -185,16 +206,19 @@ def optimizer_state(model: Any) -> dict[str, Any]:
 
 
 def save_legacy(root: Path, model: Any, args: Any) -> None:
-    """``save_checkpoint`` with ``--ckpt-format torch``: one file per (TP, PP) rank, written by DP rank 0."""
+    """``save_checkpoint`` with ``--ckpt-format torch``: one file per (TP, PP[, EP]) rank, written by the rank's
+    first data-parallel replica (Megatron-LM: expert-data-parallel rank 0; ``_<EP rank>`` appended under EP)."""
     from megatron.core import parallel_state as ps
 
-    if ps.get_data_parallel_rank() == 0:
+    ep = args.expert_model_parallel_size
+    if (ps.get_expert_data_parallel_rank() if ep > 1 else ps.get_data_parallel_rank()) == 0:
         tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         name = (
             f"mp_rank_{tp_rank:02d}"
             if args.pipeline_model_parallel_size == 1
             else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
         )
+        name += f"_{ps.get_expert_model_parallel_rank():03d}" if ep > 1 else ""
         path = root / f"iter_{ITERATION:07d}" / name / "model_optim_rng.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
         state = {
@@ -239,20 +263,23 @@ def run_case(case: Case, out: Path) -> None:
     from rl_ckpt.mcore_io import rank_dir_name
     from rl_ckpt.spec import spec_from_hf_config
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=case.pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=case.pp,
+                                 expert_model_parallel_size=case.ep)  # fmt: skip
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     spec = spec_from_hf_config(HFCheckpoint(case.hf_dir).config)
     padded = padded_vocab_size(spec.vocab_size, 128, case.tp)
-    model = build_gpt(spec, case.tp, case.pp, padded)
+    model = build_gpt(spec, case.tp, case.pp, padded, case.ep)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    rank_dir = rank_dir_name(tp_rank, pp_rank, case.pp)
+    rank_dir = rank_dir_name(tp_rank, pp_rank, case.pp, ps.get_expert_model_parallel_rank(), case.ep)
     load_rl_ckpt_rank(model, case.root(out) / "rl_ckpt" / f"iter_{1:07d}" / rank_dir / "model_optim_rng.pt")
     logits = megatron_logits(model, spec, spec.vocab_size)
     if logits is not None and ps.get_data_parallel_rank() == 0:
         torch.save(logits, case.root(out) / "megatron_logits.pt")
     tokenizer_model = str(case.hf_dir) if case.hf_dir_in_args else "/cluster/models/tiny"
     for fmt, save in (("torch", save_legacy), ("torch_dist", save_dist)):
-        args = megatron_lm_args(spec, case.tp, case.pp, padded, fmt, tokenizer_model)
+        if fmt not in case.formats:
+            continue
+        args = megatron_lm_args(spec, case.tp, case.pp, padded, fmt, tokenizer_model, case.ep)
         save(case.root(out) / ("legacy" if fmt == "torch" else "dist"), model, args)
     dist.barrier()
     ps.destroy_model_parallel()
@@ -283,5 +310,5 @@ def make_real_checkpoints(cases: list[Case], out: Path) -> None:
     from rl_ckpt import convert_hf_to_mcore
 
     for case in cases:
-        convert_hf_to_mcore(case.hf_dir, case.root(out) / "rl_ckpt", case.tp, case.pp)
+        convert_hf_to_mcore(case.hf_dir, case.root(out) / "rl_ckpt", case.tp, case.pp, ep=case.ep)
     mp.spawn(_worker, args=(free_port(), cases, out), nprocs=WORLD, join=True)

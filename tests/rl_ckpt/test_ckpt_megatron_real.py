@@ -1,4 +1,5 @@
-"""Checkpoints written by megatron-core itself (CPU, gloo; see megatron_real) -> HF, in both formats.
+"""Checkpoints written by megatron-core itself (CPU, gloo; see megatron_real) -> HF, in both formats (a MoE model
+with expert parallelism: per-rank files; its torch_dist is refused by name).
 
 Chain: tiny HF model -> rl-ckpt's rank files -> megatron-core GPTModel (loaded strictly, forward pass) -> saved by
 megatron as Megatron-LM saves (per-rank legacy files and torch_dist) -> rl-ckpt -> HF. The HF tensors must equal the
@@ -40,12 +41,18 @@ FORMATS = ["legacy", "dist"]
 
 @pytest.fixture(scope="module")
 def real(tiny_hf, tmp_path_factory):
-    """Folder with one sub-folder per case: TP=2 (Qwen2, untied), PP=2 (Qwen2, tied), TP=1 (Qwen3, tied)."""
+    """Folder with one sub-folder per case: TP=2 (Qwen2, untied), PP=2 (Qwen2, tied), TP=1 (Qwen3, tied), EP=2
+    (Qwen3-MoE, 4 experts: two per rank)."""
+    from rl_engines.tiny_model import build_tiny_moe_lm
+
     out = tmp_path_factory.mktemp("megatron_real")
+    moe = out / "hf_qwen3_moe"
+    build_tiny_moe_lm(moe, vocab_size=VOCAB)
     cases = [
         Case("tp2", tiny_hf("qwen2", False), tp=2, pp=1),
         Case("pp2", tiny_hf("qwen2", True), tp=1, pp=2),
         Case("tp1", tiny_hf("qwen3", True), tp=1, pp=1, hf_dir_in_args=False),
+        Case("ep2", moe, tp=1, pp=1, ep=2),
     ]
     make_real_checkpoints(cases, out)
     return {case.name: case for case in cases}, out
@@ -61,8 +68,7 @@ def iter_dir(real, name, fmt):
     return real[1] / name / fmt / f"iter_{ITERATION:07d}"
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize(("name", "fmt"), [*((name, fmt) for name in CASES for fmt in FORMATS), ("ep2", "legacy")])
 def test_ckpt_real_megatron_to_hf_is_bitwise_and_logits_match(real, tmp_path, name, fmt):
     cases, out = real
     case = cases[name]
@@ -72,7 +78,7 @@ def test_ckpt_real_megatron_to_hf_is_bitwise_and_logits_match(real, tmp_path, na
 
     # tp2 / pp2: no flags, the args' tokenizer_model folder gives config.json; tp1: args alone, as on another machine
     ckpt = open_mcore_checkpoint(out / name / fmt, vocab_size=VOCAB if name == "tp1" else None)
-    assert ckpt.spec.model_type == ("qwen3" if name == "tp1" else "qwen2")
+    assert ckpt.spec.model_type == {"tp1": "qwen3", "ep2": "qwen3_moe"}.get(name, "qwen2")
     convert_mcore_to_hf(ckpt, tmp_path / "hf", max_shard_size="50KB")
     before, after = load_state(case.hf_dir), load_state(tmp_path / "hf")
     assert sorted(after) == sorted(before)
@@ -86,7 +92,9 @@ def test_ckpt_rl_ckpt_rank_files_equal_megatron_own(real):
     from rl_ckpt.mcore_io import load_rank
 
     _, out = real
-    for name, ranks in {"tp2": ["mp_rank_00", "mp_rank_01"], "pp2": ["mp_rank_00_000", "mp_rank_00_001"]}.items():
+    ranks_of = {"tp2": ["mp_rank_00", "mp_rank_01"], "pp2": ["mp_rank_00_000", "mp_rank_00_001"],
+                "ep2": ["mp_rank_00_000", "mp_rank_00_001"]}  # ep2: mp_rank_<TP>_<EP>, each its experts  # fmt: skip
+    for name, ranks in ranks_of.items():
         for rank in ranks:
             _, ours = load_rank(out / name / "rl_ckpt" / "iter_0000001" / rank / "model_optim_rng.pt")
             _, theirs = load_rank(iter_dir(real, name, "legacy") / rank / "model_optim_rng.pt")
@@ -103,6 +111,13 @@ def test_ckpt_real_args_alone_need_vocab_size_and_guess_the_family(real, fmt):
         open_mcore_checkpoint(out / "tp1" / fmt)
     ckpt = open_mcore_checkpoint(out / "tp1" / fmt, vocab_size=VOCAB)
     assert ckpt.spec.model_type == "qwen3" and ckpt.spec.hf_config is None  # guessed from qk_layernorm
+
+
+def test_ckpt_real_moe_torch_dist_is_refused_naming_it(real):
+    """megatron-core's torch_dist of a MoE model (experts as sharded global tensors) is not read yet: said so."""
+    _, out = real
+    with pytest.raises(CheckpointError, match=r"torch_dist checkpoint of a MoE model \(qwen3_moe, 4 experts\)"):
+        open_mcore_checkpoint(out / "ep2" / "dist")
 
 
 def test_ckpt_real_legacy_cli_in_a_clean_process(real, tmp_path):

@@ -116,8 +116,8 @@ def open_dist_checkpoint(
     spec = checkpoint_spec(args, vocab_size=vocab_size, model_type=model_type, tokenizer_path=tokenizer_path)
     if spec.moe:
         raise CheckpointError(
-            f"{folder} is a torch_dist checkpoint of a MoE model ({spec.model_type}, {spec.num_experts} experts): "
-            "rl-ckpt reads MoE checkpoints in per-rank files (mp_rank_*, any EP) only; save it with "
+            f"{iteration_dir} is a torch_dist checkpoint of a MoE model ({spec.model_type}, {spec.num_experts} "
+            "experts): rl-ckpt reads MoE checkpoints in per-rank files (mp_rank_*, any EP) only; save it with "
             "--ckpt-format torch or convert it with Megatron's own tools first"
         )
     ckpt = DistCheckpoint(folder, args, spec)
