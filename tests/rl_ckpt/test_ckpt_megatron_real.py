@@ -1,5 +1,6 @@
-"""Checkpoints written by megatron-core itself (CPU, gloo; see megatron_real) -> HF, in both formats (a MoE model
-with expert parallelism: per-rank files; its torch_dist is refused by name).
+"""Checkpoints written by megatron-core itself (CPU, gloo; see megatron_real) -> HF, in both formats (also a MoE model
+saved with expert parallelism: per-rank files per EP rank; torch_dist with its experts as [layers, experts, ...]
+global tensors).
 
 Chain: tiny HF model -> rl-ckpt's rank files -> megatron-core GPTModel (loaded strictly, forward pass) -> saved by
 megatron as Megatron-LM saves (per-rank legacy files and torch_dist) -> rl-ckpt -> HF. The HF tensors must equal the
@@ -35,7 +36,7 @@ pytestmark = [
     pytest.mark.slow,
 ]
 LOGITS_ATOL = 1e-5
-CASES = ["tp2", "pp2", "tp1"]
+CASES = ["tp2", "pp2", "tp1", "ep2"]
 FORMATS = ["legacy", "dist"]
 
 
@@ -68,7 +69,8 @@ def iter_dir(real, name, fmt):
     return real[1] / name / fmt / f"iter_{ITERATION:07d}"
 
 
-@pytest.mark.parametrize(("name", "fmt"), [*((name, fmt) for name in CASES for fmt in FORMATS), ("ep2", "legacy")])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("name", CASES)
 def test_ckpt_real_megatron_to_hf_is_bitwise_and_logits_match(real, tmp_path, name, fmt):
     cases, out = real
     case = cases[name]
@@ -111,13 +113,6 @@ def test_ckpt_real_args_alone_need_vocab_size_and_guess_the_family(real, fmt):
         open_mcore_checkpoint(out / "tp1" / fmt)
     ckpt = open_mcore_checkpoint(out / "tp1" / fmt, vocab_size=VOCAB)
     assert ckpt.spec.model_type == "qwen3" and ckpt.spec.hf_config is None  # guessed from qk_layernorm
-
-
-def test_ckpt_real_moe_torch_dist_is_refused_naming_it(real):
-    """megatron-core's torch_dist of a MoE model (experts as sharded global tensors) is not read yet: said so."""
-    _, out = real
-    with pytest.raises(CheckpointError, match=r"torch_dist checkpoint of a MoE model \(qwen3_moe, 4 experts\)"):
-        open_mcore_checkpoint(out / "ep2" / "dist")
 
 
 def test_ckpt_real_legacy_cli_in_a_clean_process(real, tmp_path):
@@ -175,7 +170,8 @@ def test_ckpt_real_dist_streams_one_layer_at_a_time(real, tmp_path, monkeypatch)
     violations: list[str] = []
 
     def tracking_view(self, key, index=None):
-        piece = -1 if index is None and key.startswith("embedding") else (10**6 if index is None else index)
+        layer = index if index is None or isinstance(index, int) else index[0]  # (layer, ...) of stacked tensors
+        piece = -1 if layer is None and key.startswith("embedding") else (10**6 if layer is None else layer)
         if any(n for p, n in live.items() if p < piece):
             violations.append(f"reading {key}[{index}] with {live}")
         tensor = real_view(self, key, index)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -206,12 +207,11 @@ class DcpFolder:
             self._on_disk[key] = tensor
         return tensor
 
-    def view(self, key: str, index: int | None = None) -> Source:
-        """Tensor ``key`` whole, or ``key[index]`` (one stacked layer), as views of its chunks, concatenated."""
+    def view(self, key: str, index: int | tuple[int, ...] | None = None) -> Source:
+        """Tensor ``key`` whole, or ``key[index]`` (one stacked layer; a tuple: one entry of the leading
+        dimensions, e.g. (layer, expert)), as views of its chunks, concatenated."""
         entry = self.entry(key)
-        lo, hi = [0] * len(entry.shape), list(entry.shape)
-        if index is not None:
-            lo[0], hi[0] = index, index + 1
+        lo, hi = _region(entry.shape, index)
         pieces: list[tuple[tuple[int, ...], Source]] = []
         for chunk in entry.chunks:
             parts = _overlap(chunk, lo, hi)
@@ -221,17 +221,17 @@ class DcpFolder:
         tiled = _tile(pieces, tuple(b - a for a, b in zip(lo, hi)), 0) if pieces else None
         if tiled is None:  # chunks not on a grid (or not covering the region): copy them into place
             return self._read_copy(key, index)
-        return _drop_leading(tiled) if index is not None else tiled
+        for _ in _leading(index):
+            tiled = _drop_leading(tiled)
+        return tiled
 
-    def read(self, key: str, index: int | None = None) -> torch.Tensor:
-        """Tensor ``key`` whole, or ``key[index]`` (one slice of the leading dimension: one stacked layer)."""
+    def read(self, key: str, index: int | tuple[int, ...] | None = None) -> torch.Tensor:
+        """Tensor ``key`` whole, or ``key[index]`` (one slice of the leading dimension(s), see :meth:`view`)."""
         return materialize(self.view(key, index))
 
-    def _read_copy(self, key: str, index: int | None) -> torch.Tensor:
+    def _read_copy(self, key: str, index: int | tuple[int, ...] | None) -> torch.Tensor:
         entry = self.entry(key)
-        lo, hi = [0] * len(entry.shape), list(entry.shape)
-        if index is not None:
-            lo[0], hi[0] = index, index + 1
+        lo, hi = _region(entry.shape, index)
         out = torch.empty([b - a for a, b in zip(lo, hi)], dtype=entry.dtype)
         filled = 0
         for chunk in entry.chunks:
@@ -245,7 +245,19 @@ class DcpFolder:
                 f"{self.path}: the chunks of {key} cover {filled} of the {out.numel()} elements read; the metadata "
                 "is inconsistent"
             )
-        return out[0] if index is not None else out
+        return out[(0,) * len(_leading(index))] if index is not None else out
+
+
+def _leading(index: int | tuple[int, ...] | None) -> tuple[int, ...]:
+    return () if index is None else (index,) if isinstance(index, int) else tuple(index)
+
+
+def _region(shape: Sequence[int], index: int | tuple[int, ...] | None) -> tuple[list[int], list[int]]:
+    """[lo, hi) per dimension of ``shape`` around the leading-dimension entry ``index``."""
+    lo, hi = [0] * len(shape), list(shape)
+    for dim, at in enumerate(_leading(index)):
+        lo[dim], hi[dim] = at, at + 1
+    return lo, hi
 
 
 def _tile(pieces: list[tuple[tuple[int, ...], Source]], shape: tuple[int, ...], dim: int) -> Source | None:

@@ -25,12 +25,14 @@ from pathlib import Path
 from rl_ckpt.dcp_reader import DcpFolder
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.mcore_io import local_norm_name
-from rl_ckpt.mcore_merge import EMBEDDING, FINAL_NORM, OUTPUT, StageShards, checkpoint_spec
+from rl_ckpt.mcore_merge import EMBEDDING, FINAL_NORM, OUTPUT, StageShards, check_moe_layout, checkpoint_spec
 from rl_ckpt.safe_load import load_torch_file
-from rl_ckpt.spec import ModelSpec
+from rl_ckpt.spec import ModelSpec, arg
 
 COMMON_FILE = "common.pt"
 LAYERS_PREFIX = "decoder.layers."
+EXPERTS = "mlp.experts.experts."
+"""SequentialMLP's experts in a torch_dist checkpoint: one global tensor per weight, [layers, experts, ...]."""
 MODEL_PREFIXES = ("embedding.", "decoder.", "output_layer.", "mtp.")
 """Keys of GPTModel's tensors; the rest (``optimizer.*`` of a training run, ...) is not the model and is ignored."""
 
@@ -59,11 +61,24 @@ class DistCheckpoint:
             raise CheckpointError(f"{self.iteration_dir}: stacked layer tensors disagree on the layer count {lengths}")
         return lengths.pop()
 
-    def _piece(self, keys: dict[str, str], index: int | None, **where: bool) -> StageShards:
-        """A one-"rank" piece: {local key: tensor read from the checkpoint key (at ``index``)}."""
-        state = {local: self.folder.view(key, index) for local, key in keys.items()}
-        label = self.iteration_dir if index is None else self.iteration_dir / f"layer {index}"
-        return StageShards([state], [label], **where)
+    def _piece(self, keys: dict[str, tuple[str, tuple[int, ...] | None]], label: str, **where: bool) -> StageShards:
+        """A one-"rank" piece: {local key: (checkpoint key, the entry of its leading dimensions read, or all)}."""
+        state = {local: self.folder.view(key, index) for local, (key, index) in keys.items()}
+        return StageShards([state], [self.iteration_dir / label if label else self.iteration_dir], **where)
+
+    def _layer_keys(self, layer: int) -> dict[str, tuple[str, tuple[int, ...] | None]]:
+        """Layer ``layer``'s tensors under local names (layer 0); a MoE layer's stacked experts
+        (``mlp.experts.experts.linear_fc1.weight [L, E, 2I, H]``) one per expert, as SequentialMLP names them."""
+        out: dict[str, tuple[str, tuple[int, ...] | None]] = {}
+        for key in self.layer_keys():
+            local = local_norm_name(key[len(LAYERS_PREFIX) :])
+            if local.startswith(EXPERTS) and self.spec.moe:
+                fc = local.removeprefix(EXPERTS)
+                for expert in range(self.spec.num_experts):
+                    out[f"decoder.layers.0.mlp.experts.local_experts.{expert}.{fc}"] = (key, (layer, expert))
+            else:
+                out[f"decoder.layers.0.{local}"] = (key, (layer,))
+        return out
 
     def tail_keys(self) -> list[str]:
         """The last piece's tensors: the final norm, and the output layer unless tied."""
@@ -79,11 +94,10 @@ class DistCheckpoint:
     def stages(self) -> Iterator[StageShards]:
         """The embedding, then one layer at a time (its stacked tensors at that index), then the tail: views of
         the chunks on disk, read when written (see ``DcpFolder.view``)."""
-        yield self._piece({EMBEDDING: EMBEDDING}, None, first=True)
-        layer_keys = {f"decoder.layers.0.{local_norm_name(k[len(LAYERS_PREFIX) :])}": k for k in self.layer_keys()}
+        yield self._piece({EMBEDDING: (EMBEDDING, None)}, "", first=True)
         for layer in range(self.num_layers()):
-            yield self._piece(layer_keys, layer)
-        yield self._piece({k: k for k in self.tail_keys()}, None, last=True)
+            yield self._piece(self._layer_keys(layer), f"layer {layer}")
+        yield self._piece({k: (k, None) for k in self.tail_keys()}, "", last=True)
 
 
 def read_common(iteration_dir: Path, trust_checkpoint: bool) -> dict[str, object]:
@@ -114,12 +128,7 @@ def open_dist_checkpoint(
             "alone?); rl-ckpt needs Megatron's args for the head counts"
         )
     spec = checkpoint_spec(args, vocab_size=vocab_size, model_type=model_type, tokenizer_path=tokenizer_path)
-    if spec.moe:
-        raise CheckpointError(
-            f"{iteration_dir} is a torch_dist checkpoint of a MoE model ({spec.model_type}, {spec.num_experts} "
-            "experts): rl-ckpt reads MoE checkpoints in per-rank files (mp_rank_*, any EP) only; save it with "
-            "--ckpt-format torch or convert it with Megatron's own tools first"
-        )
+    check_moe_layout(spec, int(arg(args, "tensor_model_parallel_size", 1) or 1), 1, str(iteration_dir))
     ckpt = DistCheckpoint(folder, args, spec)
     ckpt.check_known()
     if ckpt.num_layers() != spec.num_layers:
