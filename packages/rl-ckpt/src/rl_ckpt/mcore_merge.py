@@ -100,22 +100,16 @@ class StageShards:
         return sorted(set(self.states[0]) - self.used)
 
 
-def layer_to_hf(
-    stage: StageShards, spec: ModelSpec, local: int, layer: int, *, experts: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
+def layer_to_hf(stage: StageShards, spec: ModelSpec, local: int, layer: int) -> Iterator[tuple[str, torch.Tensor]]:
     """HF tensors of global layer ``layer`` from local layer ``local`` of ``stage`` (see :func:`layer_sources`)."""
-    for name, src in layer_sources(stage, spec, local, layer, experts=experts):
+    for name, src in layer_sources(stage, spec, local, layer):
         yield name, materialize(src)
 
 
-def layer_sources(
-    stage: StageShards, spec: ModelSpec, local: int, layer: int, *, experts: bool = True
-) -> Iterator[tuple[str, Source]]:
+def layer_sources(stage: StageShards, spec: ModelSpec, local: int, layer: int) -> Iterator[tuple[str, Source]]:
     """HF tensors of global layer ``layer`` from local layer ``local`` of ``stage``, as views / concatenations.
 
     linear_qkv [g*(r+2)*d, H] -> q [nq*d, H], k, v [g*d, H]; linear_fc1 shards [2F/tp, H] -> gate, up [F, H].
-    ``experts=False``: a MoE layer's MLP (router, experts, shared expert) is left to the caller (rl-engines gathers
-    the experts over its expert-parallel ranks itself).
     """
     mc, hf = f"decoder.layers.{local}.", f"model.layers.{layer}.self_attn."
     h, d, g, nq, f = (
@@ -133,7 +127,7 @@ def layer_sources(
     key = f"{mc}self_attention.linear_proj.weight"
     yield f"{hf}o_proj.weight", stage.check(stage.concat(key, 1), (h, nq * d), key)
     if spec.moe:
-        yield from _moe_sources(stage, spec, mc, layer) if experts else ()
+        yield from _moe_sources(stage, spec, mc, layer)
     else:
         key = f"{mc}mlp.linear_fc1.weight"
         gate, up = fc1_parts([stage.check(s, (2 * f // len(stage.paths), h), key) for s in stage.shards(key)])

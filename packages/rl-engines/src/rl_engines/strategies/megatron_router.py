@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from rl_engines.config import WorkerConfig, WorkerConfigError
+from rl_engines.strategies.moe import mean_weight
 from rl_engines.strategies.train_utils import all_reduce_sum
 
 logger = logging.getLogger(__name__)
@@ -60,8 +61,7 @@ def set_micro_weight(micros: int, group: dist.ProcessGroup | None) -> float:
     ranks, whose gradients are summed; a collective); returns that weight."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    count = all_reduce_sum(torch.tensor([float(micros)]), group) if group is not None else torch.tensor([micros])
-    weight = 1.0 / max(float(count[0]), 1.0)
+    weight = mean_weight(micros, group)
     MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(weight))
     return weight
 

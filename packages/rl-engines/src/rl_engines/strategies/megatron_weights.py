@@ -293,28 +293,17 @@ def _from_stage(stage: PipelineStage, owner: int, items: HFTensors | None, devic
     return items
 
 
-def _moe_layer_tensors(
-    params: Mapping[str, torch.Tensor], layout: RankLayout, prefix: str, layer: int, ep_group: dist.ProcessGroup | None
-) -> HFTensors:
-    """A MoE layer's router and every expert under HF's per-expert checkpoint names, the experts gathered over the
-    expert-parallel group (in global expert order: rank r holds experts ``[r * E / ep, (r + 1) * E / ep)``)."""
-    hf = f"model.layers.{layer}.mlp."
-    out = [(f"{hf}gate.weight", params[f"{prefix}mlp.router.weight"].detach())]
-    local = range(layout.local_experts)
-    fc1 = torch.stack([params[f"{prefix}mlp.experts.local_experts.{e}.linear_fc1.weight"].detach() for e in local])
-    fc2 = torch.stack([params[f"{prefix}mlp.experts.local_experts.{e}.linear_fc2.weight"].detach() for e in local])
-    if layout.ep > 1:
-        fc1, fc2 = (_gather_experts(t, layout.ep, ep_group) for t in (fc1, fc2))
-    for expert in range(layout.spec.num_experts):
-        gate, up = fc1[expert].chunk(2, dim=0)
-        out += [(f"{hf}experts.{expert}.gate_proj.weight", gate), (f"{hf}experts.{expert}.up_proj.weight", up),
-                (f"{hf}experts.{expert}.down_proj.weight", fc2[expert])]  # fmt: skip
-    if layout.spec.moe_shared_expert_ffn_hidden_size:  # TP = 1 on MoE models (check_moe_options): whole tensors
-        shared = f"{prefix}mlp.shared_experts."
-        gate, up = params[f"{shared}linear_fc1.weight"].detach().chunk(2, dim=0)
-        out += [(f"{hf}shared_expert.gate_proj.weight", gate), (f"{hf}shared_expert.up_proj.weight", up),
-                (f"{hf}shared_expert.down_proj.weight", params[f"{shared}linear_fc2.weight"].detach()),
-                (f"{hf}shared_expert_gate.weight", params[f"{shared}gate_weight"].detach())]  # fmt: skip
+def _global_experts(
+    params: Mapping[str, torch.Tensor], layout: RankLayout, prefix: str, ep_group: dist.ProcessGroup | None
+) -> dict[str, torch.Tensor]:
+    """A MoE layer's experts under their global index (SequentialMLP's names), gathered over the expert-parallel
+    group: rank r holds experts ``[r * E / ep, (r + 1) * E / ep)`` as its local experts 0.."""
+    out: dict[str, torch.Tensor] = {}
+    for fc in ("linear_fc1", "linear_fc2"):
+        local = torch.stack([params[f"{prefix}mlp.experts.local_experts.{e}.{fc}.weight"].detach()
+                             for e in range(layout.local_experts)])  # fmt: skip
+        every = _gather_experts(local, layout.ep, ep_group) if layout.ep > 1 else local
+        out.update({f"{prefix}mlp.experts.local_experts.{e}.{fc}.weight": every[e] for e in range(len(every))})
     return out
 
 
@@ -361,12 +350,12 @@ def export_hf(
         def layer_tensors(layer: int = layer) -> HFTensors:
             local = layer - offsets[layout.pp_rank]
             prefix = f"decoder.layers.{local}."
-            keys = [key for key in params if (key.startswith(prefix) and not key.startswith(f"{prefix}mlp."))
-                    or (key.startswith(f"{prefix}mlp.") and not spec.moe)]  # fmt: skip
+            keys = [key for key in params if key.startswith(prefix) and ".mlp.experts." not in key]
             gathered = {key: shards(key) for key in keys}
-            state = StageShards([{key: gathered[key][r] for key in keys} for r in range(tp)], paths)
-            moe = _moe_layer_tensors(params, layout, prefix, layer, ep_group) if spec.moe else []
-            return [*layer_to_hf(state, spec, local, layer, experts=False), *moe]
+            states = [{key: gathered[key][r] for key in keys} for r in range(tp)]
+            if spec.moe:  # TP = 1 on MoE models (check_moe_options): one state, the experts of every EP rank
+                states[0].update(_global_experts(params, layout, prefix, ep_group))
+            return list(layer_to_hf(StageShards(states, paths), spec, local, layer))
 
         yield from piece(layout.stage_of(layer), layer_tensors)
     yield from piece(layout.pp - 1, lambda: _last_stage_tensors(params, layout, vocab))

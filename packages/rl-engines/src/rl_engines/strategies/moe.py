@@ -206,8 +206,12 @@ def router_loss(model: nn.Module, config: WorkerConfig, role: str) -> RouterLoss
 def micro_weight(router: RouterLoss | None, micros: int, group: Any = None) -> float:
     """Each micro-batch's weight in the router loss: 1 / the mini-batch's micro-batches over all ranks of ``group``
     (a collective: every rank calls it; 0 and no collective for a dense model)."""
-    if router is None:
-        return 0.0
+    return 0.0 if router is None else mean_weight(micros, group)
+
+
+def mean_weight(micros: int, group: Any = None) -> float:
+    """1 / the micro-batches of the mini-batch over all ranks of ``group`` (a collective): the weight that makes a
+    sum over micro-batches and ranks their mean."""
     return 1.0 / max(float(all_reduce_sum(torch.tensor([float(micros)]), group)[0]), 1.0)
 
 
