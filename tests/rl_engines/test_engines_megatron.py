@@ -141,7 +141,8 @@ def test_tp2_update_equals_fsdp2_and_resume_equals_uninterrupted(roles, tiny_mod
         (
             "megatron_train",
             {"virtual_pipeline_model_parallel_size": 2},
-            r"strategy_config\.virtual_pipeline_model_parallel_size=2",
+            r"strategy_config\.virtual_pipeline_model_parallel_size=2 interleaves model chunks over pipeline stages, "
+            r"but pipeline_model_parallel_size is 1",
         ),
         ("megatron_train", {"context_parallel_size": 2}, r"strategy_config\.context_parallel_size=2"),
         ("megatron_infer", {"bf16": True}, r"strategy_config\.bf16=true contradicts reference\.model_args\.dtype"),

@@ -1,6 +1,7 @@
 """megatron_train / megatron_infer with pipeline_model_parallel_size=2 on Ray ranks (CPU, gloo, real megatron-core).
 
-PP=2 on two ranks (one data-parallel replica), and TP=2 x PP=2 on four. Expected values are independent: the HF
+PP=2 on two ranks (one data-parallel replica; the actor and the reference with a virtual pipeline of 2 chunks per
+stage, Megatron's interleaved schedule), and TP=2 x PP=2 on four. Expected values are independent: the HF
 model's log-probs (one un-padded forward per token, engine_fixtures), fsdp2_train doing the same update on one rank
 in this process, megatron_train at PP=1 in this process (weight export, the critic), and an uninterrupted run for
 checkpoint resume. The workers apply the test-harness shims (megatron_shims) through a sitecustomize on their
@@ -21,7 +22,7 @@ from engine_fixtures import (
     rollout_batch,
     worker_config,
 )
-from pipeline_schedule_stages import STAGES, micro_batches, micro_loss, schedule_worker, stage_layers
+from pipeline_schedule_stages import chain, micro_batches, micro_loss, schedule_worker
 
 from rl_engines.config import GeneratingArgs
 from rl_engines.objectives import ActorObjective, CriticObjective
@@ -33,6 +34,7 @@ from rl_engines.tiny_model import build_tiny_causal_lm, build_tiny_tokenizer
 pytest.importorskip("megatron.core")
 
 PP2 = {"pipeline_model_parallel_size": 2}
+VPP2 = {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}
 TP2_PP2 = {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}
 # As test_engines_megatron: 2 optimizer steps of 4 samples per 8-sample batch; adam_epsilon 1e-4 so that rounding
 # noise of near-zero gradients is not amplified into visible steps.
@@ -113,8 +115,8 @@ def pp2_roles(ray_session, tiny_model_dir, tmp_path_factory):
     common = {"device_mapping": [0, 1], "infer_batch_size": 4}
     configs = {
         "actor_train": worker_config(tiny_model_dir, "actor_train", training_args=TRAIN_ARGS, **common,
-                                     **megatron("megatron_train", PP2)),
-        "reference": worker_config(tiny_model_dir, "reference", **common, **megatron("megatron_infer", PP2)),
+                                     **megatron("megatron_train", VPP2)),
+        "reference": worker_config(tiny_model_dir, "reference", **common, **megatron("megatron_infer", VPP2)),
         "critic": worker_config(tiny_model_dir, "critic", training_args=TRAIN_ARGS, **common,
                                 **megatron("megatron_train", PP2)),
     }  # fmt: skip
@@ -129,6 +131,8 @@ class TestPipelineTwoStages:
         assert "output_layer.weight" in last  # the last stage's copy of the tied embedding
         for names in (first, last):  # two of the four layers each, numbered locally
             assert {n.split(".")[2] for n in names if n.startswith("decoder.layers.")} == {"0", "1"}
+        # two chunks of one layer per stage: layer k is virtual stage k, on stage k % 2
+        assert on_ranks(pp2_roles["actor_train"], lambda w: w.strategy.model.layout.local_layers) == [(0, 2), (1, 3)]
         expected = list(megatron_pp1(tiny_model_dir).named_weights())
         assert [name for name, _ in expected][:2] == ["model.embed_tokens.weight", "lm_head.weight"]
         for group in (pp2_roles["actor_train"], pp2_roles["reference"]):
@@ -314,8 +318,8 @@ class TestPipelineAndDataParallel:
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(resumed, expected_weights, strict=True))
 
 
-# ---- the 1F1B schedule alone (no megatron): 3 stages, 5 micro-batches, over gloo ---------------------------------
-def test_1f1b_schedule_gives_the_sequential_gradients():
+# ---- the schedules alone (no megatron): linear layers over gloo -------------------------------------------------
+def run_stages(stages, chunks):
     import socket
 
     import torch.multiprocessing as mp
@@ -326,14 +330,22 @@ def test_1f1b_schedule_gives_the_sequential_gradients():
     context = mp.get_context("spawn")
     with context.Manager() as manager:
         results = manager.dict()
-        procs = [context.Process(target=schedule_worker, args=(rank, port, results)) for rank in range(STAGES)]
+        procs = [context.Process(target=schedule_worker, args=(rank, port, results, stages, chunks))
+                 for rank in range(stages)]  # fmt: skip
         for proc in procs:
             proc.start()
         for proc in procs:
             proc.join(timeout=120)
-        assert [proc.exitcode for proc in procs] == [0] * STAGES
-        results = dict(results)
-    layers = stage_layers()
+        assert [proc.exitcode for proc in procs] == [0] * stages
+        return dict(results)
+
+
+@pytest.mark.parametrize(("stages", "chunks"), [(3, 1), (2, 3)], ids=["1f1b", "interleaved"])
+def test_pipeline_schedule_gives_the_sequential_gradients(stages, chunks):
+    """3 stages of one layer (1F1B), and 2 stages of 3 chunks of one layer (interleaved: layer k on stage k % 2),
+    5 micro-batches (not a multiple of the stages: the interleaved table takes groups of 3)."""
+    results = run_stages(stages, chunks)
+    layers = chain(stages * chunks)
     expected_losses = {}
     for index, micro in enumerate(micro_batches()):  # the reference: the whole chain, one micro-batch at a time
         hidden = micro
@@ -341,11 +353,59 @@ def test_1f1b_schedule_gives_the_sequential_gradients():
             hidden = torch.tanh(layer(hidden))
         loss = micro_loss(index, hidden)
         loss.backward()
-        expected_losses[index] = float(loss)
-    assert results[STAGES - 1][1] == pytest.approx(expected_losses, rel=1e-6)
-    for rank, layer in enumerate(layers):
-        for got, param in zip(results[rank][0], layer.parameters(), strict=True):
-            torch.testing.assert_close(got, param.grad, atol=1e-6, rtol=1e-6)
+        expected_losses[index] = loss.item()
+    assert results[stages - 1][1] == pytest.approx(expected_losses, rel=1e-6)
+    for rank in range(stages):
+        expected = [p.grad for layer in layers[rank::stages] for p in layer.parameters()]
+        for got, grad in zip(results[rank][0], expected, strict=True):
+            torch.testing.assert_close(got, grad, atol=1e-6, rtol=1e-6)
+
+
+def completes(stages, chunks, micros, train):
+    """Whether every stage's :func:`stage_steps` runs to the end when each receive blocks until its neighbour
+    sent (sends never block), and each backward follows its own forward."""
+    from rl_engines.strategies.megatron_pipeline import stage_steps
+
+    steps = [stage_steps(rank, stages, chunks, micros, train=train) for rank in range(stages)]
+    done, position = set(), [0] * stages
+
+    def source(kind, rank, chunk):  # the virtual stage whose message this step waits for
+        if kind == "forward":
+            return (rank - 1, chunk) if rank else ((stages - 1, chunk - 1) if chunk else None)
+        return (rank + 1, chunk) if rank < stages - 1 else ((0, chunk + 1) if chunk < chunks - 1 else None)
+
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank in range(stages):
+            while position[rank] < len(steps[rank]):
+                kind, micro, chunk = steps[rank][position[rank]]
+                waits = source(kind, rank, chunk)
+                if waits is not None and (kind, micro, *waits) not in done:
+                    break
+                assert kind == "forward" or ("forward", micro, rank, chunk) in done
+                done.add((kind, micro, rank, chunk))
+                position[rank] += 1
+                progressed = True
+    return position == [len(s) for s in steps]
+
+
+def test_interleaved_schedule_never_deadlocks_and_matches_megatron_core():
+    """Every stage count, chunk count and micro-batch count up to 6 x 4 x 16 completes (the remainders
+    megatron-core refuses take a larger group), and the order is megatron-core's where it has one."""
+    from rl_engines.strategies.megatron_pipeline import group_size, schedule_table, stage_steps
+
+    stuck = [(p, v, m, train) for p in range(1, 7) for v in range(1, 5) for m in range(1, 17) for train in (True, False)
+             if not completes(p, v, m, train)]  # fmt: skip
+    assert stuck == []
+    assert group_size(8, 4) == 4 and group_size(5, 4) == 5 and group_size(9, 4) == 5 and group_size(3, 4) == 4
+    # megatron-core's docstring example (PP=2, N=3, M=5, VP=2): micro-batch ids 0 1 2 0 1 2 3 4 3 4
+    assert schedule_table(5, 2, 3) == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (3, 0), (4, 0), (3, 1), (4, 1)]
+    steps = stage_steps(0, 2, 2, 4, train=True)  # warm-up 2 (p - 1) + (v - 1) p = 4 forwards
+    assert steps[:6] == [("forward", 0, 0), ("forward", 1, 0), ("forward", 0, 1), ("forward", 1, 1),
+                         ("forward", 2, 0), ("backward", 0, 1)]  # fmt: skip
+    assert stage_steps(1, 3, 1, 4, train=True) == [("forward", 0, 0), ("forward", 1, 0), ("backward", 0, 0),
+        ("forward", 2, 0), ("backward", 1, 0), ("forward", 3, 0), ("backward", 2, 0), ("backward", 3, 0)]  # fmt: skip
 
 
 # ---- validation -------------------------------------------------------------------------------------------------
@@ -388,7 +448,17 @@ def test_tp_times_pp_must_divide_the_world_size():
         check_world_size(options, 2, "actor_train")
 
 
-def test_virtual_pipeline_is_rejected_by_name(tmp_path):
-    config = megatron("megatron_train", {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2})
-    with pytest.raises(ValueError, match=r"strategy_config\.virtual_pipeline_model_parallel_size=2: the interleaved"):
-        create_strategy(worker_config(tmp_path, **config), "actor_train")
+def test_virtual_pipeline_chunks_must_divide_the_layers(tiny_model_dir):
+    from rl_engines.strategies.megatron_config import parse_megatron_options
+    from rl_engines.strategies.megatron_model import _check_divisors, read_spec
+
+    options = parse_megatron_options({**VPP2, "virtual_pipeline_model_parallel_size": 4}, "actor_train", train=True,
+                                     dtype="fp32")  # fmt: skip
+    assert options.virtual_pipeline_model_parallel_size == 4
+    spec = read_spec(str(tiny_model_dir), "actor_train")
+    match = (r"pipeline_model_parallel_size=2 x actor_train\.strategy_args\.strategy_config\."
+             r"virtual_pipeline_model_parallel_size=4 does not divide the model's num_hidden_layers=4")  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        _check_divisors(spec, options, "actor_train", str(tiny_model_dir))
+    _check_divisors(spec, parse_megatron_options(VPP2, "actor_train", train=True, dtype="fp32"), "actor_train",
+                    str(tiny_model_dir))  # fmt: skip

@@ -58,6 +58,7 @@ def save(strategy: Any, path: str) -> None:
             torch.save(named_optimizer_state(strategy), tmp / optimizer_file(layout, strategy.dp_rank))
         meta = {"role": strategy.role, "tensor_model_parallel_size": layout.tp,
                 "pipeline_model_parallel_size": layout.pp, "expert_model_parallel_size": layout.ep,
+                "virtual_pipeline_model_parallel_size": layout.vp,
                 "world_size": dist.get_world_size(),
                 "data_parallel_size": strategy.dp_size, "use_distributed_optimizer": partitioned,
                 "global_step": strategy.global_step, **lora_meta(strategy)}  # fmt: skip
@@ -71,14 +72,15 @@ def save(strategy: Any, path: str) -> None:
 
 
 def load(strategy: Any, path: str) -> None:
-    """Restore ``strategy`` from ``path`` (same tensor- and pipeline-parallel sizes); RNG per rank when the world
-    size matches."""
+    """Restore ``strategy`` from ``path`` (same tensor-, pipeline-, virtual-pipeline- and expert-parallel sizes: the
+    files hold each stage's parameters under local names); RNG per rank when the world size matches."""
     root = require_complete(path, strategy.role)
     check_adapters_only(strategy, root)
     meta = json.loads((root / "meta.json").read_text())
     layout = strategy.model.layout
     for key, here in (("tensor_model_parallel_size", layout.tp), ("pipeline_model_parallel_size", layout.pp),
-                      ("expert_model_parallel_size", layout.ep)):  # fmt: skip
+                      ("expert_model_parallel_size", layout.ep),
+                      ("virtual_pipeline_model_parallel_size", layout.vp)):  # fmt: skip
         if meta.get(key, 1) != here:
             raise ValueError(
                 f"{strategy.role}: {path} was saved with {key}={meta.get(key, 1)}, this run has {here} "

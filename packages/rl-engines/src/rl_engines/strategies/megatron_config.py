@@ -105,6 +105,8 @@ class MegatronOptions:
     """Ranks one layer's matrices are split over (Megatron TP); divides the role's world size."""
     pipeline_model_parallel_size: int = 1
     """Pipeline stages the decoder layers are split over (Megatron PP, an even split); TP x PP divides the world."""
+    virtual_pipeline_model_parallel_size: int = 1
+    """Model chunks per pipeline stage (Megatron's virtual pipeline, the interleaved 1F1B schedule; 1: off)."""
     sequence_parallel: bool = False
     """Split layer norms / dropout activations along the sequence over the TP ranks (no effect at TP = 1)."""
     recompute_granularity: str | None = None
@@ -157,11 +159,11 @@ def _reject_unsupported(config: dict[str, Any], prefix: str) -> None:
     ):
         if config.get(key, 1) > 1:
             raise ValueError(f"{prefix}.{key}={config[key]}: {reason}. Set it to 1 (or remove it).")
-    if config.get("virtual_pipeline_model_parallel_size") not in (None, 1):
+    virtual = config.get("virtual_pipeline_model_parallel_size") or 1
+    if virtual > 1 and config.get("pipeline_model_parallel_size", 1) == 1:
         raise ValueError(
-            f"{prefix}.virtual_pipeline_model_parallel_size={config['virtual_pipeline_model_parallel_size']}: the "
-            "interleaved pipeline schedule is not supported by this adapter (it runs one model chunk per stage with "
-            "a 1F1B schedule); remove it and keep pipeline_model_parallel_size."
+            f"{prefix}.virtual_pipeline_model_parallel_size={virtual} interleaves model chunks over pipeline stages, "
+            f"but pipeline_model_parallel_size is 1; set {prefix}.pipeline_model_parallel_size > 1 or remove it."
         )
     dispatcher = config.get("moe_token_dispatcher_type", "allgather")
     if dispatcher not in MOE_DISPATCHERS:
@@ -281,6 +283,7 @@ def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dt
     return MegatronOptions(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=int(config.get("pipeline_model_parallel_size", 1)),
+        virtual_pipeline_model_parallel_size=int(config.get("virtual_pipeline_model_parallel_size") or 1),
         sequence_parallel=sequence_parallel,
         recompute_granularity=granularity,
         recompute_method=(config.get("recompute_method") or "uniform") if full else None,

@@ -69,9 +69,11 @@ class MegatronGenerator:
         def on_output(index: int, micro: Any, out: torch.Tensor) -> None:  # last stage: [rows, S, Vp/tp]
             logits.copy_(gather_vocab(out[:, -1].float(), vocab, model.tp_group))
 
-        run_schedule(model.stage, [(ids, mask)], lambda micro, hidden: model.run(micro[0], micro[1], hidden),
-                     hidden_shape=lambda micro: model.hidden_shape(micro[0]), dtype=model.dtype, device=ids.device,
-                     on_output=on_output, train=False)  # fmt: skip
+        def forward(micro: Any, hidden: torch.Tensor | None, chunk: int) -> torch.Tensor:
+            return model.run(micro[0], micro[1], hidden, chunk=chunk)
+
+        run_schedule(model.stage, [(ids, mask)], forward, hidden_shape=lambda micro: model.hidden_shape(micro[0]),
+                     dtype=model.dtype, device=ids.device, on_output=on_output, train=False)  # fmt: skip
         return broadcast_from_last(model.stage, {"logits": logits})["logits"]
 
     def _same_on_all_ranks(self, tokens: torch.Tensor) -> torch.Tensor:

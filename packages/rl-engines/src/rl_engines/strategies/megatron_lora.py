@@ -120,11 +120,10 @@ class MegatronLora:
         self.factors: dict[str, Factor] = {}
         """By HF module path of the global layer (``model.layers.<i>.self_attn.q_proj``)."""
         tp, rank, shapes = layout.tp, layout.tp_rank, _shapes(layout)
-        first = layout.offsets[layout.pp_rank]
-        for local in range(layout.offsets[layout.pp_rank + 1] - first):
+        for local, number in enumerate(layout.local_layers):
             layer: Any = module.decoder.layers[local]  # type: ignore[index,union-attr]
             for linear, (kind, fused) in LINEARS.items():
-                names = [f"model.layers.{first + local}.{p}" for p in fused]
+                names = [f"model.layers.{number}.{p}" for p in fused]
                 for name, part in zip(names, fused, strict=True):
                     if name not in self.adapted:
                         continue
@@ -214,14 +213,14 @@ class MegatronLora:
         """``params`` (this rank's base parameters by Megatron name) with every adapter merged into its shard:
         ``W + scale B A`` in fp32, stored in ``W``'s dtype."""
         out = dict(params)
-        first, tp = self.layout.offsets[self.layout.pp_rank], self.layout.tp
+        numbers, tp = self.layout.local_layers, self.layout.tp
         shapes = _shapes(self.layout)
         for key, weight in params.items():
             match = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)\.weight", key)
             if match is None or match.group(2) not in LINEARS:
                 continue
             kind, fused = LINEARS[match.group(2)]
-            names = [f"model.layers.{first + int(match.group(1))}.{p}" for p in fused]
+            names = [f"model.layers.{numbers[int(match.group(1))]}.{p}" for p in fused]
             if not any(n in self.factors for n in names):
                 continue
             deltas = []

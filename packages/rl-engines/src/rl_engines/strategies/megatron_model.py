@@ -22,6 +22,7 @@ from rl_ckpt.hf_io import HFCheckpoint
 from rl_ckpt.layout import padded_vocab_size
 from rl_ckpt.spec import ModelSpec, spec_from_hf_config
 from rl_core.batch import RolloutBatch
+from rl_engines.strategies.megatron_chunks import ModelChunks
 from rl_engines.strategies.megatron_config import MegatronOptions, check_moe_options
 from rl_engines.strategies.megatron_ops import vocab_parallel_log_probs
 from rl_engines.strategies.megatron_pipeline import (
@@ -67,19 +68,21 @@ def init_model_parallel(options: MegatronOptions, seed: int, role: str) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
-    ep = options.expert_model_parallel_size
+    ep, vp = options.expert_model_parallel_size, options.virtual_pipeline_model_parallel_size
     if parallel_state.model_parallel_is_initialized():
         have = (parallel_state.get_tensor_model_parallel_world_size(),
                 parallel_state.get_pipeline_model_parallel_world_size(),
-                parallel_state.get_expert_model_parallel_world_size())  # fmt: skip
-        if have != (tp, pp, ep):
+                parallel_state.get_expert_model_parallel_world_size(),
+                parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1)  # fmt: skip
+        if have != (tp, pp, ep, vp):
             raise RuntimeError(
                 f"{role}: this process already runs Megatron with tensor_model_parallel_size={have[0]}, "
-                f"pipeline_model_parallel_size={have[1]}, expert_model_parallel_size={have[2]}; one process holds one "
-                "Megatron layout."
+                f"pipeline_model_parallel_size={have[1]}, expert_model_parallel_size={have[2]}, "
+                f"virtual_pipeline_model_parallel_size={have[3]}; one process holds one Megatron layout."
             )
     else:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
                                                  expert_model_parallel_size=ep)  # fmt: skip
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -113,6 +116,7 @@ def transformer_config(
         attention_dropout=0.0,
         tensor_model_parallel_size=options.tensor_model_parallel_size,
         pipeline_model_parallel_size=options.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=_virtual(options),
         pipeline_dtype=params_dtype,  # of the hidden states sent between stages
         sequence_parallel=options.sequence_parallel,
         recompute_granularity=options.recompute_granularity,
@@ -185,7 +189,8 @@ def check_local_model(config: Any, options: MegatronOptions, role: str) -> None:
 
 @dataclass
 class MegatronModel:
-    """One rank's GPTModel (its pipeline stage's part) plus what its forward pass and weight mapping need."""
+    """One rank's GPTModel (its pipeline stage's part; :class:`ModelChunks` of them under a virtual pipeline) plus
+    what its forward pass and weight mapping need."""
 
     module: Any
     role: str
@@ -200,6 +205,20 @@ class MegatronModel:
 
     def __post_init__(self) -> None:
         self.loader = WeightLoader(self.module, self.layout, self.role)
+
+    @property
+    def chunks(self) -> tuple[Any, ...]:
+        """The GPTModels that run this stage's forward, chunk 0 first (the module itself without a virtual
+        pipeline)."""
+        return self.module.chunks if isinstance(self.module, ModelChunks) else (self.module,)
+
+    def takes_input(self, chunk: int) -> bool:
+        """``chunk`` takes the previous virtual stage's hidden states (it is not the embedding's)."""
+        return not (self.stage.first and chunk == 0)
+
+    def gives_output(self, chunk: int) -> bool:
+        """``chunk`` ends the model (final norm and output layer / value head)."""
+        return self.stage.last and chunk == len(self.chunks) - 1
 
     @property
     def vocab_start(self) -> int:
@@ -223,11 +242,12 @@ class MegatronModel:
         return rows, ids.shape[0], self.layout.spec.hidden_size
 
     def run(self, ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor | None = None,
-            segments: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+            segments: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:  # fmt: skip
         """``ids [B, S]``, ``mask [B, S]`` (True = real token) -> the last stage's ``[B, S, Vp/tp]`` logits
-        (``[B, S, 1]`` values); earlier stages return the hidden states ``[S, B, H]`` for the next one, and every
-        stage but the first takes the previous one's as ``hidden``. ``segments [B, S]`` (packed rows: the sample of
-        each token) keeps attention within each sample."""
+        (``[B, S, 1]`` values); earlier (virtual) stages return the hidden states ``[S, B, H]`` for the next one,
+        and every one but the first takes the previous one's as ``hidden``. ``segments [B, S]`` (packed rows: the
+        sample of each token) keeps attention within each sample. ``chunk``: which of this stage's model chunks
+        runs (virtual pipeline)."""
         length = ids.shape[1]
         extra = self._padding(length)
         ids, mask = nn.functional.pad(ids, (0, extra)), nn.functional.pad(mask, (0, extra))
@@ -240,24 +260,28 @@ class MegatronModel:
         # RoPE is relative, so Megatron's 0..S-1 positions equal HF's left-padding-aware position_ids here, and
         # within each sample of a packed row (attention never leaves it) its own restarting ones.
         positions = torch.arange(seq, device=self.device).expand_as(ids)
-        if not self.stage.first:
-            self.module.set_input_tensor(hidden)
+        module = self.chunks[chunk]
+        if self.takes_input(chunk):
+            module.set_input_tensor(hidden)
         # A MoE layer's router leaves padding out of its load-balancing loss (padding_mask: True = padding).
         routing = {"padding_mask": ~mask} if self.layout.spec.moe else {}
-        out = self.module(ids, positions, ~allowed.unsqueeze(1), **routing)  # mask [B, 1, S, S], True = masked
-        return out[:, :length] if self.stage.last else out  # type: ignore[no-any-return]
+        out = module(ids, positions, ~allowed.unsqueeze(1), **routing)  # mask [B, 1, S, S], True = masked
+        return out[:, :length] if self.gives_output(chunk) else out  # type: ignore[no-any-return]
 
-    def forward(self, batch: RolloutBatch | PackedBatch, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """This stage's forward of ``batch``; the last stage returns the outputs at the positions that predict the
-        responses: ``[B, R, Vp/tp]`` logits (row t predicts response token t) or ``[B, R, 1]`` values; ``[1, N, .]``
-        for a packed batch's N response tokens. Padding: prompts left, responses right (see model_io)."""
+    def forward(self, batch: RolloutBatch | PackedBatch, hidden: torch.Tensor | None = None,
+                chunk: int = 0) -> torch.Tensor:  # fmt: skip
+        """This stage's forward of ``batch`` (through model ``chunk``); the last one returns the outputs at the
+        positions that predict the responses: ``[B, R, Vp/tp]`` logits (row t predicts response token t) or
+        ``[B, R, 1]`` values; ``[1, N, .]`` for a packed batch's N response tokens. Padding: prompts left, responses
+        right (see model_io)."""
+        last = self.gives_output(chunk)
         if isinstance(batch, PackedBatch):
             segments = batch.segments.to(self.device)
-            out = self.run(batch.input_ids.to(self.device), segments >= 0, hidden, segments)
-            return out[:, batch.rows.to(self.device)] if self.stage.last else out
+            out = self.run(batch.input_ids.to(self.device), segments >= 0, hidden, segments, chunk)
+            return out[:, batch.rows.to(self.device)] if last else out
         inputs = model_inputs(batch, self.device)
-        out = self.run(inputs["input_ids"], inputs["attention_mask"].bool(), hidden)
-        if not self.stage.last:
+        out = self.run(inputs["input_ids"], inputs["attention_mask"].bool(), hidden, chunk=chunk)
+        if not last:
             return out
         length, resp = out.shape[1], response_length(batch)
         return out[:, length - resp - 1 : length - 1]
@@ -340,13 +364,29 @@ def _check_divisors(spec: ModelSpec, options: MegatronOptions, role: str, model_
             f"{prefix}.pipeline_model_parallel_size={pp} does not divide the model's num_hidden_layers="
             f"{spec.num_layers} ({model_path}/config.json); the stages get equal numbers of layers. Pick a divisor."
         )
+    vp = options.virtual_pipeline_model_parallel_size
+    if spec.num_layers % (pp * vp):
+        raise ValueError(
+            f"{prefix}.pipeline_model_parallel_size={pp} x {prefix}.virtual_pipeline_model_parallel_size={vp} does not "
+            f"divide the model's num_hidden_layers={spec.num_layers} ({model_path}/config.json); every model chunk "
+            "gets the same number of layers. Pick divisors."
+        )
 
 
-def _stage_offsets(config: Any, pp: int) -> tuple[int, ...]:
-    """Each stage's first layer (Megatron's ``get_transformer_layer_offset``), then the number of layers."""
+def _virtual(options: MegatronOptions) -> int | None:
+    """Megatron's ``virtual_pipeline_model_parallel_size`` (None: no virtual pipeline)."""
+    vp = options.virtual_pipeline_model_parallel_size
+    return vp if vp > 1 else None
+
+
+def _stage_offsets(config: Any, pp: int, vp: int) -> tuple[int, ...]:
+    """Each virtual stage's first layer (Megatron's ``get_transformer_layer_offset``; chunk c of stage s is virtual
+    stage ``c * pp + s``), then the number of layers."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    return (*(int(get_transformer_layer_offset(config, pp_rank=rank)) for rank in range(pp)), config.num_layers)
+    offsets = (get_transformer_layer_offset(config, vp_stage=k // pp if vp > 1 else None, pp_rank=k % pp)
+               for k in range(pp * vp))  # fmt: skip
+    return (*(int(offset) for offset in offsets), config.num_layers)
 
 
 def build_model(
@@ -375,27 +415,33 @@ def build_model(
     check_moe_options(options, spec, role)
     _check_divisors(spec, options, role, model_path)
     tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
-    stage = current_stage()
+    vp = options.virtual_pipeline_model_parallel_size
+    stage = current_stage(vp)
     padded = padded_vocab_size(spec.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
     config = transformer_config(spec, options, params_dtype, device, aux_loss_coef)
     experts = {"num_experts": spec.num_experts, "moe_grouped_gemm": False} if spec.moe else {}
-    module = GPTModel(
-        config,
-        get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm, **experts),
-        vocab_size=padded,
-        max_sequence_length=spec.max_position_embeddings,
-        pre_process=stage.first,
-        post_process=stage.last,
-        share_embeddings_and_output_weights=spec.tied_embeddings and not value_head and pp == 1,
-        position_embedding_type="rope",
-        rotary_base=int(spec.rotary_base),
-    )
+    chunks = [
+        GPTModel(
+            config,
+            get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm, **experts),
+            vocab_size=padded,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=stage.first and chunk == 0,
+            post_process=stage.last and chunk == vp - 1,
+            share_embeddings_and_output_weights=spec.tied_embeddings and not value_head and pp == 1,
+            position_embedding_type="rope",
+            rotary_base=int(spec.rotary_base),
+            vp_stage=chunk if vp > 1 else None,
+        )
+        for chunk in range(vp)
+    ]
     if value_head and stage.last:
-        module.output_layer = ValueHead(spec.hidden_size, options.sequence_parallel, params_dtype)
+        chunks[-1].output_layer = ValueHead(spec.hidden_size, options.sequence_parallel, params_dtype)
+    module = chunks[0] if vp == 1 else ModelChunks(chunks)
     module.to(device)
     layout = RankLayout(spec, parallel_state.get_tensor_model_parallel_rank(), tp, padded, value_head,
-                        stage.rank, pp, _stage_offsets(config, pp), parallel_state.get_expert_model_parallel_rank(),
-                        options.expert_model_parallel_size)  # fmt: skip
+                        stage.rank, pp, _stage_offsets(config, pp, vp), parallel_state.get_expert_model_parallel_rank(),
+                        options.expert_model_parallel_size, vp)  # fmt: skip
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     mp_group = parallel_state.get_model_parallel_group() if tp * pp > 1 else None
     model = MegatronModel(module, role, layout, group, options.sequence_parallel, device, stage, mp_group)

@@ -2,7 +2,8 @@
 
 The model is megatron-core's ``GPTModel`` (local layer spec) loaded from the HF folder with rl_ckpt's mapping; each
 rank holds its TP shards of its pipeline stage's layers. Parallel layout and memory keys are ROLL's (see
-megatron_config); context / expert / virtual-pipeline parallelism are rejected with a message for now.
+megatron_config); context parallelism is rejected with a message (it needs Transformer Engine). With
+``virtual_pipeline_model_parallel_size`` each stage holds several model chunks and the schedule interleaves them.
 
 Batches: ``dp_split`` gives each rank a chunk; the ranks of one model replica (its TP x PP group) pool their
 chunks, so a data-parallel replica trains on its TP x PP ranks' chunks together (ROLL: global batch =

@@ -4,8 +4,9 @@ TP splits, vocabulary padding, pipeline stages).
 Notation as in ``rl_ckpt.layout``: H hidden, d head dim, nq query heads, g query groups, F ffn size, V vocabulary,
 Vp padded vocabulary, tp tensor-parallel size. The critic's value head is HF ``score.{weight,bias}`` ([1, H], [1]).
 Under pipeline parallelism a stage holds the layers ``[offset, offset + n)`` under local names
-(``decoder.layers.<layer - offset>``); HF tensors of other stages are checked and skipped on load and broadcast
-from their stage on export. With tied embeddings the last stage keeps its own copy of the embedding as
+(``decoder.layers.<layer - offset>``); with a virtual pipeline it holds one such block per model chunk, numbered on
+from one chunk to the next. HF tensors of other stages are checked and skipped on load and broadcast from their
+stage on export. With tied embeddings the last stage keeps its own copy of the embedding as
 ``output_layer.weight`` (as Megatron does), loaded from the same HF tensor.
 """
 
@@ -37,7 +38,8 @@ VALUE_HEAD = {"score.weight": "output_layer.weight", "score.bias": "output_layer
 @dataclass(frozen=True)
 class RankLayout:
     """Where this rank sits: its TP rank among ``tp``, the padded vocabulary, whether it has a value head, and its
-    pipeline stage (``pp_rank`` of ``pp``; ``stage_offsets[s]`` is stage s's first layer, then ``num_layers``)."""
+    pipeline stage (``pp_rank`` of ``pp``, holding ``vp`` model chunks; ``stage_offsets[k]`` is virtual stage k's
+    first layer, then ``num_layers``: chunk c of stage s is virtual stage ``c * pp + s``)."""
 
     spec: ModelSpec
     tp_rank: int
@@ -47,10 +49,12 @@ class RankLayout:
     pp_rank: int = 0
     pp: int = 1
     stage_offsets: tuple[int, ...] = ()
-    """``pp + 1`` layer boundaries; empty means one stage holding every layer."""
+    """``pp * vp + 1`` layer boundaries of the virtual stages; empty means one stage holding every layer."""
     ep_rank: int = 0
     ep: int = 1
     """Expert parallelism (MoE): this rank holds experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)`` of a layer."""
+    vp: int = 1
+    """Model chunks per stage (Megatron's virtual pipeline size)."""
 
     @property
     def local_experts(self) -> int:
@@ -79,7 +83,18 @@ class RankLayout:
 
     def stage_of(self, layer: int) -> int:
         """The pipeline stage holding global decoder layer ``layer``."""
-        return next(s for s in range(self.pp) if layer < self.offsets[s + 1])
+        return next(k for k in range(self.pp * self.vp) if layer < self.offsets[k + 1]) % self.pp
+
+    @property
+    def local_layers(self) -> tuple[int, ...]:
+        """The global decoder layers of this stage in local order (chunk by chunk)."""
+        blocks = (range(self.offsets[k], self.offsets[k + 1]) for k in range(self.pp_rank, self.pp * self.vp, self.pp))
+        return tuple(layer for block in blocks for layer in block)
+
+    def local_number(self, layer: int) -> int:
+        """Global decoder layer ``layer``'s local number on this stage (``decoder.layers.<n>``); -1 elsewhere."""
+        layers = self.local_layers
+        return layers.index(layer) if layer in layers else -1
 
 
 @dataclass(frozen=True)
@@ -104,7 +119,7 @@ def _elsewhere(target: Target | None, here: bool) -> Target | None:
 def _layer_target(layout: RankLayout, layer: int, suffix: str) -> Target | None:
     s = layout.spec
     h, d, g, nq, f = s.hidden_size, s.head_dim, s.num_query_groups, s.num_attention_heads, s.ffn_hidden_size
-    mc = f"decoder.layers.{layer - layout.offsets[layout.pp_rank]}."  # local numbering on this stage
+    mc = f"decoder.layers.{layout.local_number(layer)}."  # local numbering on this stage
     norms = FAMILIES.get(s.model_type).layer_norms
     if suffix in norms:
         size = d if "q_norm" in suffix or "k_norm" in suffix else h
@@ -344,11 +359,10 @@ def export_hf(
     yield name, embed
     if spec.tied_embeddings and not layout.value_head:
         yield "lm_head.weight", embed  # right after its twin, so weight sync sends it once (as an alias)
-    offsets = layout.offsets
     for layer in range(spec.num_layers):
 
         def layer_tensors(layer: int = layer) -> HFTensors:
-            local = layer - offsets[layout.pp_rank]
+            local = layout.local_number(layer)
             prefix = f"decoder.layers.{local}."
             keys = [key for key in params if key.startswith(prefix) and ".mlp.experts." not in key]
             gathered = {key: shards(key) for key in keys}
