@@ -16,13 +16,14 @@ import pytest
 import ray
 import torch
 import yaml
-from engine_fixtures import require_engine, rollout_batch, tiny_model_dir, worker_config
+from engine_fixtures import CORPUS, require_engine, rollout_batch, tiny_model_dir, worker_config
 
 from rl_engines.objectives import ActorObjective
 from rl_engines.placement import ClusterSpec
 from rl_engines.roles import Roles
 from rl_engines.strategies import create_strategy
-from rl_engines.strategies.megatron_ops import local_optimizer, optimizer_state_numel
+from rl_engines.strategies.megatron_ops import ChainedOptimizer, local_optimizer, optimizer_state_numel
+from rl_engines.tiny_model import build_tiny_moe_lm, build_tiny_tokenizer
 from tests.shared_dir import ROLL_EXAMPLES, require_shared
 
 pytest.importorskip("megatron.core")
@@ -72,7 +73,12 @@ def start_twin(worker, config):
 
 
 def strategy_of(worker, which):
-    return worker.twin if which == "twin" else worker.strategy
+    return worker.strategy if which == "dist" else getattr(worker, which)
+
+
+def start_strategy(worker, which, config):
+    setattr(worker, which, create_strategy(config, "actor_train"))
+    getattr(worker, which).initialize()
 
 
 def train(worker, which, objective, batch):
@@ -162,6 +168,46 @@ def test_partitioned_checkpoint_resumes_bit_identically_and_at_dp1(workers, tiny
     single.train_step(batch.reorder(DP_ORDER), objective)
     for name, value in single.named_weights():  # the DP sums in another order only: measured 6e-8
         torch.testing.assert_close(value, expected[name], atol=2e-6, rtol=0, msg=name)
+
+
+def test_a_moe_models_expert_state_partitions_over_the_ranks_holding_those_experts(workers, tmp_path):
+    """A Qwen3-MoE at expert_model_parallel_size 1 in the same two workers: the dense state partitions over the
+    data-parallel ranks and the experts' over the ranks holding the same experts (here both), in two chained AdamW
+    parts as Megatron's; the update is the replicated twin's bit for bit and a checkpoint resumes bit-identically."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "moe"
+    build_tiny_tokenizer(model, CORPUS, vocab_size=256)
+    build_tiny_moe_lm(model, vocab_size=len(AutoTokenizer.from_pretrained(str(model))))
+    on_ranks(workers, start_strategy, "moe_dist", train_config(model, DIST_OPT))
+    on_ranks(workers, start_strategy, "moe_twin", train_config(model, {**DIST_OPT, "use_distributed_optimizer": False}))
+    objective, batch = ActorObjective(), rollout_batch(batch_size=8, seed=5)
+    chunks = [(c,) for c in batch.chunk(2)]
+    batch.batch["old_log_probs"] = torch.cat(on_ranks(workers, score, "moe_twin", per_rank=chunks))
+    chunks = [(c,) for c in batch.chunk(2)]
+    assert on_ranks(workers, train, "moe_dist", objective, per_rank=chunks) == on_ranks(
+        workers, train, "moe_twin", objective, per_rank=chunks)  # fmt: skip
+    dist, twin = on_ranks(workers, weights, "moe_dist")[0], on_ranks(workers, weights, "moe_twin")[0]
+    assert all(torch.equal(dist[name], value) for name, value in twin.items())
+
+    (_, held_0), (_, held_1) = on_ranks(workers, optimizer_state, "moe_dist")
+    _, held_all = on_ranks(workers, optimizer_state, "moe_twin")[0]
+    experts = [name for name in held_all if ".mlp.experts." in name]
+    assert set(held_0).isdisjoint(held_1) and sorted(held_0 + held_1) == held_all
+    assert any(name in experts for name in held_0) and any(name in experts for name in held_1)
+    assert on_ranks(workers, lambda w: isinstance(w.moe_dist.optimizer, ChainedOptimizer)) == [True, True]
+
+    on_ranks(workers, checkpoint, "moe_dist", "save_checkpoint", str(tmp_path / "ckpt"))
+    uninterrupted = on_ranks(workers, train, "moe_dist", objective, per_rank=chunks)
+    expected = on_ranks(workers, weights, "moe_dist")[0]
+    on_ranks(workers, checkpoint, "moe_dist", "load_checkpoint", str(tmp_path / "ckpt"))
+    assert on_ranks(workers, train, "moe_dist", objective, per_rank=chunks) == uninterrupted
+    got = on_ranks(workers, weights, "moe_dist")[0]
+    assert all(torch.equal(got[name], value) for name, value in expected.items())
+
+
+def score(worker, which, batch):
+    return strategy_of(worker, which).compute_log_probs(batch).batch["log_probs"]
 
 
 # ---- ROLL's strategy_config blocks -------------------------------------------------------------------------------

@@ -181,14 +181,16 @@ def test_expert_parallel_ranks_train_sync_and_checkpoint_as_one_model(moe_dir, r
     """expert_model_parallel_size 2 on 2 Ray ranks (each holds 2 of the 4 experts of a layer, tokens exchanged by the
     allgather dispatcher): the update equals fsdp2_train's on the HF model (router loss on), a weight sync into a
     colocated hf_infer (HF's per-expert names, gathered over the ranks) scores as the trained model, a checkpoint holds
-    each rank's experts in its own file and resuming equals the uninterrupted run."""
+    each rank's experts in its own file and resuming equals the uninterrupted run. With ROLL's
+    use_distributed_optimizer: the dense tensors' state is split over the two data-parallel ranks, each rank keeps
+    its own experts' (no other rank holds them)."""
     import megatron_shims
 
     from rl_engines.placement import ClusterSpec
     from rl_engines.roles import Roles
 
     train_args = {**ARGS, "per_device_train_batch_size": 2}  # 2 ranks x 2 samples: 4 per optimizer step
-    options = {"expert_model_parallel_size": 2}
+    options = {"expert_model_parallel_size": 2, "use_distributed_optimizer": True}
     configs = {
         "actor_train": worker_config(moe_dir, "actor_train", device_mapping=[0, 1], training_args=train_args,
                                      infer_batch_size=4, model_args=ROUTER,
@@ -238,6 +240,11 @@ def test_expert_parallel_ranks_train_sync_and_checkpoint_as_one_model(moe_dir, r
     )
     assert not torch.equal(files[0][expert], files[1][expert])  # local expert 0: global experts 0 and 2
     assert torch.equal(files[0][router], files[1][router])  # replicated
+    states = [torch.load(tmp_path / "ckpt" / f"optim_mp_rank_00_00{r}_dp_rank_00{r}.pt", weights_only=True)["state"]
+              for r in (0, 1)]  # fmt: skip
+    dense = [{name for name in state if ".mlp.experts." not in name} for state in states]
+    assert dense[0].isdisjoint(dense[1]) and dense[0] and dense[1] and router in dense[0] | dense[1]
+    assert all(expert in state for state in states)  # each rank's own local expert 0
     from rl_ckpt.hf_io import HFCheckpoint
 
     a, b = HFCheckpoint(tmp_path / "hf_uninterrupted"), HFCheckpoint(tmp_path / "hf_resumed")

@@ -96,17 +96,21 @@ def load(strategy: Any, path: str) -> None:
     load_trainer_state(strategy, root, restore_rng=meta["world_size"] == dist.get_world_size())
 
 
-def rank_tag(layout: Any) -> str:
+def rank_tag(layout: Any, ep_rank: int | str | None = None) -> str:
     """Megatron's model-parallel rank tag of a file: ``<TT>`` (TP rank), ``<TT>_<PPP>`` under pipeline parallelism,
-    then ``_<EEE>`` (expert-parallel rank) under expert parallelism."""
+    then ``_<EEE>`` (expert-parallel rank; ``ep_rank`` another one, or ``"*"`` for a glob) under expert
+    parallelism."""
     tag = f"{layout.tp_rank:02d}" if layout.pp == 1 else f"{layout.tp_rank:02d}_{layout.pp_rank:03d}"
-    return tag if layout.ep == 1 else f"{tag}_{layout.ep_rank:03d}"
+    if layout.ep == 1:
+        return tag
+    ep_rank = layout.ep_rank if ep_rank is None else ep_rank
+    return f"{tag}_{ep_rank}" if isinstance(ep_rank, str) else f"{tag}_{ep_rank:03d}"
 
 
-def optimizer_file(layout: Any, dp_rank: int | None) -> str:
-    """Name of one optimizer-state partition file of ``layout``'s TP rank and stage; ``dp_rank`` None gives the glob
-    of all of them."""
-    return f"optim_mp_rank_{rank_tag(layout)}_dp_rank_{'*' if dp_rank is None else f'{dp_rank:03d}'}.pt"
+def optimizer_file(layout: Any, dp_rank: int | None, ep_rank: int | str | None = None) -> str:
+    """Name of one optimizer-state partition file of ``layout``'s TP rank and stage (and expert-parallel rank:
+    ``ep_rank``, default its own); ``dp_rank`` None gives the glob of all of them."""
+    return f"optim_mp_rank_{rank_tag(layout, ep_rank)}_dp_rank_{'*' if dp_rank is None else f'{dp_rank:03d}'}.pt"
 
 
 def named_optimizer_state(strategy: Any) -> dict[str, Any]:
@@ -120,19 +124,32 @@ def named_optimizer_state(strategy: Any) -> dict[str, Any]:
 
 def load_optimizer_state(strategy: Any, root: Path) -> None:
     """Fill this rank's optimizer from its TP rank's (and stage's) partition files in ``root`` (saved at any DP size,
-    partitioned or not): the entries of the parameters this rank owns only."""
-    pattern = optimizer_file(strategy.model.layout, None)
+    partitioned or not): the entries of the parameters this rank owns only. Experts come from the files of this
+    rank's expert-parallel rank (other ranks' local experts have the same names); dense tensors from any of them
+    (partitioned over all data-parallel ranks, they may have been saved by another expert-parallel rank)."""
+    layout = strategy.model.layout
     local = local_optimizer(strategy.optimizer)
     names = {id(master): name for name, master in strategy.masters.items()}
     params = [names[id(param)] for group in local.param_groups for param in group["params"]]
-    wanted, found, groups = set(params), {}, []
-    for file in sorted(root.glob(pattern)):  # memory-mapped: only the entries copied below are read
+    own = {file.name for file in root.glob(optimizer_file(layout, None))}
+    found, groups = {}, []
+    for file in sorted(root.glob(optimizer_file(layout, None, "*"))):  # memory-mapped: only entries copied are read
         part = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
         groups = part["param_groups"]
+        wanted = {name for name in params if file.name in own or name not in strategy.experts}
         for name in wanted & part["state"].keys():
             found[name] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in part["state"][name].items()}
     if not groups:
-        raise ValueError(f"{strategy.role}: {root} holds no optimizer state files {pattern} (not a megatron_train one)")
+        raise ValueError(
+            f"{strategy.role}: {root} holds no optimizer state files {optimizer_file(layout, None)} (not a "
+            "megatron_train one)"
+        )
+    if len(groups) != len(local.param_groups):
+        raise ValueError(
+            f"{strategy.role}: {root} holds optimizer state of {len(groups)} parameter group(s), this run's optimizer "
+            f"has {len(local.param_groups)} (a MoE model keeps its dense and expert tensors in two; checkpoints of "
+            "MoE models written before that hold one). Resume from a save_hf export of it instead."
+        )
     local_groups, start = [], 0  # the saved hyper-parameters over this rank's own parameter indices
     for group, saved in zip(local.param_groups, groups, strict=True):
         local_groups.append({**saved, "params": list(range(start, start + len(group["params"])))})

@@ -313,8 +313,7 @@ def _cuda() -> bool:
 
 def check_moe_options(options: MegatronOptions, spec: Any, role: str) -> None:
     """The MoE keys against the model (``spec``: rl_ckpt's ModelSpec): none on a dense decoder; on a MoE one, the
-    expert count divisible by expert_model_parallel_size, TP = 1 (expert tensor parallelism is not built) and no
-    distributed optimizer across expert-parallel ranks."""
+    expert count divisible by expert_model_parallel_size and TP = 1 (expert tensor parallelism is not built)."""
     prefix = f"{role}.strategy_args.strategy_config"
     if not spec.moe:
         if options.moe_keys:
@@ -332,11 +331,6 @@ def check_moe_options(options: MegatronOptions, spec: Any, role: str) -> None:
             f"{prefix}.tensor_model_parallel_size={options.tensor_model_parallel_size} on a MoE model "
             f"({spec.model_type}): expert tensor parallelism is not built yet; split the experts with "
             "expert_model_parallel_size and the layers with pipeline_model_parallel_size."
-        )
-    if options.use_distributed_optimizer and ep > 1:
-        raise ValueError(
-            f"{prefix}.use_distributed_optimizer=true with expert_model_parallel_size={ep}: partitioning the optimizer "
-            "state of experts split over ranks is not built yet; set use_distributed_optimizer: false."
         )
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -164,11 +164,63 @@ def partition_optimizer_state(
     return ZeroRedundancyOptimizer(params, optimizer_class=type(optimizer), process_group=group, **hyper)
 
 
+class ChainedOptimizer(torch.optim.Optimizer):
+    """Several optimizers over disjoint parameters stepped as one (Megatron's ``ChainedOptimizer``): a MoE model's
+    dense and expert parameters, whose state partitions over different groups. ``param_groups`` are the parts'
+    own group dicts (so an LR scheduler sets every part's rate), ``state`` their merged per-parameter states."""
+
+    def __init__(self, parts: list[torch.optim.Optimizer]) -> None:  # no Optimizer.__init__: the parts hold all
+        self.parts = parts
+        self.defaults = dict(parts[0].defaults)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return [group for part in self.parts for group in part.param_groups]
+
+    @property
+    def state(self) -> dict[Any, Any]:  # type: ignore[override]
+        return {param: value for part in self.parts for param, value in part.state.items()}
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``state_dict`` over the chained parameter order (each part's groups in turn), split over the parts."""
+        groups, first_group, first_param = state_dict["param_groups"], 0, 0
+        for part in self.parts:
+            count = len(part.param_groups)
+            own = groups[first_group : first_group + count]
+            size = sum(len(group["params"]) for group in part.param_groups)
+            span = range(first_param, first_param + size)
+            part.load_state_dict({
+                "state": {index - first_param: value for index, value in state_dict["state"].items() if index in span},
+                "param_groups": [{**g, "params": [i - first_param for i in g["params"]]} for g in own],
+            })  # fmt: skip
+            first_group, first_param = first_group + count, first_param + size
+
+
+def chained_optimizer(parts: Sequence[tuple[torch.optim.Optimizer, dist.ProcessGroup | None]],
+                      distributed: bool) -> torch.optim.Optimizer:  # fmt: skip
+    """``(optimizer, its data-parallel group)`` parts as one optimizer, each part's state partitioned over its group
+    when ``distributed`` (:func:`partition_optimizer_state`); one part is returned as itself."""
+    built = [partition_optimizer_state(opt, group) if distributed else opt for opt, group in parts]
+    return built[0] if len(built) == 1 else ChainedOptimizer(built)
+
+
 def local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer holding this rank's state: the partition's own one under :func:`partition_optimizer_state`,
-    else ``optimizer`` itself."""
+    """The optimizer holding this rank's state: the partition's own one under :func:`partition_optimizer_state`
+    (each part's, chained, for a :class:`ChainedOptimizer`), else ``optimizer`` itself."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
+    if isinstance(optimizer, ChainedOptimizer):
+        parts = [local_optimizer(part) for part in optimizer.parts]
+        same = all(a is b for a, b in zip(parts, optimizer.parts, strict=True))
+        return optimizer if same else ChainedOptimizer(parts)
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer.optim  # type: ignore[no-any-return]
     return optimizer

@@ -46,10 +46,10 @@ from rl_engines.strategies.megatron_model import (
     read_spec,
 )
 from rl_engines.strategies.megatron_ops import (
+    chained_optimizer,
     clip_gradients,
     grad_norm,
     local_optimizer,
-    partition_optimizer_state,
     sum_gradients,
 )
 from rl_engines.strategies.megatron_pipeline import broadcast_object_from_last
@@ -180,11 +180,21 @@ class MegatronTrainStrategy:
         layout = self.model.layout
         if layout.tied_copy and (layout.first or layout.last) and not args.lora:
             self.embedding_group = parallel_state.get_embedding_group()
-        self.optimizer = build_optimizer(self.masters.values(), self.config.training_args)
-        if self.options.use_distributed_optimizer:  # at DP = 1 this keeps the plain AdamW
-            self.optimizer = partition_optimizer_state(self.optimizer, self.dp_group)
+        self.optimizer = self._build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, self.config.training_args, self.role)
         self.tokenizer = load_tokenizer(path)
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over the masters; a MoE model's dense and expert masters in two chained parts, as in Megatron,
+        because with ``use_distributed_optimizer`` their state partitions over different groups: the data-parallel
+        ranks, and the ranks holding the same experts (at DP = 1, or a group of one, a part stays plain AdamW)."""
+        args = self.config.training_args
+        dense = [master for name, master in self.masters.items() if name not in self.experts]
+        parts = [(build_optimizer(dense, args), self.dp_group)]
+        if self.experts:
+            experts = [master for name, master in self.masters.items() if name in self.experts]
+            parts.append((build_optimizer(experts, args), self.expert_dp_group))
+        return chained_optimizer(parts, self.options.use_distributed_optimizer)
 
     # ---- forward -------------------------------------------------------------------------------------------
     def _infer(self, batch: RolloutBatch, method: str, *, temperature: float, with_entropy: bool,
