@@ -5,10 +5,11 @@ file with the tags and columns of the file's rewards, outputs in a temp dir) and
 would fail. ROLL's multi-domain example (math, code, LLM judge, instruction following and multiple choice by
 domain_interleave_probs) and the roll-targets files of issue 16: the LLM-judge config, GSPO (importance_sampling: seq),
 the off-policy config (ActorPGWorker with TOPR) and the fsdp2 config; the two LoRA configs of issue 18 (adapters
-trained, merged weights synced); the Qwen3-30B-A3B fsdp2 config of issue 19 on a tiny Qwen3-MoE (its Ulysses sizes
-are device counts: one rank); and issue 15's dynamic batching, sequence packing (load_balance) and Ulysses files (the
-Ulysses roles on 2 ranks with ulysses_size 2: one data-parallel group). Every reward section grades its own domain's
-samples, each on a timeline track of its own; the LLM judge runs as its own role."""
+trained, merged weights synced); the Qwen3-30B-A3B fsdp2 and Megatron configs of issue 19 on a tiny Qwen3-MoE (the
+fsdp2 file's Ulysses sizes are device counts: one rank); and issue 15's dynamic batching, sequence packing
+(load_balance) and Ulysses files (the Ulysses roles on 2 ranks with ulysses_size 2: one data-parallel group). Every
+reward section grades its own domain's samples, each on a timeline track of its own; the LLM judge runs as its own
+role."""
 
 from __future__ import annotations
 
@@ -33,11 +34,12 @@ FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/rlvr_config.yaml") + roll_t
     "qwen2.5-7B-rlvr_megatron/rlvr_config_lora.yaml",  # LoRA (issue 18): all-linear on megatron_train
     "qwen2.5-7B-rlvr_megatron/rlvr_lora_fsdp2.yaml",  # LoRA (issue 18): q/k/v/o on fsdp2_train
     "qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml",  # MoE (issue 19): Qwen3-MoE on fsdp2_train / fsdp2_infer
+    "qwen3-30BA3B-rlvr_megatron/rlvr_config.yaml",  # MoE (issue 19): EP, PP x virtual pipeline, on the swaps' engines
     "qwen2.5-7B-rlvr_megatron/rlvr_config_dynamic_batching.yaml",  # dynamic batching (issue 15), train and infer
     "qwen2.5-7B-rlvr_megatron/rlvr_config_sequence_packing.yaml",  # sequence packing (issue 15), load_balance
     "qwen2.5-7B-rlvr_megatron/rlvr_fsdp2_sp2.yaml",  # Ulysses (issue 15): fsdp2_train and fsdp2_infer, 2 ranks
 )
-MOE_FILES = {"qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml"}
+MOE_FILES = {"qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml", "qwen3-30BA3B-rlvr_megatron/rlvr_config.yaml"}
 """Files of a mixture-of-experts model: they run a tiny Qwen3-MoE and report the router's load-balancing loss."""
 
 
