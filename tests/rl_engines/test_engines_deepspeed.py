@@ -35,10 +35,10 @@ TRAIN_ARGS = {"learning_rate": 1e-2, "adam_epsilon": 1e-3, "max_grad_norm": 1.0,
 ATOL = 1e-6
 
 
-def make(model_dir, strategy_name="deepspeed_train", strategy_config=None, **training_args):
+def make(model_dir, strategy_name="deepspeed_train", strategy_config=None, model_args=None, **training_args):
+    strategy_args = {"strategy_name": strategy_name, "strategy_config": strategy_config or {}}
     config = worker_config(model_dir, training_args={**TRAIN_ARGS, **training_args}, infer_batch_size=4,
-                           strategy_args={"strategy_name": strategy_name,
-                                          "strategy_config": strategy_config or {}})  # fmt: skip
+                           model_args=model_args or {}, strategy_args=strategy_args)  # fmt: skip
     strategy = create_strategy(config, "actor_train")
     strategy.initialize()
     return strategy
@@ -84,6 +84,26 @@ def test_every_zero_stage_updates_like_fsdp2(tiny_model_dir, fsdp2_result, strat
     assert weights.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(weights[name], value, atol=ATOL, rtol=0, msg=name)
+
+
+@needs_deepspeed
+def test_freeze_module_prefix_keeps_those_weights_and_trains_the_rest_like_fsdp2(tiny_model_dir, scorer):
+    """ROLL's freeze_module_prefix (comma-separated) under ZeRO-3: the named layer and norm keep their loaded
+    values, the rest trains as fsdp2_train does with the same prefixes."""
+    from transformers import AutoModelForCausalLM
+
+    batch, freeze = training_batch(scorer), {"freeze_module_prefix": "model.layers.0., model.norm"}
+    initial = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32).state_dict()
+    trained = []
+    for name, options in (("fsdp2_train", None), ("deepspeed_train", {"zero_stage": 3})):
+        strategy = make(tiny_model_dir, name, options, model_args=freeze)
+        assert strategy.frozen and all(n.startswith(("model.layers.0.", "model.norm")) for n in strategy.frozen)
+        strategy.train_step(batch, ActorObjective())
+        trained.append(dict(strategy.named_weights()))
+    for name, value in initial.items():
+        frozen = name.startswith(("model.layers.0.", "model.norm"))
+        assert torch.equal(trained[1][name], value) == frozen, name
+        torch.testing.assert_close(trained[1][name], trained[0][name], atol=ATOL, rtol=0, msg=name)
 
 
 @needs_deepspeed

@@ -70,6 +70,10 @@ class ModelArgs:
     """LoRA scale numerator: adapters add (lora_alpha / lora_rank) B A x; null = 2 x lora_rank (ROLL)."""
     lora_dropout: float = 0.0
     """Dropout on the adapters' input while training."""
+    freeze_module_prefix: str | list[str] | None = None
+    """ROLL's partial-parameter training: parameters whose names start with one of these prefixes (comma-separated,
+    or a YAML list; names as the loaded transformers model gives them, e.g. ``model.visual`` for a Qwen2.5-VL's vision
+    tower) are frozen: no gradient, no optimizer state, and weight syncs send them once. Training roles only."""
     moe_aux_loss_coef: float | None = None
     """Mixture-of-experts models (ROLL's key): coefficient of the router load-balancing loss a training role adds;
     null = the model config's ``router_aux_loss_coef``, 0 = none (see :mod:`rl_engines.strategies.moe`). Refused on
@@ -84,6 +88,12 @@ class ModelArgs:
                 f"{self.flash_attn!r} ask for different attention kernels; keep one of them."
             )
         return chosen.pop() if chosen else None
+
+    def frozen_prefixes(self) -> list[str]:
+        """``freeze_module_prefix`` as a list (ROLL splits it at commas)."""
+        value = self.freeze_module_prefix
+        items = value if isinstance(value, list) else (value or "").split(",")
+        return [str(item).strip() for item in items if str(item).strip()]
 
     @property
     def lora(self) -> bool:

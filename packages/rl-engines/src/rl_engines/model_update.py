@@ -19,7 +19,9 @@ class ModelUpdater:
     on transformers), ``"checkpoint"`` the same under the names a model folder stores (engines with their own
     loaders: vLLM, SGLang; they differ for transformers' fused MoE experts), ``"adapters"`` a LoRA actor's adapters
     alone (an engine serving LoRA adapters).
-    The train role may be offloaded: its strategy brings the weights back to the device for the sync.
+    The train role may be offloaded: its strategy brings the weights back to the device for the sync. Frozen weights
+    (``model_args.freeze_module_prefix``) never change, so they travel with the first sync only, and with every sync
+    into an engine that discards its weights while offloaded (vLLM's ``sleep_level: 2``).
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class ModelUpdater:
         self.names = names
         self.syncs = 0
         self._hosts: list[bool] | None = None
+        self._discards: bool | None = None
         hosted = infer.hosted_ranks
         if hosted and not (colocated and {infer.actors[rank] for rank in hosted} <= set(train.actors)):
             raise ValueError(f"{infer.role} rank(s) {sorted(hosted)} run in another role's processes; only that role "
@@ -85,14 +88,17 @@ class ModelUpdater:
     def sync(self) -> dict[str, float]:
         """Transfer the weights; returns ``time/model_update`` (wall seconds seen by the driver) and byte counts."""
         start = time.perf_counter()
+        if self._discards is None:
+            self._discards = bool(self.infer.call("discards_weights", dispatch="rank_zero"))
+        frozen = self.syncs == 0 or self._discards
         if self.colocated:
             shm, store = self._receivers_by_host()
             guest = self.infer.role if self.infer.hosted_ranks else None
             results = self.train.call("send_weights_on_host", shm, store, self.bucket_bytes, self.dtype, self.timeout_s,
-                                      self.names, guest)  # fmt: skip
+                                      self.names, guest, frozen)  # fmt: skip
         else:
             receiving = self.infer.call_async("receive_weights_by_broadcast")
-            results = self.train.call("send_weights_by_broadcast", self.bucket_bytes, self.dtype, self.names)
+            results = self.train.call("send_weights_by_broadcast", self.bucket_bytes, self.dtype, self.names, frozen)
             receiving.get()
         metrics = dict(results[0])
         elapsed = time.perf_counter() - start

@@ -151,6 +151,11 @@ class RoleWorker(WorkerBase):
         """Take the device back."""
         self.strategy.reload()
 
+    def discards_weights(self) -> bool:
+        """Whether this inference worker's engine drops its weights while offloaded (then every sync resends all)."""
+        discards = getattr(self.strategy, "discards_weights", None)
+        return bool(discards()) if discards is not None else False
+
     def sync_refusal(self) -> str | None:
         """Why this inference worker's engine cannot take weight syncs, or None (most engines take them)."""
         refusal = getattr(self.strategy, "sync_refusal", None)
@@ -169,12 +174,13 @@ class RoleWorker(WorkerBase):
         timeout_s: float | None = None,
         names: str = "module",
         guest: str | None = None,
+        frozen: bool = True,
     ) -> dict[str, float]:
         """Colocated sync: every rank un-shards; rank 0 sends each bucket through shared memory to receivers on
         its host (falling back to the object store where /dev/shm is missing) and through the object store to
         the rest; a rank hosting a rank of the inference role ``guest`` loads it in process. ``names``: see
         :func:`_weights_to_send`."""
-        weights = self._weights_to_send(names)
+        weights = self._weights_to_send(names, frozen)
         local = self._guest_loader(guest)
         if local is not None and (self.rank != 0 or not (shm_receivers or store_receivers)):
             return load_in_process(weights, local, bucket_bytes=bucket_bytes, dtype=self._sync_dtype(dtype)).metrics()
@@ -202,18 +208,8 @@ class RoleWorker(WorkerBase):
             raise TypeError(f"{self.role} rank {self.rank}: the hosted {guest!r} is not a role worker")
         return worker.strategy.load_weights  # type: ignore[no-any-return]
 
-    def _weights_to_send(self, names: str) -> Iterator[tuple[str, torch.Tensor]]:
-        """``module``: the (merged) named weights; ``checkpoint``: the same under a model folder's names (a strategy
-        on a transformers model, ``transformers_model()``, converts them; others name them so already);
-        ``adapters``: a LoRA model's adapters alone."""
-        if names == "adapters":
-            adapters: Iterator[tuple[str, torch.Tensor]] = self.strategy.adapter_weights()
-            return adapters
-        weights: Iterator[tuple[str, torch.Tensor]] = self.strategy.named_weights()
-        model = getattr(self.strategy, "transformers_model", None)
-        if names == "checkpoint" and model is not None:
-            return in_checkpoint_names(model(), weights)
-        return weights
+    def _weights_to_send(self, names: str, frozen: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        return weights_to_send(self.strategy, names, frozen)
 
     def close_staging(self) -> None:
         """Unlink the shared-memory slots of colocated syncs (also done by Python's resource tracker at exit)."""
@@ -231,10 +227,11 @@ class RoleWorker(WorkerBase):
         self._broadcast = BroadcastGroup(master_addr, master_port, rank, world_size, timeout_s)
 
     def send_weights_by_broadcast(
-        self, bucket_bytes: int, dtype: str | None = None, names: str = "module"
+        self, bucket_bytes: int, dtype: str | None = None, names: str = "module", frozen: bool = True
     ) -> dict[str, float]:
-        """Separate sync, sender side: every rank un-shards, rank 0 broadcasts each bucket."""
-        weights = self._weights_to_send(names)
+        """Separate sync, sender side: every rank un-shards, rank 0 broadcasts each bucket (``frozen``: see
+        :meth:`_weights_to_send`)."""
+        weights = self._weights_to_send(names, frozen)
         if self.rank != 0:
             for _ in weights:
                 pass
@@ -260,3 +257,22 @@ class RoleWorker(WorkerBase):
         if self._broadcast is None:
             raise RuntimeError(f"{self.role} rank {self.rank} has not joined the weight-sync group")
         return sum(int(self.strategy.load_weights(expand_aliases(b))) for b in receive_by_broadcast(self._broadcast))
+
+
+def weights_to_send(strategy: Any, names: str, frozen: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """What a train ``strategy`` sends in a weight sync. ``names``: ``module``, the (merged) named weights;
+    ``checkpoint``, the same under a model folder's names (a strategy on a transformers model,
+    ``transformers_model()``, converts them; others name them so already); ``adapters``, a LoRA model's adapters
+    alone. Without ``frozen``, the strategy's frozen weights (its ``frozen`` names, ``model_args.freeze_module_prefix``)
+    are left out; every rank still iterates all of them (each may be a collective)."""
+    if names == "adapters":
+        adapters: Iterator[tuple[str, torch.Tensor]] = strategy.adapter_weights()
+        return adapters
+    weights: Iterator[tuple[str, torch.Tensor]] = strategy.named_weights()
+    skip = set() if frozen else set(getattr(strategy, "frozen", ()))
+    if skip:
+        weights = ((name, value) for name, value in weights if name not in skip)
+    model = getattr(strategy, "transformers_model", None)
+    if names == "checkpoint" and model is not None:
+        return in_checkpoint_names(model(), weights)
+    return weights

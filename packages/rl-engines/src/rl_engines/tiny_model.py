@@ -19,10 +19,13 @@ CHATML_TEMPLATE = (
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
-def build_tiny_tokenizer(path: str | Path, corpus: Iterable[str], *, vocab_size: int = 512) -> None:
+def build_tiny_tokenizer(
+    path: str | Path, corpus: Iterable[str], *, vocab_size: int = 512, extra_special_tokens: Iterable[str] = ()
+) -> None:
     """Train a byte-level BPE tokenizer on ``corpus`` and save it as a HF tokenizer folder with a ChatML template.
 
-    Special tokens: ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos), as in Qwen2.
+    Special tokens: ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>`` (eos), as in Qwen2, then
+    ``extra_special_tokens`` (ids 3, 4, ...).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -32,7 +35,7 @@ def build_tiny_tokenizer(path: str | Path, corpus: Iterable[str], *, vocab_size:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=[*SPECIAL_TOKENS, *extra_special_tokens],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -42,7 +45,7 @@ def build_tiny_tokenizer(path: str | Path, corpus: Iterable[str], *, vocab_size:
         bos_token=None,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=["<|im_start|>", *extra_special_tokens],
         padding_side="left",
     )
     fast.chat_template = CHATML_TEMPLATE
@@ -143,3 +146,55 @@ def build_tiny_moe_lm(
     model.generation_config.eos_token_id = eos_token_id
     model.generation_config.pad_token_id = pad_token_id
     model.save_pretrained(str(path))
+
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+"""Qwen-VL's vision special tokens (ids 3 to 6 in :func:`build_tiny_vl_model`'s tokenizer)."""
+
+
+def build_tiny_vl_model(
+    path: str | Path,
+    corpus: Iterable[str],
+    *,
+    vocab_size: int = 256,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    vision_depth: int = 2,
+    min_pixels: int = 28 * 28,
+    max_pixels: int = 112 * 112,
+    seed: int = 0,
+) -> None:
+    """Save a randomly initialised Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``, fp32 safetensors in HF's
+    layout), its tokenizer (:func:`build_tiny_tokenizer` plus :data:`VISION_TOKENS`) and its image processor
+    (14-pixel patches, 2 x 2 merged into one token, images resized to ``min_pixels`` .. ``max_pixels``) to ``path``.
+    The vision tower has ``vision_depth`` blocks (the last one full attention, the others windowed) and projects to
+    the language model's ``hidden_size``; multimodal RoPE splits the 32-wide heads' frequencies 4 / 6 / 6."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    build_tiny_tokenizer(path, corpus, vocab_size=vocab_size, extra_special_tokens=VISION_TOKENS)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    ids: dict[str, Any] = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=1,
+        max_position_embeddings=1024, rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
+        tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, bos_token_id=None,
+    )  # fmt: skip
+    vision = dict(
+        depth=vision_depth, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+        temporal_patch_size=2, out_hidden_size=hidden_size, window_size=56, fullatt_block_indexes=[vision_depth - 1],
+    )  # fmt: skip
+    config = Qwen2_5_VLConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True,
+    )  # fmt: skip
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = 2
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(str(path))
+    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(str(path))

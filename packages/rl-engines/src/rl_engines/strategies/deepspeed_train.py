@@ -39,6 +39,7 @@ from rl_engines.strategies.micro_batches import MicroBatchPlanner, pass_name, pl
 from rl_engines.strategies.model_io import (
     TORCH_DTYPES,
     enable_activation_checkpointing,
+    freeze_modules,
     load_model,
     load_tokenizer,
 )
@@ -100,6 +101,8 @@ class DeepSpeedTrainStrategy:
         self.global_step = 0
         self.engine: Any = None
         self.router: moe.RouterLoss | None = None
+        self.frozen: set[str] = set()
+        """Names of the weights ``model_args.freeze_module_prefix`` froze (weight syncs send them once)."""
         self.scheduler: Any = None
         self.tokenizer: Any = None
         self._offloaded: OffloadRecord | None = None
@@ -115,6 +118,7 @@ class DeepSpeedTrainStrategy:
         args = self.config.model_args
         torch.manual_seed(self.config.training_args.seed)
         model = load_model(args, self.role, dtype=torch.float32, value_head=self.value_head)
+        self.frozen = freeze_modules(model, args, self.role)
         if args.lora:  # adapters (fp32 masters in the optimizer) train; DeepSpeed casts the module to dtype
             model = lora.apply_lora(model, args, self.role, TORCH_DTYPES[args.dtype], self.config.training_args.seed)
         self.router = moe.router_loss(model, self.config, self.role)

@@ -37,6 +37,7 @@ from rl_engines.strategies.model_io import (
     TORCH_DTYPES,
     attention_kernel,
     enable_activation_checkpointing,
+    freeze_modules,
     load_model,
     load_tokenizer,
 )
@@ -119,6 +120,8 @@ class Fsdp2TrainStrategy:
         self.global_step = 0
         self.model: Any = None
         self.router: moe.RouterLoss | None = None
+        self.frozen: set[str] = set()
+        """Names of the weights ``model_args.freeze_module_prefix`` froze (weight syncs send them once)."""
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.tokenizer: Any = None
@@ -149,6 +152,7 @@ class Fsdp2TrainStrategy:
         args = self.config.model_args
         torch.manual_seed(self.config.training_args.seed)
         model = load_model(args, self.role, dtype=torch.float32, value_head=self.value_head)
+        self.frozen = freeze_modules(model, args, self.role)
         if args.lora:  # adapters in fp32 (the only trained and optimized weights), the frozen base in compute dtype
             model = lora.apply_lora(model, args, self.role, TORCH_DTYPES[args.dtype], self.config.training_args.seed)
         self.router = moe.router_loss(model, self.config, self.role)

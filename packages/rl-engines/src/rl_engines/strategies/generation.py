@@ -11,6 +11,7 @@ import torch
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
 from rl_engines.strategies.model_io import position_ids_from_mask, response_log_probs
+from rl_engines.vision import visual_inputs
 
 STOP_CONTEXT_TOKENS = 16
 """Prompt tokens decoded with a response when looking for stop strings that straddle the boundary."""
@@ -78,6 +79,7 @@ def sample_responses(
             "continues from the last column. Tokenize with padding_side='left'."
         )
     extra: dict[str, Any] = {"tokenizer": tokenizer} if args.stop_strings else {}
+    extra.update(visual_inputs(batch, device))  # a vision-language prompt's images (generate repeats them per sample)
     if synced:
         extra["synced_gpus"] = True
     out = model.generate(input_ids=prompts, attention_mask=prompt_mask, generation_config=config, **extra)

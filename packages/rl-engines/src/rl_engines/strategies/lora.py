@@ -45,11 +45,17 @@ def require_peft(role: str) -> Any:
 
 
 def check_lora_role(config: WorkerConfig, role: str, value_head: bool) -> None:
-    """LoRA trains a causal LM's adapters; a value-head role with ``lora_target`` is refused naming the key."""
+    """LoRA trains a causal LM's adapters; a value-head role with ``lora_target`` is refused naming the key, and so is
+    ``freeze_module_prefix`` beside it (LoRA freezes the whole base model already)."""
     if config.model_args.lora and value_head:
         raise ValueError(
             f"{role}.model_args.lora_target is set on a value-head model ({role}); LoRA is built for the policy. "
             f"Train {role} full-parameter: remove {role}.model_args.lora_target."
+        )
+    if config.model_args.lora and config.model_args.frozen_prefixes():
+        raise ValueError(
+            f"{role}.model_args.freeze_module_prefix and {role}.model_args.lora_target are both set: LoRA freezes the "
+            "whole base model and trains its adapters; keep one of them (lora_target picks which modules adapt)."
         )
 
 

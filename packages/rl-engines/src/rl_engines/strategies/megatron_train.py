@@ -100,6 +100,11 @@ class MegatronTrainStrategy:
         check_local_model(config, self.options, role)
         self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
         check_megatron_lora(config, role, self.value_head, self.options)
+        if config.model_args.frozen_prefixes():
+            raise ValueError(
+                f"{role}.model_args.freeze_module_prefix: megatron_train trains every parameter (it has no "
+                "partial-parameter training yet); remove it, or train with fsdp2_train / deepspeed_train."
+            )
         self.adapters: MegatronLora | None = None
         """The LoRA adapters (``lora_target`` set): then the only masters."""
         self.device = torch.device("cpu")

@@ -55,6 +55,7 @@ from rl_engines.strategies.model_io import (
 )
 from rl_engines.strategies.packing import PackedBatch, balanced_partitions, pack, packed_outputs
 from rl_engines.strategies.train_utils import all_reduce_sum
+from rl_engines.vision import is_visual
 
 Phase = str
 """``"train"`` (train_step's forward/backward passes) or ``"infer"`` (log-prob and value passes)."""
@@ -278,6 +279,7 @@ class MicroBatchPlanner:
                 temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:  # fmt: skip
         """The model's outputs on ``micro`` in this planner's layout, ``[B, R]`` each (see model_io)."""
         if self.packed:
+            _refuse_visual(micro)
             return packed_outputs(model, micro, device, value_head=value_head, temperature=temperature,
                                   with_entropy=with_entropy)  # fmt: skip
         run = without_padding_columns(micro, self.round_to) if self.budget is not None else micro
@@ -289,6 +291,8 @@ class MicroBatchPlanner:
         """What the model runs for each micro-batch, for strategies that drive the forward themselves (Megatron's
         pipeline schedule): packed, trimmed or as it is."""
         if self.packed:
+            for micro in micros:
+                _refuse_visual(micro)
             return [pack(m) for m in micros]
         return [without_padding_columns(m, self.round_to) if self.budget is not None else m for m in micros]
 
@@ -297,6 +301,15 @@ class MicroBatchPlanner:
         plan = self.plan(batch)
         parts = [forward(batch.index(indices)) for indices in plan]
         return RolloutBatch(in_batch_order(parts, plan), meta_info=dict(batch.meta_info))
+
+
+def _refuse_visual(batch: RolloutBatch) -> None:
+    if is_visual(batch):
+        raise ValueError(
+            "use_sequence_packing: a vision-language batch cannot be packed yet (its multimodal RoPE positions are "
+            "computed per padded row by the model); set use_sequence_packing: false (dynamic batching works) for this "
+            "role."
+        )
 
 
 def pass_name(role: str, method: str, disable_adapter: bool = False) -> str:
@@ -352,7 +365,11 @@ def require_no_ulysses(config: WorkerConfig, role: str, strategy: str) -> None:
 
 
 def require_no_training(config: WorkerConfig, role: str, strategy: str) -> None:
-    """An inference strategy has no training passes: refuse ``use_dynamic_batching_in_train`` naming the key."""
+    """An inference strategy has no training passes: refuse ``use_dynamic_batching_in_train`` and
+    ``model_args.freeze_module_prefix`` naming the key."""
+    if config.model_args.frozen_prefixes():
+        raise ValueError(f"{role}.model_args.freeze_module_prefix is set, but {role} does not train ({strategy}); "
+                         "set it on the training role (actor_train) only.")  # fmt: skip
     if config.use_dynamic_batching_in_train:
         raise ValueError(f"{role}.use_dynamic_batching_in_train is set, but {role} does not train ({strategy}); "
                          "use use_dynamic_batching_in_infer for its log-prob passes.")  # fmt: skip

@@ -20,6 +20,7 @@ from torch import nn
 from rl_core.batch import RolloutBatch
 from rl_core.losses import entropy_from_logits
 from rl_engines.config import ModelArgs
+from rl_engines.vision import VISUAL_KEY, is_visual, is_vl_model, visual_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,16 @@ def load_model(model_args: ModelArgs, role: str, *, dtype: torch.dtype, value_he
     attention = attention_kernel(model_args, role)
     if attention:
         kwargs["attn_implementation"] = attention
-    if value_head:  # no dropout before the value head (as verl): training computes the values scoring computes
+    if is_vl_model(path):
+        if value_head:
+            raise ValueError(
+                f"{role}.model_args.model_name_or_path={path!r} is a vision-language model; a value head on it (a "
+                "critic) is not built. Use a critic-free estimator (GRPO, REINFORCE++, RLOO) for vision-language runs."
+            )
+        from transformers import AutoModelForImageTextToText
+
+        model: Any = AutoModelForImageTextToText.from_pretrained(path, **kwargs)
+    elif value_head:  # no dropout before the value head (as verl): training computes the values scoring computes
         config = AutoConfig.from_pretrained(path, num_labels=1)
         config.classifier_dropout = 0.0
         model = AutoModelForTokenClassification.from_pretrained(path, config=config, **kwargs)
@@ -58,6 +68,25 @@ def load_model(model_args: ModelArgs, role: str, *, dtype: torch.dtype, value_he
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     model.config.use_cache = False
     return model  # type: ignore[no-any-return]
+
+
+def freeze_modules(model: nn.Module, model_args: ModelArgs, role: str) -> set[str]:
+    """Freeze (``requires_grad`` off) the parameters ``model_args.freeze_module_prefix`` names, as ROLL does; returns
+    their names. A prefix matching no parameter is an error naming it and the model's top-level modules."""
+    prefixes = model_args.frozen_prefixes()
+    frozen = set()
+    for name, param in model.named_parameters():
+        if any(name.startswith(prefix) for prefix in prefixes):
+            param.requires_grad_(False)
+            frozen.add(name)
+    unmatched = [prefix for prefix in prefixes if not any(name.startswith(prefix) for name in frozen)]
+    if unmatched:
+        heads = sorted({".".join(name.split(".")[:2]) for name, _ in model.named_parameters()})
+        raise ValueError(
+            f"{role}.model_args.freeze_module_prefix: {unmatched} match no parameter of the model; parameter names "
+            f"start with {heads}."
+        )
+    return frozen
 
 
 def attention_kernel(model_args: ModelArgs, role: str) -> str | None:
@@ -141,9 +170,13 @@ def response_length(batch: RolloutBatch) -> int:
 
 
 def model_inputs(batch: RolloutBatch, device: torch.device) -> dict[str, torch.Tensor]:
-    """``input_ids`` / ``attention_mask`` / ``position_ids`` on ``device``; position ids derived if absent."""
+    """``input_ids`` / ``attention_mask`` / ``position_ids`` on ``device``; position ids derived if absent. A
+    visual batch (:mod:`rl_engines.vision`) gives its visual inputs instead of position ids (the model computes its
+    multimodal ones)."""
     input_ids = batch.batch["input_ids"].to(device)
     attention_mask = batch.batch["attention_mask"].to(device)
+    if is_visual(batch):
+        return {"input_ids": input_ids, "attention_mask": attention_mask.long(), **visual_inputs(batch, device)}
     if "position_ids" in batch:
         position_ids = batch.batch["position_ids"].to(device)
     else:
@@ -215,7 +248,7 @@ def widen(outputs: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tenso
 
 def without_padding_columns(batch: RolloutBatch, round_to: int = 1) -> RolloutBatch:
     """The model inputs of ``batch`` (``input_ids``, ``attention_mask``, ``position_ids`` when given,
-    ``responses``) cut to the columns :func:`kept_columns` keeps."""
+    ``responses``) cut to the columns :func:`kept_columns` keeps (visual inputs kept whole)."""
     mask, responses = batch.batch["attention_mask"], response_length(batch)
     prompts = mask.shape[1] - responses
     start, end = kept_columns(mask, responses, round_to)
@@ -224,7 +257,8 @@ def without_padding_columns(batch: RolloutBatch, round_to: int = 1) -> RolloutBa
     for key in ("responses", "response_mask"):
         if key in batch:
             tensors[key] = batch.batch[key][:, : end - prompts]
-    return RolloutBatch(tensors)
+    others = {VISUAL_KEY: batch.non_tensor_batch[VISUAL_KEY]} if is_visual(batch) else {}
+    return RolloutBatch(tensors, others)
 
 
 def kept_columns(attention_mask: torch.Tensor, responses: int, round_to: int = 1) -> tuple[int, int]:

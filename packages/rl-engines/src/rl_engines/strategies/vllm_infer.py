@@ -304,6 +304,11 @@ class VllmInferStrategy:
         self._synced = True
         return given
 
+    def discards_weights(self) -> bool:
+        """``sleep_level: 2`` frees the weights while offloaded (on a GPU; the CPU backend does not sleep): every
+        weight sync then brings all of them, frozen ones too."""
+        return self.options.sleep_level == 2 and torch.cuda.is_available()
+
     def offload(self) -> None:
         """Free the GPU for a colocated role (vLLM sleep at ``sleep_level``); a no-op on CPU."""
         if self.device.type != "cpu" and not self._asleep:

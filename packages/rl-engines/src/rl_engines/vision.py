@@ -1,0 +1,137 @@
+"""Vision-language models (Qwen2-VL / Qwen2.5-VL / Qwen3-VL): their prompts with images, and the visual inputs a
+rollout batch carries to every role that runs the model.
+
+A prompt's images go through the model folder's own image processor (``preprocessor_config.json``): ``pixel_values
+[patches, C * T * P * P]`` and ``image_grid_thw [images, 3]`` (temporal, height, width patches). The text holds one
+``<|image_pad|>`` placeholder per image inside ``<|vision_start|> ... <|vision_end|>``, expanded here to
+``t * h * w / merge_size**2`` pads, as the models' processors do (the merger folds ``merge_size x merge_size``
+patches into one token). The expansion is done here, not by transformers' processor class, because that class
+insists on a video processor, which needs torchvision; the result is the same ids.
+
+A rollout batch carries each sample's visual inputs in ``non_tensor_batch["multi_modal_inputs"]`` (verl's name): a
+dict of tensors per sample (``{}`` for a sample without images), repeated with its sample for every response.
+:func:`visual_inputs` concatenates them for any set of rows in row order, which is how the model reads a batch:
+the i-th image's patches belong to the i-th run of image pads in ``input_ids``. Position ids are the model's own
+(3-D multimodal RoPE, computed from ``input_ids``, ``image_grid_thw`` and ``attention_mask``), so a visual batch
+passes none.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+VISUAL_KEY = "multi_modal_inputs"
+"""``non_tensor_batch`` key of the per-sample visual inputs."""
+VISUAL_TENSORS = ("pixel_values", "image_grid_thw")
+"""The visual inputs a sample may hold, in the model's keyword names."""
+IMAGE_PLACEHOLDER = "<image>"
+"""How ROLL's (and verl's) multimodal datasets mark an image in a prompt's text."""
+VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def is_vl_config(config: dict[str, Any]) -> bool:
+    """A vision-language model's ``config.json`` (a vision tower)."""
+    return config.get("model_type") in VL_MODEL_TYPES or "vision_config" in config
+
+
+def is_vl_model(path: str | Path) -> bool:
+    """The HF folder at ``path`` holds a vision-language model."""
+    file = Path(path) / "config.json"
+    return file.is_file() and is_vl_config(json.loads(file.read_text(encoding="utf-8")))
+
+
+def is_visual(batch: Any) -> bool:
+    """``batch`` (a RolloutBatch) carries visual inputs."""
+    return VISUAL_KEY in batch.non_tensor_batch
+
+
+def visual_inputs(batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """The model's visual keyword inputs for ``batch``'s rows: each sample's tensors concatenated in row order
+    (``{}`` without images)."""
+    if not is_visual(batch):
+        return {}
+    samples = list(batch.non_tensor_batch[VISUAL_KEY])
+    out = {}
+    for key in VISUAL_TENSORS:
+        parts = [sample[key] for sample in samples if sample and key in sample]
+        if parts:
+            out[key] = torch.cat(parts).to(device)
+    return out
+
+
+def load_image_processor(path: str | Path, *, min_pixels: int | None = None, max_pixels: int | None = None) -> Any:
+    """The folder's image processor; ``min_pixels`` / ``max_pixels`` (ROLL's ``data_args.image_min_pixels`` /
+    ``image_max_pixels``) override its resize bounds."""
+    from transformers import AutoImageProcessor
+
+    overrides = {key: value for key, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if value}
+    processor = AutoImageProcessor.from_pretrained(str(path))  # type: ignore[no-untyped-call]
+    for key, value in overrides.items():  # the bounds live in both places in transformers' Qwen2-VL processors
+        setattr(processor, key, value)
+        if isinstance(getattr(processor, "size", None), dict):
+            processor.size["shortest_edge" if key == "min_pixels" else "longest_edge"] = value
+    return processor
+
+
+def encode_images(processor: Any, images: Sequence[Any]) -> dict[str, torch.Tensor]:
+    """``pixel_values`` and ``image_grid_thw`` of ``images`` (PIL images) through the image processor; ``{}``
+    for none."""
+    if not images:
+        return {}
+    out = processor(images=list(images), return_tensors="pt")
+    return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
+
+
+def expand_image_pads(text: str, grids: torch.Tensor, merge_size: int) -> str:
+    """``text`` with its k-th ``<|image_pad|>`` repeated ``prod(grids[k]) / merge_size**2`` times; the number of
+    pads must equal the number of images (a ValueError names both)."""
+    pieces = text.split(IMAGE_PAD)
+    if len(pieces) - 1 != len(grids):
+        raise ValueError(
+            f"the prompt has {len(pieces) - 1} image placeholder(s) and {len(grids)} image(s); each image needs one "
+            f"{IMAGE_PLACEHOLDER!r} in the prompt text (or {IMAGE_PAD!r} in a chat-templated one)."
+        )
+    out = [pieces[0]]
+    for grid, piece in zip(grids, pieces[1:], strict=True):
+        out.append(IMAGE_PAD * (int(grid.prod()) // merge_size**2) + piece)
+    return "".join(out)
+
+
+def with_image_tokens(text: str) -> str:
+    """ROLL's ``<image>`` placeholders as the Qwen-VL vision block (``<|vision_start|><|image_pad|><|vision_end|>``)."""
+    return text.replace(IMAGE_PLACEHOLDER, f"{VISION_START}{IMAGE_PAD}{VISION_END}")
+
+
+def visual_column(samples: Iterable[dict[str, torch.Tensor]]) -> np.ndarray:
+    """Per-sample visual input dicts as a ``non_tensor_batch`` column."""
+    items = list(samples)
+    column = np.empty(len(items), dtype=object)
+    for index, item in enumerate(items):
+        column[index] = item
+    return column
+
+
+def merge_size(processor: Any) -> int:
+    """Patches merged into one token along each side (the image processor's ``merge_size``, 2 for Qwen-VL)."""
+    return int(getattr(processor, "merge_size", 2))
+
+
+def encode_prompt(
+    text: str, images: Sequence[Any], tokenizer: Any, processor: Any
+) -> tuple[list[int], dict[str, torch.Tensor]]:
+    """A prompt's token ids (``text``, chat-templated already, with one ``<|image_pad|>`` per image, or ROLL's
+    ``<image>``) and its visual inputs (``{}`` without images)."""
+    visual = encode_images(processor, images)
+    text = with_image_tokens(text)
+    if visual:
+        text = expand_image_pads(text, visual["image_grid_thw"], merge_size(processor))
+    elif IMAGE_PAD in text:
+        expand_image_pads(text, torch.zeros((0, 3)), merge_size(processor))  # raises: placeholders, no images
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]), visual

@@ -1,0 +1,138 @@
+"""Vision-language models in the torch-native engines (issue 23): a tiny Qwen2.5-VL built locally, prompts with
+images of different sizes through its own image processor, generation in hf_infer, log-probs and training in
+fsdp2_train, weight sync. The reference is the HF model itself on each sample alone, without padding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from engine_fixtures import CORPUS, worker_config
+from PIL import Image
+
+from rl_core.batch import RolloutBatch
+from rl_engines.config import GeneratingArgs
+from rl_engines.objectives import ActorObjective
+from rl_engines.strategies import create_strategy
+from rl_engines.tiny_model import build_tiny_vl_model
+from rl_engines.vision import VISUAL_KEY, encode_prompt, load_image_processor, visual_column
+
+SIZES = [(56, 84), (28, 56), (84, 56)]  # (height, width): 6, 2 and 6 image tokens after the 2 x 2 merge
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_vl")
+    build_tiny_vl_model(path, CORPUS)
+    return path
+
+
+def image(height, width, seed):
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def vl_prompts(model_dir) -> RolloutBatch:
+    """Three left-padded prompts: an image before the text, an image after it, and text alone."""
+    from transformers import AutoTokenizer
+
+    tokenizer, processor = AutoTokenizer.from_pretrained(str(model_dir)), load_image_processor(model_dir)
+    items = [("<image>1+2=", [image(*SIZES[0], 0)]), ("3+4=<image>", [image(*SIZES[1], 1)]), ("5+6=", [])]
+    encoded = [encode_prompt(text, images, tokenizer, processor) for text, images in items]
+    width = max(len(ids) for ids, _ in encoded)
+    ids = torch.zeros(len(encoded), width, dtype=torch.long)
+    mask = torch.zeros(len(encoded), width, dtype=torch.long)
+    for row, (tokens, _) in enumerate(encoded):
+        ids[row, width - len(tokens) :], mask[row, width - len(tokens) :] = torch.tensor(tokens), 1
+    return RolloutBatch({"input_ids": ids, "attention_mask": mask},
+                        {VISUAL_KEY: visual_column(visual for _, visual in encoded)})  # fmt: skip
+
+
+def alone(model_dir, rollout: RolloutBatch) -> torch.Tensor:
+    """Each sample's response log-probs from the HF model on that sample alone (no padding, its own images)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    resp = rollout.batch["responses"].shape[1]
+    out = torch.zeros(rollout.batch["responses"].shape)
+    for row in range(len(rollout)):
+        keep = rollout.batch["attention_mask"][row].bool()
+        ids = rollout.batch["input_ids"][row][keep].unsqueeze(0)
+        visual = rollout.non_tensor_batch[VISUAL_KEY][row]
+        with torch.no_grad():
+            logits = model(input_ids=ids, **visual).logits[0].float()
+        n = int(rollout.batch["response_mask"][row].sum())
+        targets = ids[0, ids.shape[1] - n :]
+        log_probs = torch.log_softmax(logits[ids.shape[1] - n - 1 : -1], dim=-1)
+        out[row, :n] = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    assert out.shape[1] == resp
+    return out
+
+
+def test_vl_rollouts_score_train_and_sync_as_the_hf_model(vl_dir):
+    args = GeneratingArgs(max_new_tokens=5, temperature=1.0, num_return_sequences=2, seed=3)
+    infer = create_strategy(worker_config(vl_dir, "actor_infer", generating_args=args.__dict__,
+                                          strategy_args={"strategy_name": "hf_infer"}), "actor_infer")  # fmt: skip
+    infer.initialize()
+    rollout = infer.generate(vl_prompts(vl_dir), args)
+    assert len(rollout) == 6 and len(rollout.non_tensor_batch[VISUAL_KEY]) == 6
+    mask = rollout.batch["response_mask"]
+    expected = alone(vl_dir, rollout)
+    # generation's own log-probs (KV cache, multimodal RoPE offsets) agree with a fresh forward
+    torch.testing.assert_close(rollout.batch["rollout_log_probs"][mask], expected[mask], atol=1e-4, rtol=0)
+
+    training = {"learning_rate": 1e-2, "per_device_train_batch_size": 6}
+    train = create_strategy(worker_config(vl_dir, training_args=training, infer_batch_size=4), "actor_train")
+    train.initialize()
+    scored = train.compute_log_probs(rollout).batch["log_probs"]
+    torch.testing.assert_close(scored[mask], expected[mask], atol=1e-5, rtol=0)
+
+    rollout.batch["old_log_probs"] = scored
+    rollout.batch["advantages"] = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
+    before = {name: value.clone() for name, value in train.named_weights()}
+    train.train_step(rollout, ActorObjective())
+    after = dict(train.named_weights())
+    changed = {name for name in after if not torch.equal(after[name], before[name])}
+    assert any(name.startswith("visual.") or ".visual." in name for name in changed), sorted(changed)[:5]
+    assert any("layers.0.self_attn" in name and "visual" not in name for name in changed)
+
+    infer.load_weights(train.named_weights())
+    synced = infer.compute_log_probs(rollout).batch["log_probs"]
+    torch.testing.assert_close(synced[mask], train.compute_log_probs(rollout).batch["log_probs"][mask], atol=1e-5,
+                               rtol=0)  # fmt: skip
+
+
+def test_rolls_freeze_module_prefix_freezes_the_vision_tower_and_syncs_it_once(vl_dir):
+    """``freeze_module_prefix: model.visual`` (ROLL's Qwen2.5-VL fsdp2 example): the vision tower gets no gradient
+    and no optimizer state and stays as loaded while the language model trains; a weight sync after the first leaves
+    the frozen weights out, the first sends them. A prefix that matches nothing is refused naming it."""
+    from rl_engines.role_worker import weights_to_send
+
+    rollout = vl_prompts(vl_dir)  # prompts as their own responses: a teacher-forced batch is all train_step needs
+    rollout.batch["responses"] = rollout.batch["input_ids"][:, -3:]
+    rollout.batch["response_mask"] = rollout.batch["attention_mask"][:, -3:].bool()
+    mask = rollout.batch["response_mask"]
+    training = {"learning_rate": 1e-2, "per_device_train_batch_size": 3}
+    train = create_strategy(worker_config(vl_dir, training_args=training, model_args={
+        "freeze_module_prefix": "model.visual"}), "actor_train")  # fmt: skip
+    train.initialize()
+    visual = {name for name, _ in train.named_weights() if name.startswith("model.visual.")}
+    assert visual and train.frozen == visual
+    assert not any(id(p) in {id(q) for q in train.model.model.visual.parameters()}
+                   for group in train.optimizer.param_groups for p in group["params"])  # fmt: skip
+    rollout.batch["old_log_probs"] = train.compute_log_probs(rollout).batch["log_probs"]
+    rollout.batch["advantages"] = torch.ones(mask.shape) * mask
+    before = dict((name, value.clone()) for name, value in train.named_weights())
+    train.train_step(rollout, ActorObjective())
+    after = dict(train.named_weights())
+    assert all(torch.equal(after[name], before[name]) for name in visual)
+    assert not torch.equal(after["model.language_model.layers.0.mlp.up_proj.weight"],
+                           before["model.language_model.layers.0.mlp.up_proj.weight"])  # fmt: skip
+    assert {name for name, _ in weights_to_send(train, "module", frozen=True)} == set(after)
+    assert {name for name, _ in weights_to_send(train, "module", frozen=False)} == set(after) - visual
+
+    with pytest.raises(ValueError, match=r"actor_train\.model_args\.freeze_module_prefix: \['vision_model'\] match"):
+        create_strategy(
+            worker_config(vl_dir, training_args=training, model_args={"freeze_module_prefix": "vision_model"}),
+            "actor_train",
+        ).initialize()
