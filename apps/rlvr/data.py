@@ -1,5 +1,5 @@
-"""RLVR prompt data: json / jsonl / csv files with a ``prompt`` or ``messages`` column, the chat template, and a
-resumable, seeded sampler.
+"""RLVR prompt data: json / jsonl / csv / parquet files with a ``prompt`` or ``messages`` column, the chat template,
+and a resumable, seeded sampler.
 
 A record keeps every column of its file (``ground_truth``, ``tag``, ``id`` ...); rewards read them. ``messages`` may
 be a list of ``{"role", "content"}`` dicts or its JSON text (ROLL's files store either).
@@ -46,7 +46,11 @@ def read_records(path: str | Path) -> list[dict[str, Any]]:
     if suffix == ".csv":
         with open(path, newline="", encoding="utf-8") as handle:
             return [dict(row) for row in csv.DictReader(handle)]
-    raise DataError(f"{path}: unsupported data format {suffix!r}; use .json, .jsonl or .csv.")
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return list(pq.read_table(path).to_pylist())
+    raise DataError(f"{path}: unsupported data format {suffix!r}; use .json, .jsonl, .csv or .parquet.")
 
 
 def _json_row(line: str, path: Path, number: int) -> dict[str, Any]:
@@ -74,10 +78,22 @@ def load_records(
         for index, row in enumerate(read_records(file)):
             if key not in row:
                 raise DataError(f"{file}: row {index} has no column {key!r} (data_args); columns: {sorted(row)}.")
-            records.append(row)
+            records.append(_answer_columns(row))
     if not records:
         raise DataError(f"data_args.file_name {files!r} holds no rows.")
     return records
+
+
+def _answer_columns(record: dict[str, Any]) -> dict[str, Any]:
+    """``ground_truth`` from ``reward_model.ground_truth`` and ``tag`` from ``data_source`` where a record has only
+    those (the One-RL-to-See-Them-All / verl layout, which ROLL's VLM data encoding maps so); others unchanged."""
+    out = dict(record)
+    reward_model = record.get("reward_model")
+    if "ground_truth" not in out and isinstance(reward_model, dict) and "ground_truth" in reward_model:
+        out["ground_truth"] = reward_model["ground_truth"]
+    if "tag" not in out and "data_source" in out:
+        out["tag"] = out["data_source"]
+    return out
 
 
 def chat_messages(record: dict[str, Any], *, prompt_key: str | None, messages_key: str | None) -> list[dict[str, str]]:

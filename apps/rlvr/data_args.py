@@ -8,8 +8,17 @@ from typing import Any
 
 from apps.common.preflight import PreflightError
 
-READ = ("template", "file_name", "prompt", "messages", "domain_interleave_probs")
-"""Keys the pipeline reads (``domain_interleave_probs`` only on actor_train)."""
+READ = (
+    "template",
+    "file_name",
+    "prompt",
+    "messages",
+    "domain_interleave_probs",
+    "image_min_pixels",
+    "image_max_pixels",
+)
+"""Keys the pipeline reads (``domain_interleave_probs`` only on actor_train; the pixel bounds for a
+vision-language model's images, apps.rlvr.vl_data)."""
 DEFAULTS_ONLY = {"tag": "tag", "id": "id", "response": "solution", "dataset_type": "json"}
 """ROLL keys accepted at ROLL's default only: the pipeline reads the ``tag`` column and json / jsonl / csv files."""
 NOTES = {

@@ -37,6 +37,7 @@ from apps.rlvr.preflight import preflight
 from apps.rlvr.rewards import RewardRouter
 from apps.rlvr.rollout import PromptSource
 from apps.rlvr.validation import Validator
+from apps.rlvr.vl_data import image_processor
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
 from rl_engines.placement import ClusterSpec
@@ -75,7 +76,7 @@ class RLVRPipeline:
         records = load_records(files, prompt_key=self.prompt_key, messages_key=self.messages_key)
         template = str(config.global_template or data_args.get("template", "native"))
         self.prompts = PromptSource(records, self.tokenizer, template, self.prompt_key, self.messages_key,
-                                    config.prompt_length)  # fmt: skip
+                                    config.prompt_length, image_processor(config))  # fmt: skip
         self.router = RewardRouter(config.rewards)
         probs = domain_probs(config)  # ROLL's domain_interleave_probs: each domain's share of every batch
         self.sampler: PromptSampler | DomainSampler = (

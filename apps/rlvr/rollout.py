@@ -11,6 +11,7 @@ import torch
 
 from apps.rlvr.data import chat_messages, encode_prompts, prompt_text
 from apps.rlvr.rewards import RewardRouter
+from apps.rlvr.vl_data import QUESTION_TEMPLATE, vl_prompt_batch
 from rl_core.batch import RolloutBatch
 
 
@@ -24,14 +25,26 @@ class PromptSource:
     prompt_key: str | None
     messages_key: str | None
     prompt_length: int
+    image_processor: Any = None
+    """A vision-language model's image processor (:mod:`apps.rlvr.vl_data`); None for a text model."""
 
     def batch(self, indices: Sequence[int], uids: Sequence[str]) -> RolloutBatch:
-        """Left-padded prompts ``[B, P]`` with ``record_index`` and ``prompt_uid`` per sample."""
+        """Left-padded prompts ``[B, P]`` with ``record_index`` and ``prompt_uid`` per sample (and, for a
+        vision-language model, each sample's images as the model's visual inputs)."""
         records = [self.records[i] for i in indices]
-        messages = [chat_messages(r, prompt_key=self.prompt_key, messages_key=self.messages_key) for r in records]
+        messages = [self._messages(r) for r in records]
         texts = [prompt_text(m, self.tokenizer, self.template) for m in messages]
-        tensors = encode_prompts(texts, self.tokenizer, self.prompt_length)
-        return RolloutBatch.from_dict(tensors, {"record_index": list(indices), "prompt_uid": list(uids)})
+        columns: dict[str, Any] = {"record_index": list(indices), "prompt_uid": list(uids)}
+        if self.image_processor is None:
+            return RolloutBatch.from_dict(encode_prompts(texts, self.tokenizer, self.prompt_length), columns)
+        prompts = vl_prompt_batch(texts, records, self.tokenizer, self.image_processor, self.prompt_length)
+        return RolloutBatch(prompts.batch, {**prompts.non_tensor_batch, **columns})
+
+    def _messages(self, record: dict[str, Any]) -> list[dict[str, str]]:
+        messages = chat_messages(record, prompt_key=self.prompt_key, messages_key=self.messages_key)
+        if self.image_processor is not None and self.prompt_key is not None:  # ROLL's VLM question template
+            messages = [{"role": "user", "content": QUESTION_TEMPLATE.format(Question=messages[0]["content"])}]
+        return messages
 
     def grade(self, rollout: RolloutBatch, router: RewardRouter) -> None:
         """Grade every generated response: decoded here, graded by ``router.grade_many`` at once, into the batch's

@@ -47,6 +47,17 @@ def is_vl_model(path: str | Path) -> bool:
     return file.is_file() and is_vl_config(json.loads(file.read_text(encoding="utf-8")))
 
 
+PLACEHOLDER_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def placeholder_token_ids(config: Any) -> list[int]:
+    """A vision-language model's placeholder tokens (image / video pads, vision start / end), which generation never
+    samples: in a response they would be read as image slots and break the next forward ("Image features and image
+    tokens do not match"). Empty for a text model."""
+    ids = [getattr(config, key, None) for key in PLACEHOLDER_IDS]
+    return [int(i) for i in ids if i is not None] if is_vl_config(config.to_dict()) else []
+
+
 def is_visual(batch: Any) -> bool:
     """``batch`` (a RolloutBatch) carries visual inputs."""
     return VISUAL_KEY in batch.non_tensor_batch

@@ -11,7 +11,7 @@ import torch
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
 from rl_engines.strategies.model_io import position_ids_from_mask, response_log_probs
-from rl_engines.vision import visual_inputs
+from rl_engines.vision import placeholder_token_ids, visual_inputs
 
 STOP_CONTEXT_TOKENS = 16
 """Prompt tokens decoded with a response when looking for stop strings that straddle the boundary."""
@@ -29,7 +29,7 @@ def _generation_config(model: Any, tokenizer: Any, args: GeneratingArgs) -> Any:
 
     eos = eos_token_ids(model, tokenizer)
     pad = pad_token_id(model, tokenizer, eos)
-    sample = args.temperature > 0
+    sample = args.temperature > 0  # a vision-language model never samples its image / video placeholders
     return GenerationConfig(  # type: ignore[no-untyped-call]
         do_sample=sample,
         temperature=args.temperature if sample else None,
@@ -44,6 +44,7 @@ def _generation_config(model: Any, tokenizer: Any, args: GeneratingArgs) -> Any:
         output_logits=True,
         return_dict_in_generate=True,
         use_cache=True,
+        suppress_tokens=placeholder_token_ids(model.config) or None,
     )
 
 

@@ -1,0 +1,105 @@
+"""Vision-language RLVR data as ROLL's VLM pipeline reads it (``roll/datasets/vlm_dataset_utils.py``).
+
+A record holds its prompt (a chat ``messages`` column, or a text ``prompt`` column that ROLL wraps in its question
+template) with one ``<image>`` per image, and its images in an ``images`` column: a list whose items are file paths,
+raw bytes, ``{"bytes": ..., "path": ...}`` dicts (how HF datasets store an Image feature in parquet), or
+``data:image/...;base64,`` strings. (One-RL-to-See-Them-All / Orsta style records keep the answer in
+``reward_model.ground_truth`` and the source in ``data_source``; apps.rlvr.data reads them as the ``ground_truth``
+and ``tag`` columns, as ROLL maps them.) Images are read as RGB and go through the model's image processor
+(``data_args.image_min_pixels`` / ``image_max_pixels`` bound their size), see :mod:`rl_engines.vision`.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from apps.rlvr.data import DataError
+from rl_core.batch import RolloutBatch
+from rl_engines.vision import VISUAL_KEY, encode_prompt, visual_column
+
+IMAGES_KEY = "images"
+QUESTION_TEMPLATE = (
+    "{Question}  Output the thinking process in <think> </think> and final answer (number) in <answer> </answer> tags."
+)
+"""ROLL's VLM question template for a text ``prompt`` column (``format_prompt``)."""
+
+
+def load_image(item: Any, where: str) -> Any:
+    """One ``images`` entry as an RGB PIL image; ``where`` names the record in errors."""
+    from PIL import Image
+
+    try:
+        if isinstance(item, dict):
+            item = item.get("bytes") or item.get("path")
+        if isinstance(item, (bytes, bytearray)):
+            return Image.open(io.BytesIO(item)).convert("RGB")
+        if isinstance(item, str) and item.startswith("data:image/"):
+            return Image.open(io.BytesIO(base64.b64decode(item.split(",", 1)[1]))).convert("RGB")
+        if isinstance(item, str):
+            return Image.open(Path(item)).convert("RGB")
+    except (OSError, ValueError) as err:
+        raise DataError(f"{where}: cannot read image {str(item)[:80]!r} ({err}).") from None
+    raise DataError(f"{where}: an image must be a path, bytes, a data: URI or a {{bytes, path}} dict, got "
+                    f"{type(item).__name__}.")  # fmt: skip
+
+
+def record_images(record: dict[str, Any], where: str) -> list[Any]:
+    """The record's images (none when it has no ``images`` column or an empty one: a text-only sample)."""
+    items = record.get(IMAGES_KEY)
+    if items is None:
+        return []
+    if not isinstance(items, (list, tuple)):
+        items = [items]
+    return [load_image(item, f"{where} image {i}") for i, item in enumerate(items) if item is not None]
+
+
+def vl_prompt_batch(
+    texts: Sequence[str], records: Sequence[dict[str, Any]], tokenizer: Any, processor: Any, prompt_length: int
+) -> RolloutBatch:
+    """Left-padded prompt ids ``[B, P]`` of chat-templated ``texts`` with their records' images, and each sample's
+    visual inputs. A prompt longer than ``prompt_length`` is an error (cutting it could cut an image's tokens)."""
+    encoded = []
+    for text, record in zip(texts, records, strict=True):
+        where = f"record {record.get('id', '?')}"
+        try:
+            ids, visual = encode_prompt(text, record_images(record, where), tokenizer, processor)
+        except ValueError as err:
+            raise DataError(f"{where}: {err}") from None
+        if len(ids) > prompt_length:
+            raise DataError(
+                f"{where}: its prompt is {len(ids)} tokens with its images' tokens, more than prompt_length="
+                f"{prompt_length}; raise prompt_length or lower data_args.image_max_pixels."
+            )
+        encoded.append((ids, visual))
+    width = max(len(ids) for ids, _ in encoded)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    input_ids = torch.full((len(encoded), width), int(pad), dtype=torch.long)
+    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
+    for row, (ids, _) in enumerate(encoded):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, width - len(ids) :] = 1
+    column = visual_column(visual for _, visual in encoded)
+    return RolloutBatch({"input_ids": input_ids, "attention_mask": attention_mask}, {VISUAL_KEY: column})
+
+
+ROLL_MIN_PIXELS, ROLL_MAX_PIXELS = 4 * 28 * 28, 4096 * 4096
+"""ROLL's ``data_args.image_min_pixels`` / ``image_max_pixels`` defaults, which its VLM pipeline always sets on the
+processor (the model folder's own bounds do not apply)."""
+
+
+def image_processor(config: Any) -> Any:
+    """The actor's image processor with ROLL's pixel bounds when its model is a vision-language one, else None."""
+    from rl_engines.vision import is_vl_model, load_image_processor
+
+    path = str(config.actor_train.model_args.model_name_or_path)
+    if not is_vl_model(path):
+        return None
+    data_args = config.actor_train.data_args
+    return load_image_processor(path, min_pixels=int(data_args.get("image_min_pixels", ROLL_MIN_PIXELS)),
+                                max_pixels=int(data_args.get("image_max_pixels", ROLL_MAX_PIXELS)))  # fmt: skip

@@ -1,0 +1,120 @@
+"""RLVR with a vision-language model (issue 23): ROLL's VLM data layout (a parquet file with a chat ``messages``
+column holding ``<image>``, an ``images`` column of PNG bytes, ``reward_model.ground_truth`` and ``data_source``)
+through a tiny Qwen2.5-VL on two CPU slots: generation in hf_infer, the reference's log-probs, fsdp2 training with
+ROLL's ``freeze_module_prefix: model.visual``, and weight syncs that send the frozen vision tower once."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from PIL import Image
+from rlvr_fixtures import make_setup
+
+from apps.common.yaml_config import load_config
+from apps.rlvr.config import RLVRConfig
+from apps.rlvr.pipeline import RLVRPipeline
+from rl_engines.tiny_model import build_tiny_vl_model
+
+
+def png(count: int, seed: int) -> bytes:
+    """A 56 x 56 picture with ``count`` red squares on white."""
+    pixels = np.full((56, 56, 3), 255, dtype=np.uint8)
+    rng = np.random.default_rng(seed)
+    for index in range(count):
+        row, col = 4 + 16 * index, int(rng.integers(2, 40))
+        pixels[row : row + 10, col : col + 10] = (220, 30, 30)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_a_vl_model_trains_on_image_prompts_and_syncs_its_frozen_vision_tower_once(tmp_path, ray_session):
+    setup = make_setup(tmp_path / "setup")
+    build_tiny_vl_model(setup / "vl", [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)])
+    rows = [{"messages": [{"role": "user", "content": "<image>How many red squares?"}],
+             "images": [{"bytes": png(count, seed), "path": None}],
+             "reward_model": {"ground_truth": str(count)}, "data_source": "mm_math"}
+            for seed, count in enumerate([1, 2, 3, 1, 2, 3])]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), setup / "train.parquet")
+    raw = load_config(setup / "rlvr.yaml")
+    raw["pretrain"] = str(setup / "vl")
+    raw["actor_train"]["data_args"] = {"template": "native", "file_name": str(setup / "train.parquet"),
+                                       "messages": "messages", "image_max_pixels": 56 * 56}  # fmt: skip
+    raw["actor_train"]["model_args"] = {"freeze_module_prefix": "model.visual"}
+    raw["rewards"]["math_rule"]["tag_included"] = ["mm_math"]
+    raw["eval_steps"] = 0
+    RLVRPipeline(RLVRConfig.from_dict(raw)).run()
+
+    steps = [json.loads(line) for line in (setup / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [step["step"] for step in steps] == [0, 1]
+    assert all("actor/pg_loss" in step and "critic/score/mean" in step for step in steps)
+    from rl_ckpt.hf_io import HFCheckpoint
+
+    vision = sum(name.startswith("visual.") for name in HFCheckpoint(setup / "vl").weight_map)  # model.visual's
+    sent = [step["model_update/tensors"] for step in steps]
+    assert vision > 0 and sent[0] - sent[1] == vision  # the frozen tower travels with the first sync only
+
+
+def test_roll_vlm_images_load_from_bytes_dicts_paths_and_data_uris_and_bad_ones_name_the_record(tmp_path):
+    import base64
+
+    import pytest
+
+    from apps.rlvr.data import DataError, load_records
+    from apps.rlvr.vl_data import record_images
+
+    data = png(2, 0)
+    (tmp_path / "a.png").write_bytes(data)
+    uri = "data:image/png;base64," + base64.b64encode(data).decode()
+    record = {"id": 7, "images": [data, {"bytes": data, "path": None}, str(tmp_path / "a.png"), uri]}
+    images = record_images(record, "record 7")
+    assert [image.size for image in images] == [(56, 56)] * 4
+    assert all(np.array_equal(np.asarray(image), np.asarray(images[0])) for image in images)
+    assert record_images({"prompt": "text only"}, "record 8") == []
+    with pytest.raises(DataError, match=r"record 9 image 0: cannot read image '.*missing\.png'"):
+        record_images({"images": [str(tmp_path / "missing.png")]}, "record 9")
+    rows = [{"prompt": "<image>2?", "images": [{"bytes": data, "path": None}], "data_source": "mm_math",
+             "reward_model": {"ground_truth": "2"}}]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    [loaded] = load_records(str(tmp_path / "d.parquet"), prompt_key="prompt", messages_key=None)
+    assert loaded["ground_truth"] == "2" and loaded["tag"] == "mm_math"  # ROLL's VLM mapping of the columns
+    assert record_images(loaded, "record 0")[0].size == (56, 56)
+
+
+def test_vl_prompts_expand_image_pads_and_refuse_what_does_not_fit(tmp_path):
+    import pytest
+    from transformers import AutoTokenizer
+
+    from apps.rlvr.data import DataError
+    from apps.rlvr.vl_data import vl_prompt_batch
+    from rl_engines.config import GeneratingArgs
+    from rl_engines.strategies.generation import _generation_config
+    from rl_engines.vision import VISUAL_KEY, load_image_processor, placeholder_token_ids
+
+    build_tiny_vl_model(tmp_path, ["1 2 3"])
+    tokenizer, processor = AutoTokenizer.from_pretrained(str(tmp_path)), load_image_processor(tmp_path)
+    records = [{"images": [{"bytes": png(1, 0)}]}, {}]
+    batch = vl_prompt_batch(["<image>1?", "2?"], records, tokenizer, processor, prompt_length=64)
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    grid = batch.non_tensor_batch[VISUAL_KEY][0]["image_grid_thw"]
+    assert int((batch.batch["input_ids"][0] == pad).sum()) == int(grid.prod()) // 4 and not batch.non_tensor_batch[
+        VISUAL_KEY][1]  # fmt: skip
+    with pytest.raises(DataError, match=r"prompt_length=4; raise prompt_length or lower data_args.image_max_pixels"):
+        vl_prompt_batch(["<image>1?"], records[:1], tokenizer, processor, prompt_length=4)
+    with pytest.raises(DataError, match=r"the prompt has 0 image placeholder\(s\) and 1 image\(s\)"):
+        vl_prompt_batch(["1?"], records[:1], tokenizer, processor, prompt_length=64)
+    from transformers import AutoConfig
+
+    vision = placeholder_token_ids(AutoConfig.from_pretrained(str(tmp_path)))
+    names = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+    assert sorted(vision) == sorted(tokenizer.convert_tokens_to_ids(name) for name in names)
+
+    class Model:
+        config = AutoConfig.from_pretrained(str(tmp_path))
+        generation_config = type("G", (), {"eos_token_id": 2, "pad_token_id": 0})()
+
+    assert _generation_config(Model(), tokenizer, GeneratingArgs()).suppress_tokens == vision
