@@ -37,7 +37,7 @@ from apps.rlvr.preflight import preflight
 from apps.rlvr.rewards import RewardRouter
 from apps.rlvr.rollout import PromptSource
 from apps.rlvr.validation import Validator
-from apps.rlvr.vl_data import image_processor
+from apps.rlvr.vl_data import image_processor, model_type
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
 from rl_engines.placement import ClusterSpec
@@ -76,7 +76,7 @@ class RLVRPipeline:
         records = load_records(files, prompt_key=self.prompt_key, messages_key=self.messages_key)
         template = str(config.global_template or data_args.get("template", "native"))
         self.prompts = PromptSource(records, self.tokenizer, template, self.prompt_key, self.messages_key,
-                                    config.prompt_length, image_processor(config))  # fmt: skip
+                                    config.prompt_length, image_processor(config), model_type(config))  # fmt: skip
         self.router = RewardRouter(config.rewards)
         probs = domain_probs(config)  # ROLL's domain_interleave_probs: each domain's share of every batch
         self.sampler: PromptSampler | DomainSampler = (
@@ -185,16 +185,16 @@ class RLVRPipeline:
     def _rollout(self, *, step: int) -> RolloutBatch:
         """The scheduler layer: prompts -> responses -> verifiable ``scores``. rollout_mock dumps or replays it."""
         rollout, waited = self.queue.take(step)
-        rollout = self._scored(rollout)
+        rollout = self._scored(rollout, step)
         if self.dynamic.active:  # query filters / extra prompts: refill with fresh generations of this policy
-            more = lambda prompts: self._scored(self._submit(step, step, prompts).result())  # noqa: E731
+            more = lambda prompts: self._scored(self._submit(step, step, prompts).result(), step)  # noqa: E731
             rollout, metrics = self.dynamic.fill(rollout, more)
             waited.update(metrics)
         self._waits = waited
         return rollout
 
-    def _scored(self, rollout: RolloutBatch) -> RolloutBatch:
-        self.prompts.grade(rollout, self.router)
+    def _scored(self, rollout: RolloutBatch, step: int) -> RolloutBatch:
+        self.prompts.grade(rollout, self.router, step, self.config.max_steps)
         self._reward_spans += list(self.router.spans.items())
         if self.shaping.difficulty_loss_weight:
             rollout.non_tensor_batch["difficulty"] = self.prompts.column(rollout, "difficulty")

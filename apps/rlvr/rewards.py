@@ -284,4 +284,4 @@ def _take(rows: list[int], values: list[T]) -> list[T]:
 
 
 # The rule rewards of the other domains register themselves on import (they use this module's registry).
-from apps.rlvr import code_reward, judge, rule_rewards, video_r1_reward  # noqa: E402, F401
+from apps.rlvr import code_reward, detection_reward, judge, rule_rewards, video_r1_reward  # noqa: E402, F401

@@ -11,8 +11,9 @@ import torch
 
 from apps.rlvr.data import chat_messages, encode_prompts, prompt_text
 from apps.rlvr.rewards import RewardRouter
-from apps.rlvr.vl_data import QUESTION_TEMPLATE, vl_prompt_batch
+from apps.rlvr.vl_data import QUESTION_TEMPLATE, graded_records, vl_prompt_batch
 from rl_core.batch import RolloutBatch
+from rl_engines.vision import VISUAL_KEY
 
 
 @dataclass
@@ -27,6 +28,8 @@ class PromptSource:
     prompt_length: int
     image_processor: Any = None
     """A vision-language model's image processor (:mod:`apps.rlvr.vl_data`); None for a text model."""
+    model_type: str | None = None
+    """The policy's model type (a vision-language model's rewards read it)."""
 
     def batch(self, indices: Sequence[int], uids: Sequence[str]) -> RolloutBatch:
         """Left-padded prompts ``[B, P]`` with ``record_index`` and ``prompt_uid`` per sample (and, for a
@@ -46,7 +49,7 @@ class PromptSource:
             messages = [{"role": "user", "content": QUESTION_TEMPLATE.format(Question=messages[0]["content"])}]
         return messages
 
-    def grade(self, rollout: RolloutBatch, router: RewardRouter) -> None:
+    def grade(self, rollout: RolloutBatch, router: RewardRouter, step: int = 0, max_steps: int = 0) -> None:
         """Grade every generated response: decoded here, graded by ``router.grade_many`` at once, into the batch's
         ``scores`` ``[B]`` (how right) and ``response_level_rewards`` ``[B]`` (what the policy is trained on)."""
         responses, mask = rollout.batch["responses"], rollout.batch["response_mask"]  # [B, R]
@@ -56,6 +59,9 @@ class PromptSource:
             for row, length in enumerate(lengths)
         ]
         records = [self.records[int(index)] for index in rollout.non_tensor_batch["record_index"]]
+        if self.image_processor is not None:
+            visual = list(rollout.non_tensor_batch.get(VISUAL_KEY, [{}] * len(records)))
+            records = graded_records(records, visual, self.image_processor, self.model_type, step, max_steps)
         grades = router.grade_many(texts, records, lengths)
         rollout.batch["scores"] = torch.tensor([g.score for g in grades], dtype=torch.float32)
         rollout.batch["response_level_rewards"] = torch.tensor([g.reward for g in grades], dtype=torch.float32)

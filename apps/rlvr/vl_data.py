@@ -103,3 +103,27 @@ def image_processor(config: Any) -> Any:
     data_args = config.actor_train.data_args
     return load_image_processor(path, min_pixels=int(data_args.get("image_min_pixels", ROLL_MIN_PIXELS)),
                                 max_pixels=int(data_args.get("image_max_pixels", ROLL_MAX_PIXELS)))  # fmt: skip
+
+
+def graded_records(records: list[dict[str, Any]], visual: Sequence[dict[str, Any]], processor: Any,
+                   model_type: str | None, step: int, max_steps: int) -> list[dict[str, Any]]:  # fmt: skip
+    """The records a vision-language rollout's rewards see: each with ``image_sizes`` (``(t, height, width)`` of its
+    images after the processor, in pixels), ``vl_model_type`` (the policy's, which decides the boxes' frame in the
+    detection reward) and ``global_step`` / ``max_steps`` (its dynamic IoU threshold), as ROLL's reward workers
+    get them from the batch."""
+    patch = int(getattr(processor, "patch_size", 14))
+    out = []
+    for record, inputs in zip(records, visual, strict=True):
+        grids = inputs.get("image_grid_thw") if inputs else None
+        sizes = [] if grids is None else [(int(t), int(h) * patch, int(w) * patch) for t, h, w in grids.tolist()]
+        out.append({**record, "image_sizes": sizes, "vl_model_type": model_type, "global_step": step,
+                    "max_steps": max_steps})  # fmt: skip
+    return out
+
+
+def model_type(config: Any) -> str | None:
+    """The actor's ``model_type`` from its folder's config.json (None when it cannot be read)."""
+    import json
+
+    path = Path(str(config.actor_train.model_args.model_name_or_path)) / "config.json"
+    return json.loads(path.read_text(encoding="utf-8")).get("model_type") if path.is_file() else None

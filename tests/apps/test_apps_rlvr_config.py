@@ -26,6 +26,7 @@ RLVR_FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/*.yaml", "docs_example
     "qwen3-8B-rlvr_fsdp2/rlvr_config.yaml",  # fsdp2's use_batched_model_update (issue 16)
     "qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml",  # MoE on fsdp2: wrap_policy, vLLM's optimization_level (issue 19)
     "qwen3-30BA3B-rlvr_megatron/rlvr_config.yaml",  # MoE on megatron: EP 4, PP 2 x virtual pipeline 8 (issue 19)
+    "qwen2_5-vl-3B-rlvr_fsdp2/rlvr_fsdp2_offload.yaml",  # Qwen2.5-VL on fsdp2: freeze_module_prefix, detection (23)
 )
 PG_WORKER = "roll.pipeline.rlvr.actor_pg_worker.ActorPGWorker"
 TORCH_NATIVE = {"megatron_train": "fsdp2_train", "deepspeed_train": "fsdp2_train", "vllm": "hf_infer",
@@ -43,7 +44,7 @@ def with_cluster(raw: dict) -> dict:
     mappings = [parse_device_mapping(s["device_mapping"], role="any") for s in sections_of(config)
                 if s.get("device_mapping")]  # fmt: skip
     ids = [i for mapping in mappings for i in mapping]
-    config["num_nodes"] = -(-(max(ids) + 1) // config["num_gpus_per_node"])
+    config["num_nodes"] = -(-(max(ids) + 1) // config.get("num_gpus_per_node", 8))  # ROLL's default: 8
     return config
 
 
@@ -185,8 +186,8 @@ def test_the_small_config_passes():
         ({"reference": {"device_mapping": [0, 1, 2], "strategy_args": {"strategy_name": "hf_infer"}}}, BatchSizeError,
          r"reference: rollout_batch_size x num_return_sequences_in_group = 8 samples must split evenly over its 3"),
         # reward sections resolve before any worker starts (issue 16), each with its own checks
-        ({"rewards__vision": {"worker_cls": "roll.pipeline.rlvr.rewards.detection.DetectionRewardWorker"}},
-         ValueError, r"rewards\.vision: no reward function 'DetectionRewardWorker' .*registered: \["),
+        ({"rewards__vision": {"worker_cls": "roll.pipeline.rlvr.rewards.grounding.GroundingRewardWorker"}},
+         ValueError, r"rewards\.vision: no reward function 'GroundingRewardWorker' .*registered: \["),
         ({"rewards__math_rule__tag_included": ["a"], "rewards__mc": {"worker_cls": "x.CrossThinkQARuleRewardWorker",
                                                                   "tag_included": ["a"]}},
          ValueError, r"tag 'a' is in tag_included of both rewards\.math_rule and rewards\.mc"),
