@@ -139,3 +139,51 @@ def test_a_roll_file_runs_two_steps_on_cpu_with_every_reward(roll_file: Path, tm
     events = json.loads((out / "timeline.json").read_text())["traceEvents"]
     graded = {(e["name"], e["args"]["step"]) for e in events if e["name"].startswith("reward/")}
     assert graded == {(f"reward/{section}", step) for section in sections for step in (0, 1)}  # a track each
+
+
+def test_rolls_qwen25_vl_fsdp2_file_runs_two_steps_on_a_tiny_vl_model(tmp_path, ray_session):
+    """The Qwen2.5-VL fsdp2 roll-target (issue 23) after the same swaps: its parquet data in ROLL's VLM layout
+    (a chat ``prompt`` column with ``<image>``, PNG ``images``, ``reward_model`` and ``data_source``: math and
+    detection domains mixed by domain_interleave_probs), a tiny Qwen2.5-VL with its vision tower frozen by the
+    file's own freeze_module_prefix, every reward section grading its domain."""
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    from rl_engines.tiny_model import build_tiny_vl_model
+
+    path = require_shared(roll_target_files("qwen2_5-vl-3B-rlvr_fsdp2/rlvr_fsdp2_offload.yaml")[0])
+    raw = load_config(path)
+    build_tiny_vl_model(tmp_path / "vl", [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)])
+
+    def png(seed: int) -> bytes:
+        out = io.BytesIO()
+        Image.fromarray(np.random.default_rng(seed).integers(0, 256, (56, 56, 3), dtype=np.uint8)).save(out, "PNG")
+        return out.getvalue()
+
+    boxes = '<answer>[{"bbox_2d": [10, 10, 500, 500], "label": "cat"}]</answer>'
+    detection = {"ground_truth": boxes, "verifier_parm": {"det_verifier_normalized": True,
+                 "det_reward_ratio": {"iou_max_label_first": 1.0, "map": 1.0}}}  # fmt: skip
+    domains = lambda i: (
+        (f"{i}+1=", {"ground_truth": str(i + 1)}, "mm_math"),  # noqa: E731
+        ("Find the cat.", detection, "v3det_train"),
+    )
+    rows = [{"prompt": [{"role": "user", "content": f"<image>{question}"}], "images": [{"bytes": png(i), "path": None}],
+             "reward_model": reward_model, "data_source": source}
+            for i in range(4) for question, reward_model, source in domains(i)]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data.parquet")
+    out = tmp_path / "out"
+    config = on_cpu(raw, str(tmp_path / "vl"), str(tmp_path / "data.parquet"), str(out), ulysses=False)
+    config["actor_train"]["training_args"].update(per_device_train_batch_size=4, gradient_accumulation_steps=5)
+    for role in ("actor_train", "actor_infer", "reference"):  # the file resolved ${pretrain} into each section
+        config[role]["model_args"]["model_name_or_path"] = str(tmp_path / "vl")
+    RLVRPipeline(RLVRConfig.from_dict(config)).run()
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [step["step"] for step in steps] == [0, 1]
+    for step in steps:
+        assert {"math/critic/score/mean", "cv_detection/critic/score/mean", "actor/pg_loss"} <= set(step)
+        assert step["time/reward/math"] > 0 and step["time/reward/cv_detection"] > 0
+    assert steps[0]["model_update/tensors"] > steps[1]["model_update/tensors"]  # the frozen tower: first sync only
