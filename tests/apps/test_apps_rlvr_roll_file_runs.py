@@ -167,10 +167,10 @@ def test_rolls_qwen25_vl_fsdp2_file_runs_two_steps_on_a_tiny_vl_model(tmp_path, 
     boxes = '<answer>[{"bbox_2d": [10, 10, 500, 500], "label": "cat"}]</answer>'
     detection = {"ground_truth": boxes, "verifier_parm": {"det_verifier_normalized": True,
                  "det_reward_ratio": {"iou_max_label_first": 1.0, "map": 1.0}}}  # fmt: skip
-    domains = lambda i: (
-        (f"{i}+1=", {"ground_truth": str(i + 1)}, "mm_math"),  # noqa: E731
-        ("Find the cat.", detection, "v3det_train"),
-    )
+
+    def domains(i: int) -> tuple[tuple[str, dict, str], ...]:
+        return (f"{i}+1=", {"ground_truth": str(i + 1)}, "mm_math"), ("Find the cat.", detection, "v3det_train")
+
     rows = [{"prompt": [{"role": "user", "content": f"<image>{question}"}], "images": [{"bytes": png(i), "path": None}],
              "reward_model": reward_model, "data_source": source}
             for i in range(4) for question, reward_model, source in domains(i)]  # fmt: skip
@@ -186,4 +186,10 @@ def test_rolls_qwen25_vl_fsdp2_file_runs_two_steps_on_a_tiny_vl_model(tmp_path, 
     for step in steps:
         assert {"math/critic/score/mean", "cv_detection/critic/score/mean", "actor/pg_loss"} <= set(step)
         assert step["time/reward/math"] > 0 and step["time/reward/cv_detection"] > 0
-    assert steps[0]["model_update/tensors"] > steps[1]["model_update/tensors"]  # the frozen tower: first sync only
+    from rl_ckpt.hf_io import HFCheckpoint
+
+    vision = sum(name.startswith("visual.") for name in HFCheckpoint(tmp_path / "vl").weight_map)  # model.visual's
+    sent = [step["model_update/tensors"] for step in steps]
+    assert vision > 0 and sent[0] - sent[1] == vision  # the frozen vision tower travels with the first sync only
+    exported = out / "checkpoints" / "checkpoint-1" / "actor_hf"  # with the image processor: it loads and serves
+    assert (exported / "preprocessor_config.json").is_file()

@@ -231,6 +231,18 @@ def load_trainer_state(strategy: Any, root: Path, *, restore_rng: bool = True) -
         set_rng_state(torch.load(rng_file, weights_only=False))
 
 
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+"""A vision-language model's processor configs, which an export carries over from the model folder it started from
+(the tokenizer's own folder), so the exported folder loads and serves with its images."""
+
+
+def _copy_processor_files(source: Path, folder: Path) -> None:
+    if source.is_dir():
+        for name in PROCESSOR_FILES:
+            if (source / name).is_file() and not (folder / name).exists():
+                shutil.copy2(source / name, folder / name)
+
+
 def write_hf_folder_atomically(
     path: str,
     write_fn: Callable[[Path], None],
@@ -240,10 +252,11 @@ def write_hf_folder_atomically(
     rank_bytes: int,
     follow: Callable[[], None] | None = None,
 ) -> None:
-    """Every rank calls (a collective): rank 0 runs ``write_fn(tmp)`` into ``<path>.tmp``, adds the tokenizer,
-    fsyncs, then replaces ``path`` with it; the other ranks run ``follow`` (their part of the collectives rank 0's
-    write drives). A failure on any rank removes ``<path>.tmp`` and raises on every rank (see :func:`settle`).
-    ``rank_bytes``: the bytes of the weights this rank contributes to the export (sizes the message)."""
+    """Every rank calls (a collective): rank 0 runs ``write_fn(tmp)`` into ``<path>.tmp``, adds the tokenizer (and a
+    vision-language model's processor configs, :data:`PROCESSOR_FILES`), fsyncs, then replaces ``path`` with it; the
+    other ranks run ``follow`` (their part of the collectives rank 0's write drives). A failure on any rank removes
+    ``<path>.tmp`` and raises on every rank (see :func:`settle`). ``rank_bytes``: the bytes of the weights this rank
+    contributes to the export (sizes the message)."""
     final = Path(path)
     tmp = final.with_name(f"{final.name}.tmp")
 
@@ -252,6 +265,7 @@ def write_hf_folder_atomically(
         write_fn(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+            _copy_processor_files(Path(str(getattr(tokenizer, "name_or_path", ""))), tmp)
         _publish(final, tmp, None)
 
     error = _attempt(write if dist.get_rank() == 0 else follow)
