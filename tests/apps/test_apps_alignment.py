@@ -4,8 +4,8 @@ variant, compare the per-step training metrics with the reference's.
 fsdp2_train on 2 data-parallel ranks is the reference (the dumping run). fsdp2_train on 1 rank with twice the
 gradient accumulation trains on the same global batches, and with ROLL's dynamic batching (token-budget passes
 without padding) and sequence packing (load-balanced packed rows) on the same mini-batches, and with Ulysses sequence
-parallelism (ulysses_size 2: one data-parallel group of 2 ranks) on the same global batches; deepspeed_train ZeRO-1
-and ZeRO-3 (2 ranks), megatron_train TP=1 (2 data-parallel ranks), TP=2 (1 data-parallel rank) and PP=2 (2 pipeline
+parallelism (ulysses_size 2: one data-parallel group of 2 ranks) on the same global batches; deepspeed_train ZeRO-3
+(2 ranks), megatron_train TP=1 (2 data-parallel ranks), TP=2 (1 data-parallel rank) and PP=2 (2 pipeline
 stages, 1 data-parallel rank) train on the same samples in the same mini-batches, in fp32 on CPU. Their per-step
 pg_loss, total_loss, approx_kl (ppo_kl) and grad_norm must match the reference to within what fp32 reduction order
 explains. LoRA (ROLL's lora_* keys) on fsdp2_train, deepspeed_train ZeRO-3 and megatron_train TP=2 (adapters
@@ -39,7 +39,9 @@ BASE = ["max_steps=2", "prompt_length=32", "adv_estimator=reinforce", "entropy_l
         "actor_train.training_args.gradient_accumulation_steps=2"]  # fmt: skip
 ONE_DATA_RANK = ["actor_train.training_args.gradient_accumulation_steps=4"]  # the same global batch on 1 DP rank
 STRATEGY = "actor_train.strategy_args"
-ENGINE_VARIANTS = ("zero1", "zero3", "megatron_tp1", "megatron_tp2", "megatron_pp2")
+ENGINE_VARIANTS = ("zero3", "megatron_tp1", "megatron_tp2", "megatron_pp2")
+"""DeepSpeed's column is ZeRO-3 (parameters partitioned too); ZeRO-1 / ZeRO-2 train the same update and are compared
+with fsdp2_train at 1e-6 on one and two ranks in tests/rl_engines/test_engines_deepspeed.py."""
 # ROLL's dynamic batching: passes of at most 80 tokens (a sample is 31-37 tokens, rounded to 4: two share one)
 # without their padding columns, in training and in actor_train's log-probs.
 DYNAMIC_BATCHING = [
@@ -83,7 +85,6 @@ def variants(shim_envs: list[str]) -> dict[str, list[str]]:
                                    "fsdp2_sequence_packing": SEQUENCE_PACKING,
                                    "fsdp2_ulysses": ULYSSES, "lora_fsdp2": LORA}  # fmt: skip
     if _installed("deepspeed"):
-        found["zero1"] = [deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=1"]
         found["zero3"] = [deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=3"]
         found["lora_zero3"] = [*LORA, deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=3"]
     if _installed("megatron.core"):

@@ -117,5 +117,5 @@ def test_router_picks_the_reward_by_tag_and_applies_the_length_penalty():
     assert right == Grade(1.0, pytest.approx(0.9))
     assert router.grade("<answer>4.0</answer>", {"tag": "other", "ground_truth": "4"}, 10) == Grade(0.0, 0.0)  # exact
     assert extract_answer("a <answer>1</answer> b <answer>2</answer>") == "2"
-    with pytest.raises(ValueError, match=r"rewards\.detect: no reward function .DetectionRewardWorker."):
-        RewardRouter({"detect": RewardConfig.from_dict({"worker_cls": "a.DetectionRewardWorker"}, "rewards.detect")})
+    with pytest.raises(ValueError, match=r"rewards\.ground: no reward function .GroundingRewardWorker."):
+        RewardRouter({"ground": RewardConfig.from_dict({"worker_cls": "a.GroundingRewardWorker"}, "rewards.ground")})

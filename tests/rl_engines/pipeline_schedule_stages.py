@@ -1,7 +1,6 @@
-"""The pipeline schedule tests' stage processes (tests/rl_engines/test_engines_megatron_pp.py): a chain of linear
-layers split over stages (and model chunks, under a virtual pipeline), 5 micro-batches, over gloo. A module of its
-own, so that each spawned stage imports only torch and the schedule, not the test module's Ray, megatron and model
-helpers."""
+"""The pipeline schedule tests' stages (tests/rl_engines/test_engines_megatron_pp.py): a chain of linear layers split
+over the stages of a pipeline group (and over model chunks, under a virtual pipeline), 5 micro-batches. A module of
+its own: the Ray workers that run it import only torch and the schedule from it."""
 
 from __future__ import annotations
 
@@ -23,16 +22,16 @@ def micro_loss(index, out):
     return (index + 1) * out.pow(2).sum()  # a different weight per micro-batch: an out-of-order bug shows
 
 
-def schedule_worker(rank, port, results, stages, chunks):
-    """Stage ``rank`` of ``stages``: its layer of each chunk (chunk c's is layer ``c * stages + rank`` of the
-    chain); ``results[rank]``: (gradients of its layers, chunk by chunk; the losses by micro-batch)."""
-    import torch.distributed as dist
+def run_chain(stage, chunks):
+    """Stage ``stage.rank`` of ``stage.size`` (a PipelineStage over a gloo pipeline group) with ``chunks`` model
+    chunks: its layer of each chunk (chunk c's is layer ``c * stages + rank`` of the chain) through the schedule.
+    Returns (gradients of its layers, chunk by chunk; the losses by micro-batch, on the last stage)."""
+    from dataclasses import replace
 
-    from rl_engines.strategies.megatron_pipeline import PipelineStage, run_schedule
+    from rl_engines.strategies.megatron_pipeline import run_schedule
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=stages)
-    layers = chain(stages * chunks)[rank::stages]
-    stage = PipelineStage(rank, stages, tuple(range(stages)), dist.group.WORLD, chunks)
+    stage = replace(stage, chunks=chunks)
+    layers = chain(stage.size * chunks)[stage.rank :: stage.size]
     losses = {}
 
     def forward(micro, hidden, chunk):
@@ -45,5 +44,4 @@ def schedule_worker(rank, port, results, stages, chunks):
     run_schedule(stage, micro_batches(), forward, hidden_shape=lambda micro: micro.shape, dtype=torch.float32,
                  device=torch.device("cpu"), on_output=on_output, train=True)  # fmt: skip
     grads = [p.grad.clone() for layer in layers for p in layer.parameters()]
-    results[rank] = (grads, {i: float(v) for i, v in losses.items()})
-    dist.destroy_process_group()
+    return grads, {i: float(v) for i, v in losses.items()}

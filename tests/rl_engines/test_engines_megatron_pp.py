@@ -22,7 +22,7 @@ from engine_fixtures import (
     rollout_batch,
     worker_config,
 )
-from pipeline_schedule_stages import chain, micro_batches, micro_loss, schedule_worker
+from pipeline_schedule_stages import chain, micro_batches, micro_loss, run_chain
 
 from rl_engines.config import GeneratingArgs
 from rl_engines.objectives import ActorObjective, CriticObjective
@@ -107,6 +107,10 @@ def megatron_pp1(model_dir, role="actor_train", strategy_config=None):
 def with_old_log_probs(group, batch):
     batch.batch["old_log_probs"] = group.call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
     return batch
+
+
+def schedule_chain(worker, chunks):
+    return run_chain(worker.strategy.model.stage, chunks)
 
 
 # ---- PP = 2 on two ranks ----------------------------------------------------------------------------------------
@@ -205,6 +209,28 @@ class TestPipelineTwoStages:
         assert resumed == uninterrupted
         a, b = hf_state(tmp_path / "hf_uninterrupted"), hf_state(tmp_path / "hf_resumed")
         assert all(torch.equal(a[name], b[name]) for name in a)
+
+    @pytest.mark.parametrize("chunks", [1, 3], ids=["1f1b", "interleaved"])
+    def test_the_schedules_alone_give_the_sequential_gradients(self, pp2_roles, chunks):
+        """2 stages of one layer (1F1B), and of 3 chunks of one layer (interleaved: layer k on stage k % 2), over the
+        actor's gloo pipeline group; 5 micro-batches (not a multiple of the stages: the interleaved table takes groups
+        of 3)."""
+        stages = 2
+        results = on_ranks(pp2_roles["actor_train"], schedule_chain, chunks)
+        layers = chain(stages * chunks)
+        expected_losses = {}
+        for index, micro in enumerate(micro_batches()):  # the reference: the whole chain, one micro-batch at a time
+            hidden = micro
+            for layer in layers:
+                hidden = torch.tanh(layer(hidden))
+            loss = micro_loss(index, hidden)
+            loss.backward()
+            expected_losses[index] = loss.item()
+        assert results[stages - 1][1] == pytest.approx(expected_losses, rel=1e-6)
+        for rank in range(stages):
+            expected = [p.grad for layer in layers[rank::stages] for p in layer.parameters()]
+            for got, grad in zip(results[rank][0], expected, strict=True):
+                torch.testing.assert_close(got, grad, atol=1e-6, rtol=1e-6)
 
     def test_pp2_critic_values_and_update_equal_pp1(self, pp2_roles, tiny_model_dir):
         critic = pp2_roles["critic"]
@@ -316,49 +342,6 @@ class TestPipelineAndDataParallel:
         assert actor.call("train_step", next_batch, objective, dispatch="dp_split") == uninterrupted
         resumed = on_ranks(actor, exported)[0]
         assert all(torch.equal(a, b) for (_, a), (_, b) in zip(resumed, expected_weights, strict=True))
-
-
-# ---- the schedules alone (no megatron): linear layers over gloo -------------------------------------------------
-def run_stages(stages, chunks):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.get_context("spawn")
-    with context.Manager() as manager:
-        results = manager.dict()
-        procs = [context.Process(target=schedule_worker, args=(rank, port, results, stages, chunks))
-                 for rank in range(stages)]  # fmt: skip
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(timeout=120)
-        assert [proc.exitcode for proc in procs] == [0] * stages
-        return dict(results)
-
-
-@pytest.mark.parametrize(("stages", "chunks"), [(3, 1), (2, 3)], ids=["1f1b", "interleaved"])
-def test_pipeline_schedule_gives_the_sequential_gradients(stages, chunks):
-    """3 stages of one layer (1F1B), and 2 stages of 3 chunks of one layer (interleaved: layer k on stage k % 2),
-    5 micro-batches (not a multiple of the stages: the interleaved table takes groups of 3)."""
-    results = run_stages(stages, chunks)
-    layers = chain(stages * chunks)
-    expected_losses = {}
-    for index, micro in enumerate(micro_batches()):  # the reference: the whole chain, one micro-batch at a time
-        hidden = micro
-        for layer in layers:
-            hidden = torch.tanh(layer(hidden))
-        loss = micro_loss(index, hidden)
-        loss.backward()
-        expected_losses[index] = loss.item()
-    assert results[stages - 1][1] == pytest.approx(expected_losses, rel=1e-6)
-    for rank in range(stages):
-        expected = [p.grad for layer in layers[rank::stages] for p in layer.parameters()]
-        for got, grad in zip(results[rank][0], expected, strict=True):
-            torch.testing.assert_close(got, grad, atol=1e-6, rtol=1e-6)
 
 
 def completes(stages, chunks, micros, train):

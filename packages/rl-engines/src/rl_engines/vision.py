@@ -53,9 +53,11 @@ PLACEHOLDER_IDS = ("image_token_id", "video_token_id", "vision_start_token_id", 
 def placeholder_token_ids(config: Any) -> list[int]:
     """A vision-language model's placeholder tokens (image / video pads, vision start / end), which generation never
     samples: in a response they would be read as image slots and break the next forward ("Image features and image
-    tokens do not match"). Empty for a text model."""
+    tokens do not match"). Empty for a text model (or a model without a transformers config)."""
+    if config is None or not is_vl_config(config.to_dict()):
+        return []
     ids = [getattr(config, key, None) for key in PLACEHOLDER_IDS]
-    return [int(i) for i in ids if i is not None] if is_vl_config(config.to_dict()) else []
+    return [int(i) for i in ids if i is not None]
 
 
 def is_visual(batch: Any) -> bool:

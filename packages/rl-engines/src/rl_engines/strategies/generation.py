@@ -44,7 +44,7 @@ def _generation_config(model: Any, tokenizer: Any, args: GeneratingArgs) -> Any:
         output_logits=True,
         return_dict_in_generate=True,
         use_cache=True,
-        suppress_tokens=placeholder_token_ids(model.config) or None,
+        suppress_tokens=placeholder_token_ids(getattr(model, "config", None)) or None,
     )
 
 
