@@ -5,11 +5,11 @@ fsdp2_train on 2 data-parallel ranks is the reference (the dumping run). fsdp2_t
 gradient accumulation trains on the same global batches, and with ROLL's dynamic batching (token-budget passes
 without padding) and sequence packing (load-balanced packed rows) on the same mini-batches, and with Ulysses sequence
 parallelism (ulysses_size 2: one data-parallel group of 2 ranks) on the same global batches; deepspeed_train ZeRO-3
-(2 ranks), megatron_train TP=1 (2 data-parallel ranks), TP=2 (1 data-parallel rank) and PP=2 (2 pipeline
-stages, 1 data-parallel rank) train on the same samples in the same mini-batches, in fp32 on CPU. Their per-step
-pg_loss, total_loss, approx_kl (ppo_kl) and grad_norm must match the reference to within what fp32 reduction order
-explains. LoRA (ROLL's lora_* keys) on fsdp2_train, deepspeed_train ZeRO-3 and megatron_train TP=2 (adapters
-sharded like their base weights), from the same adapter init, must match each other the same way. (Megatron's expert
+(2 ranks), megatron_train TP=2 (1 data-parallel rank) and PP=2 (2 pipeline stages, 1 data-parallel rank) train on
+the same samples in the same mini-batches, in fp32 on CPU. Their per-step pg_loss, total_loss, approx_kl (ppo_kl)
+and grad_norm must match the reference to within what fp32 reduction order explains. LoRA (ROLL's lora_* keys) on
+fsdp2_train, deepspeed_train ZeRO-3 and megatron_train TP=2 (adapters sharded like their base weights), from the
+same adapter init, must match each other the same way. (Megatron's expert
 parallelism against fsdp2 on a MoE model: tests/rl_engines/test_engines_megatron_moe.py.) Megatron's Ray workers get
 the test harness's CUDA shims through a sitecustomize on their PYTHONPATH (tests/rl_engines/megatron_shims.py), never
 through product code. One matrix (one dump, one replay per other variant) serves every test of this module.
@@ -39,9 +39,11 @@ BASE = ["max_steps=2", "prompt_length=32", "adv_estimator=reinforce", "entropy_l
         "actor_train.training_args.gradient_accumulation_steps=2"]  # fmt: skip
 ONE_DATA_RANK = ["actor_train.training_args.gradient_accumulation_steps=4"]  # the same global batch on 1 DP rank
 STRATEGY = "actor_train.strategy_args"
-ENGINE_VARIANTS = ("zero3", "megatron_tp1", "megatron_tp2", "megatron_pp2")
+ENGINE_VARIANTS = ("zero3", "megatron_tp2", "megatron_pp2")
 """DeepSpeed's column is ZeRO-3 (parameters partitioned too); ZeRO-1 / ZeRO-2 train the same update and are compared
-with fsdp2_train at 1e-6 on one and two ranks in tests/rl_engines/test_engines_deepspeed.py."""
+with fsdp2_train at 1e-6 on one and two ranks in tests/rl_engines/test_engines_deepspeed.py. Megatron at TP = 1 on 2
+data-parallel ranks is compared with fsdp2_train (2e-6) and with itself replicated in
+tests/rl_engines/test_engines_megatron_dist_opt.py."""
 # ROLL's dynamic batching: passes of at most 80 tokens (a sample is 31-37 tokens, rounded to 4: two share one)
 # without their padding columns, in training and in actor_train's log-probs.
 DYNAMIC_BATCHING = [
@@ -88,7 +90,6 @@ def variants(shim_envs: list[str]) -> dict[str, list[str]]:
         found["zero3"] = [deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=3"]
         found["lora_zero3"] = [*LORA, deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=3"]
     if _installed("megatron.core"):
-        found["megatron_tp1"] = [megatron, *shim_envs]
         found["megatron_tp2"] = [megatron, f"+{STRATEGY}.strategy_config.tensor_model_parallel_size=2",
                                  *ONE_DATA_RANK, *shim_envs]  # fmt: skip
         found["megatron_pp2"] = [megatron, f"+{STRATEGY}.strategy_config.pipeline_model_parallel_size=2",

@@ -73,21 +73,22 @@ def test_the_demo_config_trains_with_each_training_engine(engine, tmp_path):
 
 
 VL_STEPS = 20
-"""GRPO steps of the vision-language demo's guard run (measured: the warm model's count accuracy 0.333, 0.333 after
-15 steps, 0.875 after 20; the demo's 40 steps take the sampled reward from 0.28 to 0.94)."""
+"""GRPO steps of the vision-language demo's guard run (measured: the warm model's count probability 0.334, 0.354
+after 16 steps, 0.531 after 20; the demo's 40 steps take the sampled reward from 0.23 to 0.90)."""
 
 
 def test_the_vl_demo_learns_to_count_the_squares_from_the_pictures(tmp_path, capsys):
-    """The tiny Qwen2.5-VL starts blind to the pictures (its warm-up labels ignore them: 1/3 of the counts right
-    whatever it sees) and GRPO, rewarded by the math rule alone, makes it read them."""
+    """The tiny Qwen2.5-VL starts blind to the pictures (its warm-up labels ignore them: the same three count
+    probabilities for every picture, so 1/3 on the right count) and GRPO, rewarded by the math rule alone, makes it
+    read them."""
     from apps.rlvr.demo_vl import ROOT as VL_ROOT
-    from apps.rlvr.demo_vl import count_accuracy, demo_vl_model, tasks
+    from apps.rlvr.demo_vl import count_probability, demo_vl_model, tasks
     from apps.rlvr.demo_vl import main as vl_main
 
     out = tmp_path / "vl"
     assert vl_main([f"max_steps={VL_STEPS}", f"save_steps={VL_STEPS}", f"output_dir={out}",
                     f"logging_dir={out}/logs"]) == 0  # fmt: skip
     assert "[demo-vl] mean reward (fraction of right counts): first" in capsys.readouterr().out
-    before = count_accuracy(demo_vl_model(VL_ROOT / ".cache" / "rlvr_demo_vl"), tasks())
-    after = count_accuracy(out / "checkpoints" / f"checkpoint-{VL_STEPS - 1}" / "actor_hf", tasks())
-    assert before == pytest.approx(1 / 3, abs=0.1) and after >= 0.6, (before, after)
+    before = count_probability(demo_vl_model(VL_ROOT / ".cache" / "rlvr_demo_vl"), tasks())
+    after = count_probability(out / "checkpoints" / f"checkpoint-{VL_STEPS - 1}" / "actor_hf", tasks())
+    assert before == pytest.approx(1 / 3, abs=0.01) and after >= 0.45, (before, after)
