@@ -2,9 +2,10 @@
 
 ``python -m apps.rlvr.demo_vl [key=value ...]`` builds (once, cached in ``.cache/rlvr_demo_vl``) a tiny Qwen2.5-VL
 warmed up to answer every picture with a count of 1, 2 or 3 *at random* (its warm-up labels ignore the picture, so
-it starts at chance, 1/3), draws the pictures (56 x 56, one to three red 14-pixel squares on distinct patches of a
-white field), runs ``apps/rlvr/configs/rlvr_cpu_demo_vl.yaml`` and prints the mean reward of the first and last steps.
-Only the reward tells the model which count is right, and only the picture tells it the count.
+it starts at chance, 1/3), draws the pictures (56 x 56, one to three of its four 28-pixel quarters red, the others
+white: each quarter is one image token after the 2 x 2 merge), runs ``apps/rlvr/configs/rlvr_cpu_demo_vl.yaml`` and
+prints the mean reward of the first and last steps. Only the reward tells the model which count is right, and only
+the picture tells it the count.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ RECIPE = Recipe()
 
 
 def picture(count: int, seed: int) -> Any:
-    """A white 56 x 56 picture with ``count`` red squares, each filling one of its 16 patches (chosen by ``seed``)."""
+    """A white 56 x 56 picture with ``count`` red squares, each filling one of its four 28-pixel quarters (chosen by
+    ``seed``)."""
     from PIL import Image
 
     pixels = np.full((SIDE, SIDE, 3), 255, dtype=np.uint8)

@@ -17,6 +17,7 @@ from apps.rlvr.config import RLVRConfig
 from apps.rlvr.data import load_records
 from apps.rlvr.rewards import RewardRouter
 from apps.rlvr.rollout import PromptSource
+from apps.rlvr.vl_data import image_processor
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
 from rl_replay import RolloutReplay
@@ -32,8 +33,10 @@ class Validator:
         generating: GeneratingArgs,
         batch_size: int,
         replay: RolloutReplay | None = None,
+        max_steps: int = 0,
     ) -> None:
         self.prompts, self.router, self.generating, self.batch_size = prompts, router, generating, batch_size
+        self.max_steps = max_steps  # the rewards' sense of training progress (the detection reward's dynamic IoU)
         self.get_rollout = self._rollout if replay is None else replay.wrap(self._rollout, split="val", step="step")
 
     @classmethod
@@ -52,10 +55,13 @@ class Validator:
         messages_key = data_args.get("messages", train_prompts.messages_key if prompt_key is None else None)
         records = load_records(files, prompt_key=prompt_key, messages_key=messages_key)
         template = config.global_template or data_args.get("template", train_prompts.template)
+        processor = train_prompts.image_processor
+        if processor is not None and ("image_min_pixels" in data_args or "image_max_pixels" in data_args):
+            processor = image_processor(config, data_args)  # its own pixel bounds
         prompts = replace(train_prompts, records=records, prompt_key=prompt_key, messages_key=messages_key,
-                          template=str(template))  # fmt: skip
+                          template=str(template), image_processor=processor)  # fmt: skip
         batch_size = config.val_batch_size or len(records)
-        return cls(prompts, router, config.validation.generating_args, batch_size, replay)
+        return cls(prompts, router, config.validation.generating_args, batch_size, replay, config.max_steps)
 
     def __call__(self, roles: Any, step: int) -> dict[str, float]:
         """Generate for every validation prompt and average the rewards (``val/score/...``)."""
@@ -73,7 +79,7 @@ class Validator:
             rollout = roles["actor_infer"].call("generate", batch, self.generating, dispatch="dp_split")
             parts.append(rollout.slice(0, len(indices) * self.generating.num_return_sequences))  # padding is last
         rollout = RolloutBatch.concat(parts)
-        self.prompts.grade(rollout, self.router)
+        self.prompts.grade(rollout, self.router, step, self.max_steps)
         return rollout
 
     def metrics(self, rollout: RolloutBatch) -> dict[str, float]:

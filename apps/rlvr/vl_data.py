@@ -93,16 +93,17 @@ ROLL_MIN_PIXELS, ROLL_MAX_PIXELS = 4 * 28 * 28, 4096 * 4096
 processor (the model folder's own bounds do not apply)."""
 
 
-def image_processor(config: Any) -> Any:
-    """The actor's image processor with ROLL's pixel bounds when its model is a vision-language one, else None."""
+def image_processor(config: Any, data_args: dict[str, Any] | None = None) -> Any:
+    """The actor's image processor when its model is a vision-language one (else None), with the pixel bounds of
+    ``data_args`` (the actor's by default; validation passes its own), ROLL's defaults where unset or null."""
     from rl_engines.vision import is_vl_model, load_image_processor
 
     path = str(config.actor_train.model_args.model_name_or_path)
     if not is_vl_model(path):
         return None
-    data_args = config.actor_train.data_args
-    return load_image_processor(path, min_pixels=int(data_args.get("image_min_pixels", ROLL_MIN_PIXELS)),
-                                max_pixels=int(data_args.get("image_max_pixels", ROLL_MAX_PIXELS)))  # fmt: skip
+    data_args = config.actor_train.data_args if data_args is None else data_args
+    return load_image_processor(path, min_pixels=int(data_args.get("image_min_pixels") or ROLL_MIN_PIXELS),
+                                max_pixels=int(data_args.get("image_max_pixels") or ROLL_MAX_PIXELS))  # fmt: skip
 
 
 def graded_records(records: list[dict[str, Any]], visual: Sequence[dict[str, Any]], processor: Any,

@@ -3,16 +3,16 @@ variant, compare the per-step training metrics with the reference's.
 
 fsdp2_train on 2 data-parallel ranks is the reference (the dumping run). fsdp2_train on 1 rank with twice the
 gradient accumulation trains on the same global batches, and with ROLL's dynamic batching (token-budget passes
-without padding) and sequence packing (load-balanced packed rows) on the same mini-batches, and with Ulysses sequence
-parallelism (ulysses_size 2: one data-parallel group of 2 ranks) on the same global batches; deepspeed_train ZeRO-3
-(2 ranks), megatron_train TP=2 (1 data-parallel rank) and PP=2 (2 pipeline stages, 1 data-parallel rank) train on
-the same samples in the same mini-batches, in fp32 on CPU. Their per-step pg_loss, total_loss, approx_kl (ppo_kl)
-and grad_norm must match the reference to within what fp32 reduction order explains. LoRA (ROLL's lora_* keys) on
-fsdp2_train, deepspeed_train ZeRO-3 and megatron_train TP=2 (adapters sharded like their base weights), from the
-same adapter init, must match each other the same way. (Megatron's expert
-parallelism against fsdp2 on a MoE model: tests/rl_engines/test_engines_megatron_moe.py.) Megatron's Ray workers get
-the test harness's CUDA shims through a sitecustomize on their PYTHONPATH (tests/rl_engines/megatron_shims.py), never
-through product code. One matrix (one dump, one replay per other variant) serves every test of this module.
+without padding) and sequence packing (load-balanced packed rows) on the same mini-batches (Ulysses sequence
+parallelism on 2 ranks against 1 rank: tests/rl_engines/test_engines_ulysses.py, weights within 1e-6);
+deepspeed_train ZeRO-3 (2 ranks), megatron_train TP=2 (1 data-parallel rank) and PP=2 (2 pipeline stages, 1
+data-parallel rank) train on the same samples in the same mini-batches, in fp32 on CPU. Their per-step pg_loss,
+total_loss, approx_kl (ppo_kl) and grad_norm must match the reference to within what fp32 reduction order explains.
+LoRA (ROLL's lora_* keys) on fsdp2_train, deepspeed_train ZeRO-3 and megatron_train TP=2 (adapters sharded like
+their base weights), from the same adapter init, must match each other the same way. (Megatron's expert parallelism
+against fsdp2 on a MoE model: tests/rl_engines/test_engines_megatron_moe.py.) Megatron's Ray workers get the test
+harness's CUDA shims through a sitecustomize on their PYTHONPATH (tests/rl_engines/megatron_shims.py), never through
+product code. One matrix (one dump, one replay per other variant) serves every test of this module.
 """
 
 from __future__ import annotations
@@ -65,8 +65,6 @@ SEQUENCE_PACKING = [
 # with fsdp2 on 1 rank and ZeRO-1 too: every LoRA column within 3e-8 of the reference.
 LORA = ["+actor_train.model_args.lora_rank=8", "+actor_train.model_args.lora_alpha=16",
         "+actor_train.model_args.lora_target=all-linear", "actor_train.training_args.learning_rate=1e-2"]  # fmt: skip
-# Ulysses on both ranks: one data-parallel group, so the global batch takes twice the accumulation.
-ULYSSES = [*ONE_DATA_RANK, "+actor_train.model_args.ulysses_size=2"]
 # fp32 on CPU: fsdp2 on 1 and 2 ranks differ only in the order of the gradient reduction (measured <= 1e-7); the
 # engines also in their kernels and Megatron's vocab-parallel softmax (measured <= 1e-6).
 FSDP2_TOLERANCE, ENGINE_TOLERANCE = 1e-6, 2e-5
@@ -85,7 +83,7 @@ def variants(shim_envs: list[str]) -> dict[str, list[str]]:
     found: dict[str, list[str]] = {"fsdp2_dp2": [], "fsdp2_dp1": ["actor_train.device_mapping=[0]", *ONE_DATA_RANK],
                                    "fsdp2_dynamic_batching": DYNAMIC_BATCHING,
                                    "fsdp2_sequence_packing": SEQUENCE_PACKING,
-                                   "fsdp2_ulysses": ULYSSES, "lora_fsdp2": LORA}  # fmt: skip
+                                   "lora_fsdp2": LORA}  # fmt: skip
     if _installed("deepspeed"):
         found["zero3"] = [deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=3"]
         found["lora_zero3"] = [*LORA, deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=3"]
@@ -147,13 +145,6 @@ def test_dynamic_batching_trains_like_the_padded_micro_batches(matrix):
         assert row["dynamic_batching/actor_train/train_step/valid_tokens"] == total
         assert row["dynamic_batching/actor_train/compute_log_probs/valid_tokens"] == total
         assert total < row["dynamic_batching/actor_train/train_step/actual_tokens"]
-
-
-@pytest.mark.slow
-def test_ulysses_trains_like_data_parallel_ranks(matrix):
-    """ulysses_size 2 on the 2 ranks (one data-parallel group, so twice the accumulation): each rank runs half of
-    every packed row, attention through gloo all-to-alls; the same update as 2 data-parallel ranks."""
-    _assert_aligned(matrix, "fsdp2_ulysses", FSDP2_TOLERANCE)
 
 
 @pytest.mark.slow

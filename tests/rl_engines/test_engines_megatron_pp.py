@@ -137,6 +137,7 @@ class TestPipelineTwoStages:
             assert {n.split(".")[2] for n in names if n.startswith("decoder.layers.")} == {"0", "1"}
         # two chunks of one layer per stage: layer k is virtual stage k, on stage k % 2
         assert on_ranks(pp2_roles["actor_train"], lambda w: w.strategy.model.layout.local_layers) == [(0, 2), (1, 3)]
+        assert on_ranks(pp2_roles["actor_train"], lambda w: w.strategy.model.stage.grad_group is not None) == [True] * 2
         expected = list(megatron_pp1(tiny_model_dir).named_weights())
         assert [name for name, _ in expected][:2] == ["model.embed_tokens.weight", "lm_head.weight"]
         for group in (pp2_roles["actor_train"], pp2_roles["reference"]):
@@ -346,7 +347,8 @@ class TestPipelineAndDataParallel:
 
 def completes(stages, chunks, micros, train):
     """Whether every stage's :func:`stage_steps` runs to the end when each receive blocks until its neighbour
-    sent (sends never block), and each backward follows its own forward."""
+    sent (sends never block), each backward follows its own forward, and messages keep their order
+    (:func:`messages_in_order`)."""
     from rl_engines.strategies.megatron_pipeline import stage_steps
 
     steps = [stage_steps(rank, stages, chunks, micros, train=train) for rank in range(stages)]
@@ -357,6 +359,7 @@ def completes(stages, chunks, micros, train):
             return (rank - 1, chunk) if rank else ((stages - 1, chunk - 1) if chunk else None)
         return (rank + 1, chunk) if rank < stages - 1 else ((0, chunk + 1) if chunk < chunks - 1 else None)
 
+    in_order = messages_in_order(steps, stages, chunks, source)
     progressed = True
     while progressed:
         progressed = False
@@ -370,12 +373,29 @@ def completes(stages, chunks, micros, train):
                 done.add((kind, micro, rank, chunk))
                 position[rank] += 1
                 progressed = True
-    return position == [len(s) for s in steps]
+    return in_order and position == [len(s) for s in steps]
+
+
+def messages_in_order(steps, stages, chunks, source):
+    """Whether, between any two stages and in each direction, the activations (and, apart, the gradients) are
+    received in the order they are sent: what a backend without message tags (NCCL) needs, the gradients travelling
+    on a group of their own."""
+    sent, received = {}, {}
+    for rank, stage_steps_ in enumerate(steps):
+        for kind, micro, chunk in stage_steps_:
+            if (waits := source(kind, rank, chunk)) is not None:
+                received.setdefault((waits[0], rank, kind), []).append((micro, chunk))
+            for other in range(stages):  # the virtual stage this step's message goes to waits for it
+                for other_chunk in range(chunks):
+                    if source(kind, other, other_chunk) == (rank, chunk):
+                        sent.setdefault((rank, other, kind), []).append((micro, other_chunk))
+    return all(sent.get(key, []) == received.get(key, []) for key in {*sent, *received})
 
 
 def test_interleaved_schedule_never_deadlocks_and_matches_megatron_core():
     """Every stage count, chunk count and micro-batch count up to 6 x 4 x 16 completes (the remainders
-    megatron-core refuses take a larger group), and the order is megatron-core's where it has one."""
+    megatron-core refuses take a larger group), each direction's messages arrive in the order they leave, and the
+    order is megatron-core's where it has one."""
     from rl_engines.strategies.megatron_pipeline import group_size, schedule_table, stage_steps
 
     stuck = [(p, v, m, train) for p in range(1, 7) for v in range(1, 5) for m in range(1, 17) for train in (True, False)

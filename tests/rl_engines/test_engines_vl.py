@@ -136,3 +136,27 @@ def test_rolls_freeze_module_prefix_freezes_the_vision_tower_and_syncs_it_once(v
             worker_config(vl_dir, training_args=training, model_args={"freeze_module_prefix": "vision_model"}),
             "actor_train",
         ).initialize()
+
+
+def test_what_does_not_take_pictures_yet_refuses_a_vl_model_or_batch(vl_dir):
+    """vLLM / SGLang would drop the prompts' pictures and Ulysses' packed rows do not carry them: each refuses,
+    naming the key, rather than run blind to the pictures. Frozen weights are left out of a sync only into an
+    engine that loads any subset of tensors and keeps its weights (hf_infer)."""
+    from types import SimpleNamespace
+
+    from rl_engines.role_worker import RoleWorker
+    from rl_engines.strategies.ulysses import ulysses_outputs
+
+    for engine in ("vllm", "sglang"):
+        with pytest.raises(ValueError, match=rf"is a vision-language model; the {engine} adapter does not pass"):
+            create_strategy(worker_config(vl_dir, "actor_infer", strategy_args={"strategy_name": engine}),
+                            "actor_infer")  # fmt: skip
+    with pytest.raises(ValueError, match=r"ulysses_size > 1 on a vision-language batch"):
+        ulysses_outputs(None, vl_prompts(vl_dir), torch.device("cpu"), None, kernel="sdpa", value_head=False,
+                        temperature=1.0, with_entropy=False)  # fmt: skip
+    hf = create_strategy(worker_config(vl_dir, "actor_infer", strategy_args={"strategy_name": "hf_infer"}),
+                         "actor_infer")  # fmt: skip
+    assert not RoleWorker.needs_every_weight(SimpleNamespace(strategy=hf))
+    assert RoleWorker.needs_every_weight(SimpleNamespace(strategy=SimpleNamespace()))  # fuses / reloads by layer
+    dropping = SimpleNamespace(loads_any_subset=True, discards_weights=lambda: True)  # vLLM sleep_level 2
+    assert RoleWorker.needs_every_weight(SimpleNamespace(strategy=dropping))

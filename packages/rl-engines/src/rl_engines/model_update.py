@@ -20,8 +20,9 @@ class ModelUpdater:
     loaders: vLLM, SGLang; they differ for transformers' fused MoE experts), ``"adapters"`` a LoRA actor's adapters
     alone (an engine serving LoRA adapters).
     The train role may be offloaded: its strategy brings the weights back to the device for the sync. Frozen weights
-    (``model_args.freeze_module_prefix``) never change, so they travel with the first sync only, and with every sync
-    into an engine that discards its weights while offloaded (vLLM's ``sleep_level: 2``).
+    (``model_args.freeze_module_prefix``) never change, so they travel with the first sync only into an engine that
+    loads any subset of tensors and keeps its weights (``hf_infer``), with every sync into the others (vLLM, whose
+    ``sleep_level: 2`` drops the weights and whose loads go by layer; Megatron, which fuses q/k/v; SGLang).
     """
 
     def __init__(
@@ -89,7 +90,7 @@ class ModelUpdater:
         """Transfer the weights; returns ``time/model_update`` (wall seconds seen by the driver) and byte counts."""
         start = time.perf_counter()
         if self._discards is None:
-            self._discards = bool(self.infer.call("discards_weights", dispatch="rank_zero"))
+            self._discards = bool(self.infer.call("needs_every_weight", dispatch="rank_zero"))
         frozen = self.syncs == 0 or self._discards
         if self.colocated:
             shm, store = self._receivers_by_host()

@@ -151,10 +151,12 @@ class RoleWorker(WorkerBase):
         """Take the device back."""
         self.strategy.reload()
 
-    def discards_weights(self) -> bool:
-        """Whether this inference worker's engine drops its weights while offloaded (then every sync resends all)."""
+    def needs_every_weight(self) -> bool:
+        """Whether every weight sync into this inference worker must carry every tensor, frozen ones too: unless its
+        engine loads any subset of tensors (``loads_any_subset``: engines that fuse or reload by layer need a
+        layer's tensors together) and keeps its weights while offloaded (vLLM ``sleep_level: 2`` drops them)."""
         discards = getattr(self.strategy, "discards_weights", None)
-        return bool(discards()) if discards is not None else False
+        return not getattr(self.strategy, "loads_any_subset", False) or (discards is not None and bool(discards()))
 
     def sync_refusal(self) -> str | None:
         """Why this inference worker's engine cannot take weight syncs, or None (most engines take them)."""

@@ -28,6 +28,8 @@ class HfInferStrategy:
     """LoRA on the actor: this engine receives the weights with the adapters merged in at every sync."""
     shares_process = True
     """No process group and no process-wide state: may run in a colocated role's processes (shared_processes)."""
+    loads_any_subset = True
+    """``load_weights`` loads each named tensor on its own: a weight sync may leave frozen weights out."""
 
     def __init__(self, config: WorkerConfig, role: str) -> None:
         self.config = config

@@ -29,6 +29,7 @@ from rl_engines.strategies.megatron_pipeline import (
     OnOutput,
     PipelineStage,
     broadcast_from_last,
+    create_gradient_groups,
     current_stage,
     run_schedule,
 )
@@ -84,6 +85,8 @@ def init_model_parallel(options: MegatronOptions, seed: int, role: str) -> None:
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                                  virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
                                                  expert_model_parallel_size=ep)  # fmt: skip
+        if pp > 1:
+            create_gradient_groups(dist.get_world_size(), pp)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 

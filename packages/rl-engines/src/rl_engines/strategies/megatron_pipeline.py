@@ -44,6 +44,10 @@ class PipelineStage:
     """The pipeline-parallel group (None at one stage)."""
     chunks: int = 1
     """Model chunks on each stage (Megatron's virtual pipeline size; 1: one contiguous block of layers)."""
+    grad_group: dist.ProcessGroup | None = None
+    """The same ranks' group for gradients (None: ``group``). On its own, each direction's messages between two
+    stages arrive in the order they were sent, which backends without message tags (NCCL) rely on: with a virtual
+    pipeline of two stages, stage 0 sends both activations and gradients to stage 1."""
 
     @property
     def first(self) -> bool:
@@ -74,6 +78,18 @@ class PipelineStage:
         return (self.ranks[0], chunk + 1) if chunk < self.chunks - 1 else None
 
 
+_GRAD_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def create_gradient_groups(world: int, stages: int) -> None:
+    """A second group over each pipeline's ranks, for gradients (:attr:`PipelineStage.grad_group`); every rank calls
+    this once, after Megatron's groups exist (its pipelines: ranks ``i, i + world/stages, ...``, PP outermost)."""
+    stride = world // stages
+    for first in range(stride):
+        ranks = tuple(first + stage * stride for stage in range(stages))
+        _GRAD_GROUPS[ranks] = dist.new_group(list(ranks))
+
+
 def current_stage(chunks: int = 1) -> PipelineStage:
     """This rank's stage from Megatron's parallel_state (initialised), with ``chunks`` model chunks."""
     from megatron.core import parallel_state
@@ -83,7 +99,8 @@ def current_stage(chunks: int = 1) -> PipelineStage:
         return PipelineStage(ranks=(dist.get_rank(),))
     group = parallel_state.get_pipeline_model_parallel_group()
     ranks = tuple(dist.get_process_group_ranks(group))
-    return PipelineStage(parallel_state.get_pipeline_model_parallel_rank(), size, ranks, group, chunks)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    return PipelineStage(rank, size, ranks, group, chunks, _GRAD_GROUPS.get(ranks))
 
 
 StageForward = Callable[[Any, "torch.Tensor | None", int], torch.Tensor]
@@ -146,13 +163,17 @@ class _Schedule:
         """The message to (micro-batch ``index``, receiving ``chunk``): its hidden states, or their gradient."""
         return (index * self.stage.chunks + chunk) * 2 + grad
 
+    def _group(self, tag: int) -> dist.ProcessGroup | None:
+        """Activations on the pipeline group, gradients (odd tags) on its gradient group when there is one."""
+        return self.stage.grad_group if tag % 2 and self.stage.grad_group is not None else self.stage.group
+
     def _send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         tensor = tensor.detach().contiguous()
-        self.sends.append((dist.isend(tensor, dst=dst, group=self.stage.group, tag=tag), tensor))
+        self.sends.append((dist.isend(tensor, dst=dst, group=self._group(tag), tag=tag), tensor))
 
     def _recv(self, shape: Sequence[int], src: int, tag: int) -> torch.Tensor:
         buffer = torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
-        dist.recv(buffer, src=src, group=self.stage.group, tag=tag)
+        dist.recv(buffer, src=src, group=self._group(tag), tag=tag)
         return buffer
 
     def forward(self, index: int, chunk: int, micro: Any) -> None:

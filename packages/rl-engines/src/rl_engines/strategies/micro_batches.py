@@ -55,7 +55,7 @@ from rl_engines.strategies.model_io import (
 )
 from rl_engines.strategies.packing import PackedBatch, balanced_partitions, pack, packed_outputs
 from rl_engines.strategies.train_utils import all_reduce_sum
-from rl_engines.vision import is_visual
+from rl_engines.vision import is_visual, is_vl_model
 
 Phase = str
 """``"train"`` (train_step's forward/backward passes) or ``"infer"`` (log-prob and value passes)."""
@@ -362,6 +362,21 @@ def require_no_ulysses(config: WorkerConfig, role: str, strategy: str) -> None:
             f"{role}.model_args.ulysses_size={size}: {strategy} has no Ulysses sequence parallelism; it runs in "
             "fsdp2_train and fsdp2_infer (Megatron splits sequences with context_parallel_size). Set it to 1."
         )
+
+
+def require_text_inference(config: WorkerConfig, role: str, strategy: str) -> None:
+    """An engine that serves text models only (vLLM, SGLang here): refuse a vision-language model (its prompts'
+    pictures would not reach the engine) and ``freeze_module_prefix`` (an inference role trains nothing), naming
+    the key."""
+    path = config.model_args.model_name_or_path
+    if path is not None and is_vl_model(str(path)):
+        raise ValueError(
+            f"{role}.model_args.model_name_or_path={path!r} is a vision-language model; the {strategy} adapter does "
+            f"not pass prompts' images to the engine yet. Use strategy_name: hf_infer for {role}."
+        )
+    if config.model_args.frozen_prefixes():
+        raise ValueError(f"{role}.model_args.freeze_module_prefix is set, but {role} does not train ({strategy}); "
+                         "set it on the training role (actor_train) only.")  # fmt: skip
 
 
 def require_no_training(config: WorkerConfig, role: str, strategy: str) -> None:

@@ -41,7 +41,7 @@ from rl_engines.strategies.engine_rollout import (
     unpadded_prompts,
 )
 from rl_engines.strategies.generation import eos_token_ids, pad_token_id
-from rl_engines.strategies.micro_batches import require_fixed_micro_batches
+from rl_engines.strategies.micro_batches import require_fixed_micro_batches, require_text_inference
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path, response_length
 from rl_engines.strategies.weight_table import WeightTable, checkpoint_weights
 
@@ -100,6 +100,7 @@ class SglangInferStrategy:
         self.config = config
         self.role = role
         require_fixed_micro_batches(config, role, "sglang")
+        require_text_inference(config, role, "sglang")
         self.options = parse_sglang_config(config, role)
         self.device = torch.device("cpu")
         self.model: Any = None  # EngineModel once initialised

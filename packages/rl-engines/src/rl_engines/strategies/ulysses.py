@@ -29,6 +29,7 @@ from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfig
 from rl_engines.strategies.model_io import response_log_probs
 from rl_engines.strategies.packing import block_causal_mask, pack
+from rl_engines.vision import is_visual
 
 ATTENTION = "ulysses"
 
@@ -236,6 +237,11 @@ def ulysses_outputs(
     is ``ulysses``), the outputs gathered over the group: ``[B, R]`` each, as :func:`packing.packed_outputs`.
     The row's layout travels with the forward's keyword arguments to every attention call (activation
     recomputation in the backward gets it the same way)."""
+    if is_visual(batch):
+        raise ValueError(
+            "model_args.ulysses_size > 1 on a vision-language batch: Ulysses splits packed rows, which do not carry "
+            "the pictures' inputs yet; set ulysses_size: 1 for a vision-language model."
+        )
     packed = pack(batch, groups.size)
     config: Any = copy.copy(getattr(model, "config"))  # noqa: B009  (a module attribute, not a tensor)
     config._attn_implementation = kernel

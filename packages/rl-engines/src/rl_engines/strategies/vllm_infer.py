@@ -44,7 +44,7 @@ from rl_engines.strategies.engine_rollout import (
     unpadded_prompts,
 )
 from rl_engines.strategies.generation import eos_token_ids, pad_token_id
-from rl_engines.strategies.micro_batches import require_fixed_micro_batches
+from rl_engines.strategies.micro_batches import require_fixed_micro_batches, require_text_inference
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path, response_length
 from rl_engines.strategies.vllm_config import (
     configure_vllm_env,
@@ -84,6 +84,7 @@ class VllmInferStrategy:
         self.config = config
         self.role = role
         require_fixed_micro_batches(config, role, "vllm")
+        require_text_inference(config, role, "vllm")
         self.options = parse_vllm_config(config, role)
         if config.model_args.lora and self.options.sleep_level == 2:
             raise ValueError(
