@@ -73,7 +73,8 @@ class ModelArgs:
     freeze_module_prefix: str | list[str] | None = None
     """ROLL's partial-parameter training: parameters whose names start with one of these prefixes (comma-separated,
     or a YAML list; names as the loaded transformers model gives them, e.g. ``model.visual`` for a Qwen2.5-VL's vision
-    tower) are frozen: no gradient, no optimizer state, and weight syncs send them once. Training roles only."""
+    tower) are frozen: no gradient, no optimizer state; weight syncs into hf_infer send them once. Training roles
+    only."""
     moe_aux_loss_coef: float | None = None
     """Mixture-of-experts models (ROLL's key): coefficient of the router load-balancing loss a training role adds;
     null = the model config's ``router_aux_loss_coef``, 0 = none (see :mod:`rl_engines.strategies.moe`). Refused on
