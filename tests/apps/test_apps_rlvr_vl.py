@@ -86,3 +86,24 @@ def test_vl_prompts_expand_image_pads_and_refuse_what_does_not_fit(tmp_path):
         generation_config = type("G", (), {"eos_token_id": 2, "pad_token_id": 0})()
 
     assert _generation_config(Model(), tokenizer, GeneratingArgs()).suppress_tokens == vision
+
+
+def test_data_args_pixel_bounds_resize_the_pictures_as_rolls_keys_do(tmp_path):
+    """``data_args.image_max_pixels`` / ``image_min_pixels`` (ROLL's keys, ROLL's defaults when unset or null) bound
+    each picture's size, hence its image tokens; validation's own bounds apply to its prompts."""
+    from types import SimpleNamespace
+
+    from apps.rlvr.vl_data import image_processor
+    from rl_engines.vision import encode_images
+
+    build_tiny_vl_model(tmp_path, ["1 2 3"])
+    picture = Image.open(io.BytesIO(png(1, 0))).resize((112, 112))
+
+    def grid(data_args):
+        config = SimpleNamespace(actor_train=SimpleNamespace(model_args=SimpleNamespace(model_name_or_path=tmp_path),
+                                                             data_args=data_args))  # fmt: skip
+        return encode_images(image_processor(config), [picture])["image_grid_thw"].tolist()
+
+    assert grid({}) == grid({"image_max_pixels": None}) == [[1, 8, 8]]  # ROLL's 4096^2 bound leaves 112 x 112 be
+    assert grid({"image_max_pixels": 56 * 56}) == [[1, 4, 4]]  # halved on each side
+    assert grid({"image_min_pixels": 224 * 224, "image_max_pixels": 4096 * 4096}) == [[1, 16, 16]]
