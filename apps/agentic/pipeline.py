@@ -34,12 +34,13 @@ from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.checkpoint_space import checkpoint_space_warning
 from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
 from apps.common.loop import run_loop
-from apps.common.preflight import role_sections
+from apps.common.preflight import replays_rollouts, role_sections, started_sections
 from apps.common.sampler_state import SamplerState
 from apps.common.timeline import Timeline
 from apps.common.training import checkpoint_dir, load_roles, save_checkpoint, score_with_roles, train_roles
 from rl_core.batch import RolloutBatch
 from rl_core.batch_size import TrainBatchPlan
+from rl_engines.model_update import ModelUpdater
 from rl_engines.placement import ClusterSpec
 from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.roles import Roles
@@ -104,6 +105,7 @@ class AgenticPipeline:
         self.targets = TargetBuilder(self.settings, self.base)
         self.output_dir = Path(self.base.output_dir)
         self.roles: Roles | None = None
+        self.updater: ModelUpdater | None = None
         self._started_ray = False
         self.timeline = Timeline()
         self._waits: dict[str, float] = {}
@@ -128,9 +130,10 @@ class AgenticPipeline:
             self._started_ray = start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
         else:
             self._started_ray = start_ray()
-        sections = role_sections(self.base)  # a reference that enable_reference leaves off does not start
+        # a reference that enable_reference leaves off does not start, nor actor_infer in a replay
+        sections = started_sections(self.base)
         self.roles = Roles(cluster, sections, rpc_timeout=self.base.rpc_timeout, system_envs=self.base.system_envs)
-        self.updater = self.roles.model_updater()
+        self.updater = None if replays_rollouts(self.base) else self.roles.model_updater()
         self.log(f"[agentic] train environments: {self.train_envs.describe()}")
 
     def stop(self) -> None:
@@ -173,7 +176,7 @@ class AgenticPipeline:
         load_roles(self.roles, folder)
         self.targets.kl_controller.load_state_dict(state["kl_controller"])
         self.targets.running.load_state_dict(state["running_moments"])
-        self.updater.sync()
+        self._sync_weights()
         self.log(f"[agentic] resumed from {folder} (step {state['step']})")
         return int(state["step"])
 
@@ -267,6 +270,10 @@ class AgenticPipeline:
         counts["system/step_samples"] = float(len(rollout))
         return samples, train_plans(self.config, role_sections(self.base), len(samples)), counts
 
+    def _sync_weights(self) -> dict[str, float]:
+        """The trained weights to actor_infer (nothing when a replay left it off)."""
+        return {} if self.updater is None else self.updater.sync()
+
     def _sync(self, step: int) -> dict[str, float]:
         """Weights to actor_infer every ``model_update_frequency`` steps. Episodes running ahead finish first, so
         no episode mixes two policies (``time/sync_wait``)."""
@@ -275,5 +282,5 @@ class AgenticPipeline:
         start = time.perf_counter()
         self.queue.drain()
         waited = time.perf_counter() - start
-        metrics = self.updater.sync()
+        metrics = self._sync_weights()
         return {**metrics, "time/sync_wait": waited} if self.queue.ratio else dict(metrics)

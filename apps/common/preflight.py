@@ -16,6 +16,7 @@ from rl_engines.config import WorkerConfig
 from rl_engines.placement import PlacementPlan
 from rl_engines.roles import check_lora_pair, syncs_adapters
 from rl_engines.strategies.train_utils import DECAYING_SCHEDULES
+from rl_replay.config import RolloutMockConfig
 
 TRAIN_ROLES = ("actor_train", "critic")
 
@@ -45,6 +46,33 @@ def role_sections(config: SharedConfig) -> dict[str, WorkerConfig]:
     if not reference_enabled(config) or reference_from_actor(config):
         sections.pop("reference", None)
     return sections
+
+
+def replays_rollouts(config: SharedConfig) -> bool:
+    """rollout_mock in mock mode: every rollout, validation's too, comes from the dump already scored, so nothing
+    generates, grades or needs the trained weights on an inference engine."""
+    mock = RolloutMockConfig.from_dict(config.rollout_mock)
+    return mock.enable and mock.mode == "mock"
+
+
+def started_sections(config: SharedConfig) -> dict[str, WorkerConfig]:
+    """The roles a run starts: :func:`role_sections`, less actor_infer when :func:`replays_rollouts`."""
+    sections = role_sections(config)
+    if replays_rollouts(config):
+        sections.pop("actor_infer", None)
+    return sections
+
+
+def replay_notes(config: SharedConfig) -> list[str]:
+    """The log line of an inference role that a replay leaves off."""
+    if not replays_rollouts(config):
+        return []
+    dump_dir = RolloutMockConfig.from_dict(config.rollout_mock).dump_dir
+    return [
+        "[preflight] actor_infer: not started (rollout_mock.mode mock replays every rollout, validation's too, "
+        f"scored, from {dump_dir}: nothing generates or grades, so no weights are synced); set rollout_mock.mode: "
+        "dump or enable: false to generate."
+    ]
 
 
 def reference_notes(config: SharedConfig) -> list[str]:
@@ -227,7 +255,7 @@ def plan_training(
 ) -> PreflightReport:
     """The report: ``placement`` and the batch plan and lr decay steps of every configured training role (for
     ``samples`` per step when given, see train_plan)."""
-    plans, decay, notes = {}, {}, reference_notes(config) + lora_notes(config)
+    plans, decay, notes = {}, {}, reference_notes(config) + replay_notes(config) + lora_notes(config)
     for role in TRAIN_ROLES:
         if role in sections:
             plans[role] = train_plan(config, role, sections[role], num_return_sequences_in_group, samples)

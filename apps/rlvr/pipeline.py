@@ -24,7 +24,7 @@ from apps.common.checkpoint_space import checkpoint_space_warning
 from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
 from apps.common.loop import run_loop
 from apps.common.padding import padded_indices
-from apps.common.preflight import role_sections
+from apps.common.preflight import replays_rollouts, started_sections
 from apps.common.sample_filters import SampleShaping, apply_sample_masks, apply_sample_weights
 from apps.common.sampler_state import SamplerState
 from apps.common.timeline import Timeline
@@ -40,6 +40,7 @@ from apps.rlvr.validation import Validator
 from apps.rlvr.vl_data import image_processor, model_type
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
+from rl_engines.model_update import ModelUpdater
 from rl_engines.placement import ClusterSpec
 from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.request_scheduler import ScheduledGeneration
@@ -101,6 +102,7 @@ class RLVRPipeline:
         self.shaping = SampleShaping.from_config(config)
         self.output_dir = Path(config.output_dir)
         self.roles: Roles | None = None
+        self.updater: ModelUpdater | None = None
         self._started_ray = False
         self.timeline = Timeline()
         self._waits: dict[str, float] = {}
@@ -115,12 +117,17 @@ class RLVRPipeline:
             self._started_ray = start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
         else:
             self._started_ray = start_ray()
-        sections = role_sections(self.config)  # a reference that enable_reference leaves off does not start
-        sections.update(self.router.role_sections())  # LLM judges: a model role each (rewards.<name>)
+        # a reference that enable_reference leaves off does not start, nor what a replay has no use for (the
+        # inference role, the LLM judges and the reward workers: the dumped rollouts come scored)
+        sections = started_sections(self.config)
+        replaying = replays_rollouts(self.config)
+        if not replaying:
+            sections.update(self.router.role_sections())  # LLM judges: a model role each (rewards.<name>)
         self.roles = Roles(cluster, sections, rpc_timeout=self.config.rpc_timeout, system_envs=self.config.system_envs)
-        self.updater = self.roles.model_updater()
-        self.router.start_workers(self.config.rpc_timeout, self.config.system_envs)
-        self.router.attach_judges(self.roles, self.prompt_key, self.messages_key)
+        self.updater = None if replaying else self.roles.model_updater()
+        if not replaying:
+            self.router.start_workers(self.config.rpc_timeout, self.config.system_envs)
+            self.router.attach_judges(self.roles, self.prompt_key, self.messages_key)
 
     def stop(self) -> None:
         """Stop every worker, and Ray when start() started it."""
@@ -159,7 +166,7 @@ class RLVRPipeline:
         load_roles(self.roles, folder)
         self.sampler.state = SamplerState(**state["sampler"])
         self.targets.load_state_dict(state)
-        self.updater.sync()
+        self._sync_weights()
         self.log(f"[rlvr] resumed from {folder} (step {state['step']})")
         return int(state["step"])
 
@@ -263,7 +270,7 @@ class RLVRPipeline:
                 metrics.update(self._train(rollout, step))
         with timer("sync"):  # actor_infer.model_update_frequency: steps between weight syncs
             if (step + 1) % self.config.actor_infer.model_update_frequency == 0:
-                metrics.update(self.updater.sync())
+                metrics.update(self._sync_weights())
         timings["time/step"] = sum(timings.values())
         metrics.update(timings)
         metrics.update(grading)
@@ -271,6 +278,10 @@ class RLVRPipeline:
         metrics.update(_response_metrics(rollout))
         metrics.update(staleness_metrics(rollout, step))
         return metrics
+
+    def _sync_weights(self) -> dict[str, float]:
+        """The trained weights to actor_infer (nothing when a replay left it off)."""
+        return {} if self.updater is None else self.updater.sync()
 
     def _domains(self, rollout: RolloutBatch) -> list[str] | None:
         """Each sample's domain when the batches are drawn by domain (``domain_interleave_probs``), else None."""

@@ -106,9 +106,10 @@ def test_prompts_need_not_divide_over_the_inference_workers(setup):
     assert row["rollout_corr/rollout_rs_masked_fraction"] == 0.0 and "mismatch/mismatch_kl" not in row
 
 
-def test_dump_then_mock_gives_identical_training_metrics(setup, dumped):
+def test_dump_then_mock_gives_identical_training_metrics(setup, dumped, capsys):
     """The rollout-dump-mock guide's workflow: dump once, replay; compare-metrics exits 0 (exact). The replay equals
-    the run that generated its rollouts bit for bit, so it equals any other replay too."""
+    the run that generated its rollouts bit for bit, so it equals any other replay too. The replay, validation
+    included, generates nothing: actor_infer does not start and no weights are synced."""
     import subprocess
     import sys
 
@@ -118,8 +119,14 @@ def test_dump_then_mock_gives_identical_training_metrics(setup, dumped):
     steps = ["step_000000.safetensors", "step_000001.safetensors"]
     assert sorted(p.name for p in (dumps / "train").iterdir()) == steps
     assert sorted(p.name for p in (dumps / "val").iterdir()) == steps  # the validation scheduler's split
+    capsys.readouterr()
     assert main([*base, *mock, f"output_dir={setup / 'mock'}"]) == 0
+    assert (
+        "[preflight] actor_infer: not started (rollout_mock.mode mock replays every rollout" in capsys.readouterr().out
+    )
     rows = {run: _rows(folder) for run, folder in (("dumped", out), ("mock", setup / "mock"))}
+    synced = lambda row: any(key.startswith("model_update/") for key in row)  # noqa: E731
+    assert all(synced(r) for r in rows["dumped"]) and not any(synced(r) for r in rows["mock"])
     assert [r["val/score/mean"] for r in rows["mock"]] == [r["val/score/mean"] for r in rows["dumped"]]
     result = subprocess.run(
         [sys.executable, "-m", "rl_replay", "compare-metrics", str(setup / "mock"), str(out)],

@@ -71,6 +71,8 @@ def test_dump_then_mock_gives_identical_training_metrics(setup, dumped):
     dumped_rows, mocked = _rows(out), _rows(setup / "mocked")
     assert [r["actor/pg_loss"] for r in dumped_rows] == [r["actor/pg_loss"] for r in mocked]
     assert [r["val/success_rate"] for r in dumped_rows] == [r["val/success_rate"] for r in mocked]
+    synced = lambda row: any(key.startswith("model_update/") for key in row)  # noqa: E731
+    assert all(synced(r) for r in dumped_rows) and not any(synced(r) for r in mocked)  # actor_infer not started
 
 
 def test_async_episodes_run_one_step_ahead(setup):
