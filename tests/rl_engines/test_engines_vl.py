@@ -139,9 +139,9 @@ def test_rolls_freeze_module_prefix_freezes_the_vision_tower_and_syncs_it_once(v
 
 
 def test_what_does_not_take_pictures_yet_refuses_a_vl_model_or_batch(vl_dir):
-    """vLLM / SGLang would drop the prompts' pictures and Ulysses' packed rows do not carry them: each refuses,
-    naming the key, rather than run blind to the pictures. Frozen weights are left out of a sync only into an
-    engine that loads any subset of tensors and keeps its weights (hf_infer)."""
+    """vLLM / SGLang would drop the prompts' pictures, Megatron builds the language model only and Ulysses' packed
+    rows do not carry them: each refuses, naming the key, rather than run blind to the pictures. Frozen weights are
+    left out of a sync only into an engine that loads any subset of tensors and keeps its weights (hf_infer)."""
     from types import SimpleNamespace
 
     from rl_engines.role_worker import RoleWorker
@@ -151,6 +151,10 @@ def test_what_does_not_take_pictures_yet_refuses_a_vl_model_or_batch(vl_dir):
         with pytest.raises(ValueError, match=rf"is a vision-language model; the {engine} adapter does not pass"):
             create_strategy(worker_config(vl_dir, "actor_infer", strategy_args={"strategy_name": engine}),
                             "actor_infer")  # fmt: skip
+    from rl_engines.strategies.megatron_model import read_spec
+
+    with pytest.raises(ValueError, match=r"is a vision-language model \(qwen2_5_vl\); megatron_train / megatron_infer"):
+        read_spec(str(vl_dir), "actor_train")  # what both Megatron strategies read first
     with pytest.raises(ValueError, match=r"ulysses_size > 1 on a vision-language batch"):
         ulysses_outputs(None, vl_prompts(vl_dir), torch.device("cpu"), None, kernel="sdpa", value_head=False,
                         temperature=1.0, with_entropy=False)  # fmt: skip

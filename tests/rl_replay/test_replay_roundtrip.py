@@ -139,6 +139,29 @@ def test_object_arrays_round_trip(tmp_path):
     assert_same_array(got["m"][3], mixed[3])
 
 
+def test_vision_language_inputs_round_trip_bit_exact(tmp_path):
+    """A vision-language rollout's per-sample visual inputs (verl's ``multi_modal_inputs``: an object column of dicts
+    of tensors, ``{}`` for a sample without images, the same dict repeated for each response of a prompt) come back
+    as the same tensors bit for bit, without pickle."""
+    g = torch.Generator().manual_seed(0)
+    one = {"pixel_values": torch.randn(24, 1176, generator=g), "image_grid_thw": torch.tensor([[1, 4, 6]])}
+    two = {"pixel_values": torch.randn(8, 1176, generator=g).bfloat16(),
+           "image_grid_thw": torch.tensor([[1, 2, 2], [1, 2, 2]])}  # fmt: skip
+    column = np.empty(4, dtype=object)
+    column[:] = [one, one, two, {}]
+    proto = FakeDataProto(
+        batch=FakeTensorDict({"input_ids": torch.arange(12).reshape(4, 3)}, batch_size=[4]),
+        non_tensor_batch={"multi_modal_inputs": column},
+        meta_info={},
+    )
+    got = round_trip(tmp_path, proto).non_tensor_batch["multi_modal_inputs"]
+    assert got.dtype == object and got.shape == (4,) and got[3] == {}
+    for index, want in enumerate(column[:3]):
+        assert list(got[index]) == list(want)
+        for key, tensor in want.items():
+            assert_same_tensor(got[index][key], tensor)
+
+
 def test_dataproto_like_comes_back_as_its_class(tmp_path):
     td = FakeTensorDict(
         {"input_ids": torch.arange(12).reshape(3, 4), "logp": torch.randn(3, 4).bfloat16()}, batch_size=[3]

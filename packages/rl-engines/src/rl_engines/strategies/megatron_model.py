@@ -38,6 +38,7 @@ from rl_engines.strategies.micro_batches import MicroBatchPlanner, in_batch_orde
 from rl_engines.strategies.model_io import model_inputs, response_length, widen
 from rl_engines.strategies.packing import PackedBatch, block_causal_mask
 from rl_engines.strategies.train_utils import gather_batch
+from rl_engines.vision import is_vl_config
 
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 """Megatron's default vocabulary padding (rows past the tokenizer's vocabulary are masked out of every softmax)."""
@@ -46,6 +47,12 @@ MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 def read_spec(model_path: str, role: str) -> ModelSpec:
     """The architecture of a HF folder; raises naming ``model_name_or_path`` for what Megatron cannot build."""
     config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
+    if is_vl_config(config):
+        raise ValueError(
+            f"{role}.model_args.model_name_or_path={model_path!r} is a vision-language model "
+            f"({config.get('model_type')}); megatron_train / megatron_infer build language models only and would run "
+            "blind to the prompts' pictures. Use fsdp2_train or deepspeed_train, and hf_infer, for this model."
+        )
     try:
         spec = spec_from_hf_config(config)
     except Exception as err:  # rl_ckpt names the unsupported model_type / option
