@@ -50,20 +50,21 @@ def test_a_short_seeded_grpo_run_raises_the_expected_reward(tmp_path, capsys, lo
     assert (exported / "adapter" / "adapter_config.json").exists() == lora
 
 
-@pytest.mark.parametrize("engine", ["deepspeed_train", "megatron_train"])
-def test_the_demo_config_trains_with_each_training_engine(engine, tmp_path):
-    """The demo config with actor_train on DeepSpeed (ZeRO-2, the default preset) or Megatron (TP=2 over the two
-    CPU slots; the test harness's CUDA shims reach its workers through a sitecustomize on PYTHONPATH)."""
-    pytest.importorskip("deepspeed" if engine == "deepspeed_train" else "megatron.core")
-    out = tmp_path / engine
+def test_the_demo_config_trains_with_megatron(tmp_path):
+    """The demo config with actor_train on Megatron (TP=2 over the two CPU slots, sequence parallel as ROLL's async
+    example; the test harness's CUDA shims reach its workers through a sitecustomize on PYTHONPATH), its weights
+    synced into hf_infer. DeepSpeed in the pipeline: the alignment matrices' ZeRO-3 columns
+    (tests/apps/test_apps_alignment*.py); its gathered weights synced into hf_infer: tests/rl_engines/
+    test_engines_deepspeed.py."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "megatron_train"
     strategy = "actor_train.strategy_args"
     overrides = ["max_steps=2", "eval_steps=0", f"output_dir={out}", f"logging_dir={out}/logs",
-                 f"{strategy}.strategy_name={engine}"]  # fmt: skip
-    if engine == "megatron_train":
-        overrides += [f"+{strategy}.strategy_config.tensor_model_parallel_size=2",
-                      f"+{strategy}.strategy_config.sequence_parallel=true",  # as ROLL's async example
-                      "actor_train.training_args.gradient_accumulation_steps=2"]  # fmt: skip
-        overrides += megatron_shim_overrides(tmp_path / "shims")
+                 f"{strategy}.strategy_name=megatron_train",
+                 f"+{strategy}.strategy_config.tensor_model_parallel_size=2",
+                 f"+{strategy}.strategy_config.sequence_parallel=true",  # as ROLL's async example
+                 "actor_train.training_args.gradient_accumulation_steps=2",
+                 *megatron_shim_overrides(tmp_path / "shims")]  # fmt: skip
     assert main(overrides) == 0
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [0, 1]

@@ -157,9 +157,21 @@ def test_two_ray_ranks_match_one_rank_fsdp2_and_resume(tiny_model_dir, scorer, r
                            training_args={**TRAIN_ARGS, "per_device_train_batch_size": 2},
                            strategy_args={"strategy_name": "deepspeed_train",
                                           "strategy_config": {"zero_stage": stage}})  # fmt: skip
-    with Roles(ray_cluster, {"actor_train": config}, rpc_timeout=300) as roles:
+    infer = worker_config(
+        tiny_model_dir,
+        "actor_infer",
+        device_mapping=[0, 1],
+        infer_batch_size=4,
+        strategy_args={"strategy_name": "hf_infer"},
+    )  # in actor_train's processes
+    with Roles(ray_cluster, {"actor_train": config, "actor_infer": infer}, rpc_timeout=300) as roles:
         train = roles["actor_train"]
         metrics = train.call("train_step", batches[0], ActorObjective(), dispatch="dp_split")
+        roles.model_updater().sync()  # the gathered weights (ZeRO-3: partitioned on the ranks) into hf_infer
+        synced = roles["actor_infer"].call("compute_log_probs", batches[1], dispatch="dp_split")
+        trained = train.call("compute_log_probs", batches[1], dispatch="dp_split")
+        mask = batches[1].batch["response_mask"].bool()
+        torch.testing.assert_close(synced.batch["log_probs"][mask], trained.batch["log_probs"][mask], atol=1e-6, rtol=0)
         train.call("save_checkpoint", str(tmp_path / "ckpt"))
         train.call("save_hf", str(tmp_path / "step1"))
         train.call("train_step", batches[1], ActorObjective(), dispatch="dp_split")
