@@ -24,6 +24,7 @@ import torch
 
 from apps.common.yaml_config import load_config
 from apps.rlvr.config import RLVRConfig
+from rl_engines.vision import token_types
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = Path(__file__).resolve().parent / "configs" / "rlvr_cpu_demo_vl.yaml"
@@ -37,7 +38,7 @@ WINDOW = 5
 class Recipe:
     """Everything that shapes the cached model; a change rebuilds it."""
 
-    version: int = 2
+    version: int = 3
     hidden: int = 64
     layers: int = 2
     vision_depth: int = 2
@@ -128,7 +129,8 @@ def _warm_up(folder: Path, log: Callable[[str], None], recipe: Recipe) -> None:
         batch = rng.sample(examples, 16)  # one question, same-size pictures: the rows have one length
         ids, start = torch.cat([example["ids"] for example in batch]), batch[0]["start"]
         visual = {key: torch.cat([example["visual"][key] for example in batch]) for key in batch[0]["visual"]}
-        logits = model(input_ids=ids, **visual).logits[:, start - 1 : -1]
+        types = token_types(ids, model.config)  # the token types give the pictures' tokens their 3-D positions
+        logits = model(input_ids=ids, mm_token_type_ids=types, **visual).logits[:, start - 1 : -1]
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, start:].flatten())
         loss.backward()  # type: ignore[no-untyped-call]
         optimizer.step()
@@ -151,7 +153,9 @@ def count_probability(folder: Path, rows: Sequence[tuple[int, int]]) -> float:
     total = 0.0
     with torch.no_grad():
         for example, (count, _) in zip(_examples(folder, rows, [c for c, _ in rows]), rows, strict=True):
-            logits = model(input_ids=example["ids"], **example["visual"]).logits[0, example["start"] - 1]
+            types = token_types(example["ids"], model.config)
+            logits = model(input_ids=example["ids"], mm_token_type_ids=types, **example["visual"]).logits[0]
+            logits = logits[example["start"] - 1]
             total += float(torch.softmax(logits[digits], dim=-1)[COUNTS.index(count)])
     return total / len(rows)
 

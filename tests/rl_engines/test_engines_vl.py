@@ -1,6 +1,7 @@
-"""Vision-language models in the torch-native engines (issue 23): a tiny Qwen2.5-VL built locally, prompts with
-images of different sizes through its own image processor, generation in hf_infer, log-probs and training in
-fsdp2_train, weight sync. The reference is the HF model itself on each sample alone, without padding."""
+"""Vision-language models in the torch-native engines (issue 23): tiny Qwen2.5-VL, Qwen2-VL and Qwen3-VL models
+built locally, prompts with images of different sizes through the model's own image processor, generation in
+hf_infer, log-probs and training in fsdp2_train, weight sync. The reference is the HF model itself on each sample
+alone, without padding, with the token types its processor returns (so its multimodal RoPE positions are 3-D)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
 from rl_engines.objectives import ActorObjective
 from rl_engines.strategies import create_strategy
-from rl_engines.tiny_model import build_tiny_vl_model
-from rl_engines.vision import VISUAL_KEY, encode_prompt, load_image_processor, visual_column
+from rl_engines.tiny_model import VL_MODEL_TYPES, build_tiny_vl_model
+from rl_engines.vision import VISUAL_KEY, encode_prompt, load_image_processor, token_types, visual_column
 
 SIZES = [(56, 84), (28, 56), (84, 56)]  # (height, width): 6, 2 and 6 image tokens after the 2 x 2 merge
 
@@ -24,6 +25,16 @@ SIZES = [(56, 84), (28, 56), (84, 56)]  # (height, width): 6, 2 and 6 image toke
 def vl_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_vl")
     build_tiny_vl_model(path, CORPUS)
+    return path
+
+
+@pytest.fixture(scope="module", params=VL_MODEL_TYPES)
+def any_vl_dir(request, vl_dir, tmp_path_factory):
+    """A tiny model of each architecture: Qwen2.5-VL, Qwen2-VL, Qwen3-VL (16-pixel patches, DeepStack)."""
+    if request.param == "qwen2_5_vl":
+        return vl_dir
+    path = tmp_path_factory.mktemp(request.param)
+    build_tiny_vl_model(path, CORPUS, model_type=request.param)
     return path
 
 
@@ -60,7 +71,7 @@ def alone(model_dir, rollout: RolloutBatch) -> torch.Tensor:
         ids = rollout.batch["input_ids"][row][keep].unsqueeze(0)
         visual = rollout.non_tensor_batch[VISUAL_KEY][row]
         with torch.no_grad():
-            logits = model(input_ids=ids, **visual).logits[0].float()
+            logits = model(input_ids=ids, mm_token_type_ids=token_types(ids, model.config), **visual).logits[0].float()
         n = int(rollout.batch["response_mask"][row].sum())
         targets = ids[0, ids.shape[1] - n :]
         log_probs = torch.log_softmax(logits[ids.shape[1] - n - 1 : -1], dim=-1)
@@ -69,7 +80,8 @@ def alone(model_dir, rollout: RolloutBatch) -> torch.Tensor:
     return out
 
 
-def test_vl_rollouts_score_train_and_sync_as_the_hf_model(vl_dir):
+def test_vl_rollouts_score_train_and_sync_as_the_hf_model(any_vl_dir):
+    vl_dir = any_vl_dir
     args = GeneratingArgs(max_new_tokens=5, temperature=1.0, num_return_sequences=2, seed=3)
     infer = create_strategy(worker_config(vl_dir, "actor_infer", generating_args=args.__dict__,
                                           strategy_args={"strategy_name": "hf_infer"}), "actor_infer")  # fmt: skip

@@ -152,10 +152,15 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 """Qwen-VL's vision special tokens (ids 3 to 6 in :func:`build_tiny_vl_model`'s tokenizer)."""
 
 
+VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+"""The vision-language architectures :func:`build_tiny_vl_model` builds."""
+
+
 def build_tiny_vl_model(
     path: str | Path,
     corpus: Iterable[str],
     *,
+    model_type: str = "qwen2_5_vl",
     vocab_size: int = 256,
     hidden_size: int = 64,
     num_hidden_layers: int = 2,
@@ -164,37 +169,58 @@ def build_tiny_vl_model(
     max_pixels: int = 112 * 112,
     seed: int = 0,
 ) -> None:
-    """Save a randomly initialised Qwen2.5-VL (``Qwen2_5_VLForConditionalGeneration``, fp32 safetensors in HF's
-    layout), its tokenizer (:func:`build_tiny_tokenizer` plus :data:`VISION_TOKENS`) and its image processor
-    (14-pixel patches, 2 x 2 merged into one token, images resized to ``min_pixels`` .. ``max_pixels``) to ``path``.
-    The vision tower has ``vision_depth`` blocks (the last one full attention, the others windowed) and projects to
-    the language model's ``hidden_size``; multimodal RoPE splits the 32-wide heads' frequencies 4 / 6 / 6."""
+    """Save a randomly initialised Qwen2.5-VL, Qwen2-VL or Qwen3-VL (``model_type``; fp32 safetensors in HF's
+    layout), its tokenizer (:func:`build_tiny_tokenizer` plus :data:`VISION_TOKENS`) and its image processor (the
+    model's patches, 14 pixels, 16 for Qwen3-VL; 2 x 2 merged into one token; images resized to ``min_pixels`` ..
+    ``max_pixels``) to ``path``. The vision tower has ``vision_depth`` blocks (Qwen2.5-VL: the last one full
+    attention, the others windowed; Qwen3-VL: the first one's features also added to the language model's first
+    layer, its DeepStack) and projects to the language model's ``hidden_size``; multimodal RoPE splits the 32-wide
+    heads' frequencies 4 / 6 / 6 (Qwen3-VL: 6 / 5 / 5, interleaved)."""
     import torch
-    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    if model_type not in VL_MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r}: build_tiny_vl_model builds {list(VL_MODEL_TYPES)}")
     build_tiny_tokenizer(path, corpus, vocab_size=vocab_size, extra_special_tokens=VISION_TOKENS)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     ids: dict[str, Any] = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
-    text = dict(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=hidden_size // 32, num_key_value_heads=1,
-        max_position_embeddings=1024, rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]},
-        tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, bos_token_id=None,
-    )  # fmt: skip
-    vision = dict(
-        depth=vision_depth, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
-        temporal_patch_size=2, out_hidden_size=hidden_size, window_size=56, fullatt_block_indexes=[vision_depth - 1],
-    )  # fmt: skip
-    config = Qwen2_5_VLConfig(
-        text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+    text, vision = _tiny_vl_sections(model_type, len(tokenizer), hidden_size, num_hidden_layers, vision_depth)
+    config = AutoConfig.for_model(
+        model_type, text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],
         vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=True,
     )  # fmt: skip
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config)
+        model = AutoModelForImageTextToText.from_config(config)  # type: ignore[no-untyped-call]
     model.generation_config.eos_token_id = 2
     model.generation_config.pad_token_id = 0
     model.save_pretrained(str(path))
-    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels).save_pretrained(str(path))
+    patch = vision.get("patch_size", 14)
+    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch).save_pretrained(str(path))
+
+
+def _tiny_vl_sections(
+    model_type: str, vocab: int, hidden: int, layers: int, depth: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The text and vision config sections of a tiny ``model_type`` (see :func:`build_tiny_vl_model`)."""
+    text: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=hidden // 32, num_key_value_heads=1, max_position_embeddings=1024,
+        rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]}, tie_word_embeddings=True, eos_token_id=2,
+        pad_token_id=0, bos_token_id=None,
+    )  # fmt: skip
+    if model_type == "qwen2_vl":
+        return text, dict(depth=depth, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=hidden, patch_size=14,
+                          spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
+    if model_type == "qwen3_vl":
+        del text["rope_scaling"]
+        text.update(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                  "mrope_section": [6, 5, 5], "mrope_interleaved": True})  # fmt: skip
+        return text, dict(depth=depth, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,
+                          spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden,
+                          num_position_embeddings=64, deepstack_visual_indexes=[0])  # fmt: skip
+    return text, dict(depth=depth, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=hidden, window_size=56,
+                      fullatt_block_indexes=[depth - 1])  # fmt: skip

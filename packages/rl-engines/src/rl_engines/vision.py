@@ -12,8 +12,8 @@ A rollout batch carries each sample's visual inputs in ``non_tensor_batch["multi
 dict of tensors per sample (``{}`` for a sample without images), repeated with its sample for every response.
 :func:`visual_inputs` concatenates them for any set of rows in row order, which is how the model reads a batch:
 the i-th image's patches belong to the i-th run of image pads in ``input_ids``. Position ids are the model's own
-(3-D multimodal RoPE, computed from ``input_ids``, ``image_grid_thw`` and ``attention_mask``), so a visual batch
-passes none.
+(3-D multimodal RoPE, computed from ``input_ids``, ``image_grid_thw``, ``attention_mask`` and the token types,
+``mm_token_type_ids``, derived here from ``input_ids``), so a visual batch passes none.
 """
 
 from __future__ import annotations
@@ -65,9 +65,10 @@ def is_visual(batch: Any) -> bool:
     return VISUAL_KEY in batch.non_tensor_batch
 
 
-def visual_inputs(batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
+def visual_inputs(batch: Any, device: torch.device, model: Any = None) -> dict[str, torch.Tensor]:
     """The model's visual keyword inputs for ``batch``'s rows: each sample's tensors concatenated in row order
-    (``{}`` without images)."""
+    (``{}`` without images), and, for ``model`` (a VL model, wrapped or not), ``mm_token_type_ids`` of the rows'
+    ``input_ids`` (:func:`token_types`)."""
     if not is_visual(batch):
         return {}
     samples = list(batch.non_tensor_batch[VISUAL_KEY])
@@ -76,7 +77,35 @@ def visual_inputs(batch: Any, device: torch.device) -> dict[str, torch.Tensor]:
         parts = [sample[key] for sample in samples if sample and key in sample]
         if parts:
             out[key] = torch.cat(parts).to(device)
+    if out and model is not None:
+        out["mm_token_type_ids"] = token_types(batch.batch["input_ids"], _vl_config(model)).to(device)
     return out
+
+
+def _vl_config(model: Any) -> Any:
+    """The transformers config of a VL ``model``, or of the module a wrapper holds (DeepSpeed's engine: its own
+    ``config`` is DeepSpeed's)."""
+    for candidate in (model, getattr(model, "module", None)):
+        config = getattr(candidate, "config", None)
+        if getattr(config, "image_token_id", None) is not None:
+            return config
+    raise ValueError(
+        f"a batch with images reached {type(model).__name__}, whose config names no image_token_id: only a "
+        "vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL) takes pictures."
+    )
+
+
+def token_types(input_ids: torch.Tensor, config: Any) -> torch.Tensor:
+    """``mm_token_type_ids`` of ``input_ids`` for a VL model's ``config``: 1 at image pads, 2 at video pads, 0
+    elsewhere, as the models' processors return them. transformers' Qwen-VL models compute their multimodal RoPE
+    positions (3-D: temporal, height, width of each image token) only when they get it; without it the image tokens
+    would be numbered like text."""
+    types = torch.zeros_like(input_ids)
+    for value, key in ((1, "image_token_id"), (2, "video_token_id")):
+        token = getattr(config, key, None)
+        if token is not None:
+            types[input_ids == int(token)] = value
+    return types
 
 
 def load_image_processor(path: str | Path, *, min_pixels: int | None = None, max_pixels: int | None = None) -> Any:

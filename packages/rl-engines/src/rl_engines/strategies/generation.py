@@ -80,7 +80,7 @@ def sample_responses(
             "continues from the last column. Tokenize with padding_side='left'."
         )
     extra: dict[str, Any] = {"tokenizer": tokenizer} if args.stop_strings else {}
-    extra.update(visual_inputs(batch, device))  # a vision-language prompt's images (generate repeats them per sample)
+    extra.update(visual_inputs(batch, device, model))  # a VL prompt's images (generate repeats them per sample)
     if synced:
         extra["synced_gpus"] = True
     out = model.generate(input_ids=prompts, attention_mask=prompt_mask, generation_config=config, **extra)

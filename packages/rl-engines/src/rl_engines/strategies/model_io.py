@@ -169,14 +169,15 @@ def response_length(batch: RolloutBatch) -> int:
     return int(batch.batch[key].shape[1])
 
 
-def model_inputs(batch: RolloutBatch, device: torch.device) -> dict[str, torch.Tensor]:
+def model_inputs(batch: RolloutBatch, device: torch.device, model: Any = None) -> dict[str, torch.Tensor]:
     """``input_ids`` / ``attention_mask`` / ``position_ids`` on ``device``; position ids derived if absent. A
-    visual batch (:mod:`rl_engines.vision`) gives its visual inputs instead of position ids (the model computes its
-    multimodal ones)."""
+    visual batch (:mod:`rl_engines.vision`) gives its visual inputs for ``model`` instead of position ids (the
+    model computes its multimodal ones)."""
     input_ids = batch.batch["input_ids"].to(device)
     attention_mask = batch.batch["attention_mask"].to(device)
     if is_visual(batch):
-        return {"input_ids": input_ids, "attention_mask": attention_mask.long(), **visual_inputs(batch, device)}
+        visual = visual_inputs(batch, device, unwrapped(model) if model is not None else None)
+        return {"input_ids": input_ids, "attention_mask": attention_mask.long(), **visual}
     if "position_ids" in batch:
         position_ids = batch.batch["position_ids"].to(device)
     else:
@@ -216,7 +217,7 @@ def forward_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One forward pass; log-probs (and entropy) of the batch's responses, ``[B, R]`` each, on ``device``."""
     resp_len = response_length(batch)
-    out = model(**model_inputs(batch, device), use_cache=False)
+    out = model(**model_inputs(batch, device, model), use_cache=False)
     logits = out.logits[:, -resp_len - 1 : -1, :]  # [B, R, V]: position t predicts token t + 1
     responses = batch.batch["responses"].to(device)
     return response_log_probs(logits, responses, temperature=temperature, with_entropy=with_entropy)
@@ -225,7 +226,7 @@ def forward_log_probs(
 def forward_values(model: nn.Module, batch: RolloutBatch, device: torch.device) -> torch.Tensor:
     """Critic values ``[B, R]`` of the state before each response token (ROLL / verl convention)."""
     resp_len = response_length(batch)
-    out = model(**model_inputs(batch, device), use_cache=False)
+    out = model(**model_inputs(batch, device, model), use_cache=False)
     return out.logits[:, -resp_len - 1 : -1, 0].float()  # type: ignore[no-any-return]
 
 
