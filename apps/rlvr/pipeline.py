@@ -34,7 +34,7 @@ from apps.rlvr.data import PromptSampler, load_records
 from apps.rlvr.domains import DomainSampler, domain_probs, record_domain
 from apps.rlvr.dynamic_sampling import DynamicSampler
 from apps.rlvr.preflight import preflight
-from apps.rlvr.rewards import RewardRouter
+from apps.rlvr.rewards import Grade, RewardRouter, part_metrics
 from apps.rlvr.rollout import PromptSource
 from apps.rlvr.validation import Validator
 from apps.rlvr.vl_data import image_processor, model_type
@@ -107,6 +107,7 @@ class RLVRPipeline:
         self.timeline = Timeline()
         self._waits: dict[str, float] = {}
         self._reward_spans: list[tuple[str, tuple[float, float]]] = []
+        self._graded: dict[str, list[Grade]] = {}  # the step's grades by reward section (their parts' metrics)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -203,6 +204,8 @@ class RLVRPipeline:
     def _scored(self, rollout: RolloutBatch, step: int) -> RolloutBatch:
         self.prompts.grade(rollout, self.router, step, self.config.max_steps)
         self._reward_spans += list(self.router.spans.items())
+        for name, grades in self.router.graded.items():
+            self._graded.setdefault(name, []).extend(grades)
         if self.shaping.difficulty_loss_weight:
             rollout.non_tensor_batch["difficulty"] = self.prompts.column(rollout, "difficulty")
         return rollout
@@ -247,6 +250,7 @@ class RLVRPipeline:
         timer = self.timeline.timer(timings, step)
         self._waits = {}
         self._reward_spans = []
+        self._graded = {}
         with timer("rollout"):
             rollout = self.get_rollout(step=step)
         grading: dict[str, float] = {}  # per reward section, inside the rollout phase (so not in time/step)
@@ -274,6 +278,7 @@ class RLVRPipeline:
         timings["time/step"] = sum(timings.values())
         metrics.update(timings)
         metrics.update(grading)
+        metrics.update(part_metrics(self._graded))  # e.g. Video-R1's <section>/acc_reward and fmt_reward
         metrics.update(self._waits)
         metrics.update(_response_metrics(rollout))
         metrics.update(staleness_metrics(rollout, step))

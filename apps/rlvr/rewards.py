@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from apps.rlvr.config import RewardConfig, RewardSpec
@@ -31,10 +31,13 @@ if TYPE_CHECKING:
 class Grade:
     """One response's grade: ``score`` says how right it is (ROLL's ``scores``: the score metrics, dynamic
     sampling's query filters, the difficulty mask); ``reward`` is what the policy is trained on (ROLL's
-    ``response_level_rewards``: reward normalisation and advantages)."""
+    ``response_level_rewards``: reward normalisation and advantages). ``parts``: what the reward is made of (a
+    ROLL reward worker's ``meta_info["metrics"]``, e.g. Video-R1's ``acc_reward`` and ``fmt_reward``), logged per
+    step as ``<section>/<part>``, the mean over the section's responses."""
 
     score: float
     reward: float
+    parts: Mapping[str, float] = field(default_factory=dict)
 
 
 RewardFn = Callable[[str, dict[str, Any], RewardSpec], "float | Grade"]
@@ -116,7 +119,7 @@ def graded_rows(
 
 def _penalized(value: float | Grade, spec: RewardSpec, response_tokens: int) -> Grade:
     grade = value if isinstance(value, Grade) else Grade(float(value), float(value))
-    return Grade(grade.score, grade.reward - spec.response_length_penalty_coef * response_tokens)
+    return Grade(grade.score, grade.reward - spec.response_length_penalty_coef * response_tokens, grade.parts)
 
 
 def check_reward_sections(sections: dict[str, RewardConfig]) -> None:
@@ -169,6 +172,8 @@ class RewardRouter:
         self.workers: RewardWorkers | None = None
         self.judges: dict[str, Any] = {}
         self.spans: dict[str, tuple[float, float]] = {}
+        self.graded: dict[str, list[Grade]] = {}
+        """The last ``grade_many``'s grades by section (their parts: :func:`part_metrics`)."""
         """Each section's (start, end) ``time.perf_counter()`` in the last ``grade_many`` call."""
         self.by_tag: dict[str, str] = {}
         for name, section in sections.items():
@@ -261,6 +266,7 @@ class RewardRouter:
             for i, grade in zip(rows_of[name], future.get()):
                 grades[i] = grade
             self.spans[name] = (start, time.perf_counter())
+        self.graded = {name: _take(rows, grades) for name, rows in rows_of.items()}
         return grades
 
     def _grade_here(
@@ -277,6 +283,17 @@ class RewardRouter:
             )
         values = self.judges[name].grade(texts, records)
         return [_penalized(value, spec, tokens) for value, tokens in zip(values, lengths)]
+
+
+def part_metrics(grades_of: dict[str, list[Grade]]) -> dict[str, float]:
+    """``<section>/<part>``: the mean of each part of the section's grades (ROLL's ``reduce_metrics`` of a reward
+    worker's metrics under its domain)."""
+    out: dict[str, float] = {}
+    for name, grades in grades_of.items():
+        for part in dict.fromkeys(key for grade in grades for key in grade.parts):
+            values = [grade.parts[part] for grade in grades if part in grade.parts]
+            out[f"{name}/{part}"] = sum(values) / len(values)
+    return out
 
 
 def _take(rows: list[int], values: list[T]) -> list[T]:

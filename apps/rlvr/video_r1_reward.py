@@ -13,7 +13,9 @@ of the ground truth likewise:
   TypeError there).
 
 The format reward is 1 when the whole response is ``<think>...</think> <answer>...</answer>``. The reward (and the
-score) is their sum, 0 to 2, as ROLL's ``overall``. A question type outside the five is an error naming the record's
+score) is their sum, 0 to 2, as ROLL's ``overall``; the step's metrics log the mean of each over the section's
+responses as ``<section>/acc_reward``, ``<section>/fmt_reward`` and ``<section>/overall`` (ROLL's reward metrics under
+its domain). A question type outside the five is an error naming the record's
 value (ROLL scores it 0, which hides a typo in the data).
 """
 
@@ -23,7 +25,7 @@ import re
 from typing import Any
 
 from apps.rlvr.config import RewardSpec
-from apps.rlvr.rewards import REWARD_FUNCTIONS, ground_truth
+from apps.rlvr.rewards import REWARD_FUNCTIONS, Grade, ground_truth
 
 ANSWER = re.compile(r"<answer>\s*(.*?)\s*</answer>", re.DOTALL)
 BOXED = re.compile(r"\\boxed{(.*?)}")
@@ -91,8 +93,9 @@ def accuracy(response: str, truth: str, question_type: str) -> float:
 
 
 @REWARD_FUNCTIONS.register("video_r1", "VideoR1RewardWorker")
-def video_r1_reward(response: str, record: dict[str, Any], spec: RewardSpec) -> float:
-    """Accuracy by the record's question type plus the format reward, 0 to 2 (see the module)."""
+def video_r1_reward(response: str, record: dict[str, Any], spec: RewardSpec) -> Grade:
+    """Accuracy by the record's question type plus the format reward, 0 to 2, with ROLL's parts ``acc_reward``,
+    ``fmt_reward`` and ``overall`` (logged as ``<section>/acc_reward`` ...; see the module)."""
     question_type = record.get("reward_model")
     if question_type not in QUESTION_TYPES:
         raise ValueError(
@@ -100,4 +103,5 @@ def video_r1_reward(response: str, record: dict[str, Any], spec: RewardSpec) -> 
             f"record has reward_model={question_type!r} (columns: {sorted(record)}). Fix the data."
         )
     fmt = 1.0 if FORMAT.fullmatch(response) else 0.0
-    return accuracy(response, ground_truth(record), str(question_type)) + fmt
+    acc = accuracy(response, ground_truth(record), str(question_type))
+    return Grade(acc + fmt, acc + fmt, {"acc_reward": acc, "fmt_reward": fmt, "overall": acc + fmt})

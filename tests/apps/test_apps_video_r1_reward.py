@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from apps.rlvr.config import RewardSpec
-from apps.rlvr.rewards import REWARD_FUNCTIONS
+from apps.rlvr.config import RewardConfig, RewardSpec
+from apps.rlvr.rewards import REWARD_FUNCTIONS, RewardRouter, part_metrics
 from apps.rlvr.video_r1_reward import accuracy, word_error_rate
 
 REWARD = REWARD_FUNCTIONS.get("VideoR1RewardWorker")  # ROLL's worker_cls ...video_r1_reward_worker.VideoR1RewardWorker
@@ -14,7 +14,7 @@ assert REWARD_FUNCTIONS.get("video_r1") is REWARD
 
 
 def reward(response: str, truth: str, question_type: str) -> float:
-    return float(REWARD(response, {"ground_truth": truth, "reward_model": question_type}, RewardSpec()))
+    return REWARD(response, {"ground_truth": truth, "reward_model": question_type}, RewardSpec()).reward
 
 
 @pytest.mark.parametrize(
@@ -58,3 +58,23 @@ def test_an_unknown_question_type_is_refused_naming_it():
         reward("<answer>B</answer>", "B", "multiple-choice")
     with pytest.raises(ValueError, match=r"reward_model=None"):
         REWARD("<answer>B</answer>", {"ground_truth": "B"}, RewardSpec())
+
+
+def test_rolls_acc_reward_and_fmt_reward_are_logged_per_section_as_means():
+    """ROLL's worker reports acc_reward, fmt_reward and overall per response (its meta_info metrics), reduced to
+    their means under the domain: here ``<section>/acc_reward`` ..., from the router's grades of one step; a
+    section without parts (math_rule) logs none."""
+    video = {"worker_cls": "roll.pipeline.rlvr.rewards.video_r1_reward_worker.VideoR1RewardWorker",
+             "tag_included": ["video"]}  # fmt: skip
+    router = RewardRouter({"videor1": RewardConfig.from_dict(video, "rewards.videor1"),
+                           "math_rule": RewardConfig.from_dict({}, "rewards.math_rule")})  # fmt: skip
+    texts = ["<think>a dog</think> <answer>B</answer>", "<answer>C</answer>", "<think>x</think> <answer>3</answer>",
+             "<answer>2</answer>"]  # fmt: skip
+    records = [{"tag": "video", "ground_truth": "B", "reward_model": "multiple choice"},
+               {"tag": "video", "ground_truth": "B", "reward_model": "multiple choice"},
+               {"tag": "video", "ground_truth": "4", "reward_model": "numerical"},
+               {"tag": "math", "ground_truth": "2"}]  # fmt: skip
+    grades = router.grade_many(texts, records, [4, 4, 4, 4])
+    assert [g.reward for g in grades] == [2.0, 0.0, 1.0, 1.0]
+    assert part_metrics(router.graded) == {"videor1/acc_reward": 1 / 3, "videor1/fmt_reward": 2 / 3,
+                                           "videor1/overall": 1.0}  # fmt: skip
