@@ -114,15 +114,50 @@ def test_vl_rollouts_score_train_and_sync_as_the_hf_model(any_vl_dir):
                                rtol=0)  # fmt: skip
 
 
+PACKED = {"use_sequence_packing": True,
+          "sequence_packing_args": {"algorithm": "load_balance", "max_packed_sequence_length_train": 128,
+                                    "max_packed_sequence_length_forward": 128}}  # fmt: skip
+"""ROLL's sequence packing with rows of 128 tokens: the three samples (about 20 tokens each) share one row."""
+
+
+def teacher_forced(rollout: RolloutBatch) -> RolloutBatch:
+    """The prompts as their own responses (their last 3 tokens): all a forward or a train_step needs."""
+    rollout.batch["responses"] = rollout.batch["input_ids"][:, -3:]
+    rollout.batch["response_mask"] = rollout.batch["attention_mask"][:, -3:].bool()
+    return rollout
+
+
+def test_vl_samples_pack_into_one_row_and_score_and_train_as_padded_rows(any_vl_dir):
+    """use_sequence_packing on a VL batch (pictures of two sizes and a text-only sample in one packed row, each
+    token at the multimodal RoPE position the padded forward gives it): the log-probs and the update equal the
+    padded ones."""
+    rollout = teacher_forced(vl_prompts(any_vl_dir))
+    mask = rollout.batch["response_mask"]
+    # adam_epsilon 1e-3: Adam would turn the rounding of near-zero gradients into full-rate steps
+    training = {"learning_rate": 1e-2, "adam_epsilon": 1e-3, "per_device_train_batch_size": 3}
+    runs = {}
+    for layout, extra in (("padded", {}), ("packed", PACKED)):
+        strategy = create_strategy(worker_config(any_vl_dir, training_args=training, **extra), "actor_train")
+        strategy.initialize()
+        scored = strategy.compute_log_probs(rollout).batch["log_probs"]
+        rollout.batch["old_log_probs"] = scored
+        rollout.batch["advantages"] = torch.ones(mask.shape) * mask
+        runs[layout] = (scored, strategy.train_step(rollout, ActorObjective()), dict(strategy.named_weights()))
+    (padded, padded_metrics, padded_weights), (packed, packed_metrics, packed_weights) = runs.values()
+    torch.testing.assert_close(packed[mask], padded[mask], atol=1e-5, rtol=0)
+    for key in ("pg_loss", "grad_norm"):
+        assert packed_metrics[key] == pytest.approx(padded_metrics[key], rel=1e-5, abs=1e-6), key
+    for name, value in padded_weights.items():
+        torch.testing.assert_close(packed_weights[name], value, atol=1e-6, rtol=0, msg=name)
+
+
 def test_rolls_freeze_module_prefix_freezes_the_vision_tower_and_syncs_it_once(vl_dir):
     """``freeze_module_prefix: model.visual`` (ROLL's Qwen2.5-VL fsdp2 example): the vision tower gets no gradient
     and no optimizer state and stays as loaded while the language model trains; a weight sync after the first leaves
     the frozen weights out, the first sends them. A prefix that matches nothing is refused naming it."""
     from rl_engines.role_worker import weights_to_send
 
-    rollout = vl_prompts(vl_dir)  # prompts as their own responses: a teacher-forced batch is all train_step needs
-    rollout.batch["responses"] = rollout.batch["input_ids"][:, -3:]
-    rollout.batch["response_mask"] = rollout.batch["attention_mask"][:, -3:].bool()
+    rollout = teacher_forced(vl_prompts(vl_dir))
     mask = rollout.batch["response_mask"]
     training = {"learning_rate": 1e-2, "per_device_train_batch_size": 3}
     train = create_strategy(worker_config(vl_dir, training_args=training, model_args={

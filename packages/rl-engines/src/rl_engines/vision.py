@@ -78,11 +78,11 @@ def visual_inputs(batch: Any, device: torch.device, model: Any = None) -> dict[s
         if parts:
             out[key] = torch.cat(parts).to(device)
     if out and model is not None:
-        out["mm_token_type_ids"] = token_types(batch.batch["input_ids"], _vl_config(model)).to(device)
+        out["mm_token_type_ids"] = token_types(batch.batch["input_ids"], vl_config(model)).to(device)
     return out
 
 
-def _vl_config(model: Any) -> Any:
+def vl_config(model: Any) -> Any:
     """The transformers config of a VL ``model``, or of the module a wrapper holds (DeepSpeed's engine: its own
     ``config`` is DeepSpeed's)."""
     for candidate in (model, getattr(model, "module", None)):

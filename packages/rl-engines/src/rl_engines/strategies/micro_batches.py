@@ -279,7 +279,6 @@ class MicroBatchPlanner:
                 temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:  # fmt: skip
         """The model's outputs on ``micro`` in this planner's layout, ``[B, R]`` each (see model_io)."""
         if self.packed:
-            _refuse_visual(micro)
             return packed_outputs(model, micro, device, value_head=value_head, temperature=temperature,
                                   with_entropy=with_entropy)  # fmt: skip
         run = without_padding_columns(micro, self.round_to) if self.budget is not None else micro
@@ -306,9 +305,8 @@ class MicroBatchPlanner:
 def _refuse_visual(batch: RolloutBatch) -> None:
     if is_visual(batch):
         raise ValueError(
-            "use_sequence_packing: a vision-language batch cannot be packed yet (its multimodal RoPE positions are "
-            "computed per padded row by the model); set use_sequence_packing: false (dynamic batching works) for this "
-            "role."
+            "use_sequence_packing: a vision-language batch reached a strategy that drives its own packed forward "
+            "(Megatron), which does not take pictures; use fsdp2_train or deepspeed_train for this role."
         )
 
 

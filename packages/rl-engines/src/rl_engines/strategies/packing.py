@@ -5,6 +5,8 @@ response without right padding) into one row ``[1, T]``; position ids restart at
 transformers recognises packed sequences when no attention mask is given (eager / sdpa build a block-diagonal causal
 mask, flash-attention-2 runs its varlen kernel), so attention never crosses a sample boundary. The model's outputs
 at the rows that predict response tokens go back to the batch's ``[B, R]`` layout with :meth:`PackedBatch.scatter`.
+A vision-language micro-batch packs too (:func:`packed_visual_inputs`): its pictures in sample order and each token's
+multimodal RoPE position as the model computes it for the padded rows.
 
 :func:`balanced_partitions` is the Karmarkar-Karp largest-differencing heuristic ROLL uses (``load_balance``) to cut
 a mini-batch into micro-batches of similar work, by ROLL's workload model (:func:`rl_core.seqlen_balance.workload`).
@@ -20,7 +22,8 @@ from torch import nn
 
 from rl_core.batch import RolloutBatch
 from rl_core.seqlen_balance import largest_differencing
-from rl_engines.strategies.model_io import position_ids_from_mask, response_length, response_log_probs
+from rl_engines.strategies.model_io import position_ids_from_mask, response_length, response_log_probs, unwrapped
+from rl_engines.vision import is_visual, token_types, visual_inputs, vl_config
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,27 @@ def pack(batch: RolloutBatch, round_to: int = 1) -> PackedBatch:
     )  # fmt: skip
 
 
+def packed_visual_inputs(
+    model: nn.Module, batch: RolloutBatch, packed: PackedBatch, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """A vision-language micro-batch packed: its pictures' inputs in sample order (the packed row's image pads run
+    in the same order), the packed row's token types, and ``position_ids [4, 1, T]``: the packed text positions
+    (restarting for every sample: the block-diagonal mask) over the model's multimodal RoPE positions of each real
+    token, computed by the model's own ``get_rope_index`` on the padded rows, as an unpacked forward computes them
+    (the fill that rounds ``T`` up counts on from 0 in all four)."""
+    hf = unwrapped(model)
+    visual = visual_inputs(batch, device, hf)  # mm_token_type_ids of the padded rows, for their positions
+    mask = batch.batch["attention_mask"].to(device).bool()
+    grids = {key: visual[key] for key in ("image_grid_thw",) if key in visual}
+    rope, _ = hf.model.get_rope_index(batch.batch["input_ids"].to(device), visual["mm_token_type_ids"],
+                                      attention_mask=mask.long(), **grids)  # fmt: skip
+    fill = packed.tokens - int(mask.sum())
+    rope = torch.cat([rope[:, mask], torch.arange(fill, device=device).expand(3, fill)], dim=1)  # [3, T]
+    text = packed.position_ids.to(device)  # [1, T]
+    visual["mm_token_type_ids"] = token_types(packed.input_ids, vl_config(hf)).to(device)
+    return {**visual, "position_ids": torch.cat([text, rope.to(text.dtype)]).unsqueeze(1)}
+
+
 def balanced_partitions(weights: Sequence[int], parts: int) -> list[list[int]]:
     """Indices of ``weights`` cut into ``parts`` non-empty groups of near-equal sums (Karmarkar-Karp largest
     differencing: repeatedly merge the two partial solutions with the largest spread, the heaviest group of one
@@ -123,7 +147,10 @@ def packed_outputs(
     """:func:`~rl_engines.strategies.model_io.forward_outputs` of ``batch`` run packed: ``values`` of a value-head
     model, else ``log_probs`` (and ``entropy``), ``[B, R]`` each on ``device``, 0 past each sample's response."""
     packed = pack(batch, round_to)
-    out = model(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device), use_cache=False)
+    inputs = {"input_ids": packed.input_ids.to(device), "position_ids": packed.position_ids.to(device)}
+    if is_visual(batch):
+        inputs.update(packed_visual_inputs(model, batch, packed, device))
+    out = model(**inputs, use_cache=False)
     rows = out.logits[0, packed.rows.to(device)]  # [N, V]: the outputs that predict the response tokens
     if value_head:
         return {"values": packed.scatter(rows[:, 0].float())}
