@@ -185,6 +185,35 @@ def test_rolls_freeze_module_prefix_freezes_the_vision_tower_and_syncs_it_once(v
         ).initialize()
 
 
+def test_deepspeed_freezes_the_vision_tower_and_updates_the_rest_like_fsdp2(vl_dir):
+    """ROLL's freeze_module_prefix on deepspeed_train (ZeRO-2): the vision tower stays as loaded and out of the
+    weight sync after the first, and the language model gets fsdp2_train's update on the same VL batch."""
+    pytest.importorskip("deepspeed")
+    from rl_engines.role_worker import weights_to_send
+
+    rollout = teacher_forced(vl_prompts(vl_dir))
+    mask = rollout.batch["response_mask"]
+    training = {"learning_rate": 1e-2, "adam_epsilon": 1e-3, "per_device_train_batch_size": 3}
+    updated = {}
+    for name, strategy_args in (("fsdp2", {}), ("zero2", {"strategy_name": "deepspeed_train",
+                                                          "strategy_config": {"zero_stage": 2}})):  # fmt: skip
+        config = worker_config(vl_dir, training_args=training, strategy_args=strategy_args,
+                               model_args={"freeze_module_prefix": "model.visual"})  # fmt: skip
+        train = create_strategy(config, "actor_train")
+        train.initialize()
+        rollout.batch["old_log_probs"] = train.compute_log_probs(rollout).batch["log_probs"]
+        rollout.batch["advantages"] = torch.ones(mask.shape) * mask
+        before = {key: value.clone() for key, value in train.named_weights()}
+        train.train_step(rollout, ActorObjective())
+        updated[name] = dict(train.named_weights())
+        visual = {key for key in before if key.startswith("model.visual.")}
+        assert visual and train.frozen == visual
+        assert all(torch.equal(updated[name][key], before[key]) for key in visual)
+        assert {key for key, _ in weights_to_send(train, "module", frozen=False)} == set(before) - visual
+    for key, value in updated["fsdp2"].items():
+        torch.testing.assert_close(updated["zero2"][key], value, atol=1e-6, rtol=0, msg=key)
+
+
 def test_what_does_not_take_pictures_yet_refuses_a_vl_model_or_batch(vl_dir):
     """vLLM / SGLang would drop the prompts' pictures, Megatron builds the language model only and Ulysses' packed
     rows do not carry them: each refuses, naming the key, rather than run blind to the pictures. Frozen weights are
