@@ -1,5 +1,7 @@
 """HF -> Megatron (TP x PP) -> HF gives bitwise identical tensors and identical logits."""
 
+import argparse
+
 import pytest
 import torch
 import transformers
@@ -48,3 +50,37 @@ def test_ckpt_round_trip_bf16_keeps_dtype(tmp_path):
     before, after = load_state(src), load_state(tmp_path / "hf")
     assert all(after[k].dtype == torch.bfloat16 and torch.equal(after[k], before[k]) for k in before)
     assert sorted(before) == sorted(after)
+
+
+def _as_virtual_pipeline(layout, pp: int, vp: int, out) -> None:
+    """The PP = pp·vp rank files of ``layout`` regrouped as Megatron-LM saves a virtual pipeline: the file of
+    stage s holds ``model0`` ... ``model{vp-1}``, chunk c being virtual stage c·pp + s (its own file at PP = pp·vp:
+    the same layers, numbered from 0), and args naming both sizes."""
+    for tp_rank in range(layout.tp):
+        for stage in range(pp):
+            states = [torch.load(layout.path(tp_rank, chunk * pp + stage), weights_only=False) for chunk in range(vp)]
+            args = argparse.Namespace(**states[0]["args"])  # Megatron-LM's args, as its files hold them
+            args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size = pp, vp
+            merged = {"args": args, "checkpoint_version": states[0]["checkpoint_version"],
+                      "iteration": states[0]["iteration"],
+                      **{f"model{chunk}": state["model"] for chunk, state in enumerate(states)}}  # fmt: skip
+            name = f"mp_rank_{tp_rank:02d}_{stage:03d}"
+            (out / "iter_0000001" / name).mkdir(parents=True)
+            torch.save(merged, out / "iter_0000001" / name / "model_optim_rng.pt")
+    (out / "latest_checkpointed_iteration.txt").write_text("1")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_ckpt_virtual_pipeline_rank_files_convert_bitwise(tiny_hf, tmp_path, tied):
+    """Megatron-LM files saved with virtual_pipeline_model_parallel_size (model0, model1, ... in each stage's file):
+    TP=2 x PP=2 x 2 chunks of the 4-layer model give the HF tensors back bit for bit (the embedding from stage 0's
+    first chunk, the final norm and output layer from the last stage's last chunk)."""
+    src = tiny_hf("qwen2", tied)
+    layout = convert_hf_to_mcore(src, tmp_path / "pp4", 2, 4)
+    _as_virtual_pipeline(layout, 2, 2, tmp_path / "vpp")
+    ckpt = open_mcore_checkpoint(tmp_path / "vpp")
+    assert (ckpt.layout.tp, ckpt.layout.pp, ckpt.vp) == (2, 2, 2)
+    convert_mcore_to_hf(ckpt, tmp_path / "hf")
+    before, after = load_state(src), load_state(tmp_path / "hf")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())

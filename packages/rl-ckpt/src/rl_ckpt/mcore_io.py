@@ -168,30 +168,47 @@ def normalize_keys(model: dict[str, Any], where: Path) -> dict[str, torch.Tensor
 
 
 def load_rank(
-    path: Path, trust_checkpoint: bool = False, *, lazy: bool = False
+    path: Path, trust_checkpoint: bool = False, *, lazy: bool = False, chunk: int | None = None
 ) -> tuple[object, dict[str, torch.Tensor]]:
     """(args, model state dict) of one rank file, memory-mapped; see ``safe_load`` for what ``trust_checkpoint``
-    changes (by default no code from the file runs, whatever it holds).
+    changes (by default no code from the file runs, whatever it holds). ``chunk``: the model chunk ``model<chunk>``
+    of a file saved with a virtual pipeline (Megatron-LM writes one state dict per chunk).
 
     ``lazy``: the tensors are left on disk, meta tensors marked with their bytes' place (see ``sources``), read
     only when a writer copies them (memory-mapped when their offsets cannot be checked against the zip directory).
     """
+    key = "model" if chunk is None else f"model{chunk}"
     if lazy:
-        state = _load_state(path, trust_checkpoint, meta=True)
-        model = normalize_keys(state["model"], path)
+        state = _load_state(path, trust_checkpoint, meta=True, key=key)
+        model = normalize_keys(state[key], path)
         with path.open("rb") as f:
             if locate_storages(model.values(), path, 0, f):
                 return state.get("args"), model
-    state = _load_state(path, trust_checkpoint, meta=False)
-    return state.get("args"), normalize_keys(state["model"], path)
+    state = _load_state(path, trust_checkpoint, meta=False, key=key)
+    return state.get("args"), normalize_keys(state[key], path)
 
 
-def _load_state(path: Path, trust_checkpoint: bool, *, meta: bool) -> dict[str, Any]:
+def rank_args(path: Path, trust_checkpoint: bool = False) -> object:
+    """The ``args`` of one rank file (None when it has none), its tensors left on disk."""
+    state = load_torch_file(path, trust=trust_checkpoint, meta=True)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} holds a {type(state).__name__}, not a Megatron checkpoint's dict")
+    return state.get("args")
+
+
+def virtual_stages(args: object) -> int:
+    """Model chunks per rank file: the args' ``virtual_pipeline_model_parallel_size`` (1 without one)."""
+    return int(arg(args, "virtual_pipeline_model_parallel_size", 1) or 1)
+
+
+def _load_state(path: Path, trust_checkpoint: bool, *, meta: bool, key: str = "model") -> dict[str, Any]:
     state = load_torch_file(path, trust=trust_checkpoint, meta=meta)
-    if not isinstance(state, dict) or "model" not in state:
+    if not isinstance(state, dict) or key not in state:
         keys = sorted(state) if isinstance(state, dict) else type(state).__name__
-        extra = " (virtual pipeline stages model0, model1, ... are not supported yet)" if "model0" in keys else ""
-        raise CheckpointError(f"{path} has no 'model' entry{extra}; keys: {keys}")
+        extra = ""
+        if key == "model" and "model0" in keys:
+            extra = " (model0, model1, ...: saved with a virtual pipeline, which its args must name)"
+        raise CheckpointError(f"{path} has no {key!r} entry{extra}; keys: {keys}")
     return state
 
 

@@ -18,7 +18,9 @@ from rl_ckpt.mcore_io import (
     discover_layout,
     is_dist_dir,
     load_rank,
+    rank_args,
     resolve_iteration_dir,
+    virtual_stages,
 )
 from rl_ckpt.mcore_merge import (
     McoreSource,
@@ -57,29 +59,38 @@ class McoreCheckpoint:
     args: object
     spec: ModelSpec
     trust_checkpoint: bool = False
+    vp: int = 1
+    """Model chunks per rank file (Megatron-LM's ``model0``, ``model1``, ... with a virtual pipeline)."""
 
     @property
     def iteration_dir(self) -> Path:
         """The ``iter_NNNNNNN`` folder."""
         return self.layout.iteration_dir
 
-    def _load(self, tp_rank: int, pp_rank: int, ep_rank: int) -> dict[str, torch.Tensor]:
-        return load_rank(self.layout.path(tp_rank, pp_rank, ep_rank), self.trust_checkpoint, lazy=True)[1]
+    def _load(self, tp_rank: int, pp_rank: int, ep_rank: int, chunk: int | None) -> dict[str, torch.Tensor]:
+        path = self.layout.path(tp_rank, pp_rank, ep_rank)
+        return load_rank(path, self.trust_checkpoint, lazy=True, chunk=chunk)[1]
 
     def stages(self) -> Iterator[StageShards]:
-        """One PP stage at a time: its TP ranks' model state dicts, left on disk (see ``load_rank``); a MoE model's
-        expert-parallel ranks merged into one (experts under their global index, :func:`merge_expert_ranks`)."""
+        """One piece at a time, in layer order: a PP stage's TP ranks' model state dicts, or with a virtual pipeline
+        one model chunk (chunk c of stage s is virtual stage c·PP + s, its layers numbered from 0 as a stage's
+        are), left on disk (see ``load_rank``); a MoE model's expert-parallel ranks merged into one (experts under
+        their global index, :func:`merge_expert_ranks`)."""
         pp, ep = self.layout.pp, self.layout.ep
         local = self.spec.num_experts // ep
-        for p in range(pp):
+        pieces = pp * self.vp
+        for k in range(pieces):
+            chunk, p = divmod(k, pp)
+            which = chunk if self.vp > 1 else None
             paths = [self.layout.path(t, p) for t in range(self.layout.tp)]
             # No local variable keeps the states: the caller's ``del`` must free the stage before the next is read.
             yield StageShards(
-                [merge_expert_ranks([self._load(t, p, e) for e in range(ep)], local) for t in range(self.layout.tp)],
+                [merge_expert_ranks([self._load(t, p, e, which) for e in range(ep)], local)
+                 for t in range(self.layout.tp)],
                 paths,
-                first=p == 0,
-                last=p == pp - 1,
-            )
+                first=k == 0,
+                last=k == pieces - 1,
+            )  # fmt: skip
 
 
 def open_mcore_checkpoint(
@@ -108,13 +119,19 @@ def open_mcore_checkpoint(
             trust_checkpoint=trust_checkpoint,
         )  # fmt: skip
     layout = discover_layout(iteration_dir)
-    args, _ = load_rank(layout.path(0, 0, 0), trust_checkpoint, lazy=True)
+    args = rank_args(layout.path(0, 0, 0), trust_checkpoint)
     if args is None:
         raise CheckpointError(f"{layout.path(0, 0, 0)} has no 'args'; pass --model_type and the sizes are unknown")
     layout = check_layout_against_args(layout, args)
     spec = checkpoint_spec(args, vocab_size=vocab_size, model_type=model_type, tokenizer_path=tokenizer_path)
     check_moe_layout(spec, layout.tp, layout.ep, str(iteration_dir))
-    return McoreCheckpoint(layout, args, spec, trust_checkpoint)
+    vp = virtual_stages(args)
+    if spec.num_layers % (layout.pp * vp):
+        raise CheckpointError(
+            f"{iteration_dir}: {spec.num_layers} layers do not split over PP={layout.pp} x virtual pipeline {vp} "
+            "(the args' pipeline_model_parallel_size x virtual_pipeline_model_parallel_size); check the args"
+        )
+    return McoreCheckpoint(layout, args, spec, trust_checkpoint, vp)
 
 
 def convert_mcore_to_hf(
