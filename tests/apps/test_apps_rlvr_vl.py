@@ -10,9 +10,10 @@ import io
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from PIL import Image
 
-from rl_engines.tiny_model import build_tiny_vl_model
+from rl_engines.tiny_model import VL_MODEL_TYPES, build_tiny_vl_model
 
 
 def png(count: int, seed: int) -> bytes:
@@ -53,8 +54,9 @@ def test_roll_vlm_images_load_from_bytes_dicts_paths_and_data_uris_and_bad_ones_
     assert record_images(loaded, "record 0")[0].size == (56, 56)
 
 
-def test_vl_prompts_expand_image_pads_and_refuse_what_does_not_fit(tmp_path):
-    import pytest
+@pytest.mark.parametrize("model_type", VL_MODEL_TYPES)
+def test_vl_prompts_expand_image_pads_and_refuse_what_does_not_fit(tmp_path, model_type):
+    """The app's prompts for each VL architecture (Qwen3-VL: 16-pixel patches) through the model's own processor."""
     from transformers import AutoTokenizer
 
     from apps.rlvr.data import DataError
@@ -63,7 +65,7 @@ def test_vl_prompts_expand_image_pads_and_refuse_what_does_not_fit(tmp_path):
     from rl_engines.strategies.generation import _generation_config
     from rl_engines.vision import VISUAL_KEY, load_image_processor, placeholder_token_ids
 
-    build_tiny_vl_model(tmp_path, ["1 2 3"])
+    build_tiny_vl_model(tmp_path, ["1 2 3"], model_type=model_type)
     tokenizer, processor = AutoTokenizer.from_pretrained(str(tmp_path)), load_image_processor(tmp_path)
     records = [{"images": [{"bytes": png(1, 0)}]}, {}]
     batch = vl_prompt_batch(["<image>1?", "2?"], records, tokenizer, processor, prompt_length=64)
