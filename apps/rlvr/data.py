@@ -124,14 +124,20 @@ def prompt_text(messages: list[dict[str, str]], tokenizer: Any, template: str) -
 
 def encode_prompts(texts: Sequence[str], tokenizer: Any, prompt_length: int) -> dict[str, torch.Tensor]:
     """Token ids ``[B, P]`` left-padded to the longest prompt, keeping the last ``prompt_length`` tokens of each."""
-    ids = [tokenizer(text, add_special_tokens=False)["input_ids"][-prompt_length:] for text in texts]
+    return left_padded([tokenizer(text, add_special_tokens=False)["input_ids"][-prompt_length:] for text in texts],
+                       tokenizer)  # fmt: skip
+
+
+def left_padded(ids: Sequence[Sequence[int]], tokenizer: Any) -> dict[str, torch.Tensor]:
+    """``input_ids`` / ``attention_mask`` ``[B, P]``: each row's tokens at the right, the tokenizer's pad (else its
+    EOS) to their left."""
     width = max(len(row) for row in ids)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     input_ids = torch.full((len(ids), width), int(pad), dtype=torch.long)
     attention_mask = torch.zeros((len(ids), width), dtype=torch.long)
     for row, tokens in enumerate(ids):
         if tokens:
-            input_ids[row, width - len(tokens) :] = torch.tensor(tokens)
+            input_ids[row, width - len(tokens) :] = torch.tensor(list(tokens), dtype=torch.long)
             attention_mask[row, width - len(tokens) :] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 

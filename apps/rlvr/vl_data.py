@@ -17,9 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from apps.rlvr.data import DataError
+from apps.rlvr.data import DataError, left_padded
 from rl_core.batch import RolloutBatch
 from rl_engines.vision import VISUAL_KEY, encode_prompt, visual_column
 
@@ -77,15 +75,8 @@ def vl_prompt_batch(
                 f"{prompt_length}; raise prompt_length or lower data_args.image_max_pixels."
             )
         encoded.append((ids, visual))
-    width = max(len(ids) for ids, _ in encoded)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    input_ids = torch.full((len(encoded), width), int(pad), dtype=torch.long)
-    attention_mask = torch.zeros((len(encoded), width), dtype=torch.long)
-    for row, (ids, _) in enumerate(encoded):
-        input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-        attention_mask[row, width - len(ids) :] = 1
     column = visual_column(visual for _, visual in encoded)
-    return RolloutBatch({"input_ids": input_ids, "attention_mask": attention_mask}, {VISUAL_KEY: column})
+    return RolloutBatch(left_padded([ids for ids, _ in encoded], tokenizer), {VISUAL_KEY: column})
 
 
 ROLL_MIN_PIXELS, ROLL_MAX_PIXELS = 4 * 28 * 28, 4096 * 4096

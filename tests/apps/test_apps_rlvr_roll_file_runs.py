@@ -146,23 +146,16 @@ def test_rolls_qwen25_vl_fsdp2_file_runs_two_steps_on_a_tiny_vl_model(tmp_path, 
     (a chat ``prompt`` column with ``<image>``, PNG ``images``, ``reward_model`` and ``data_source``: math and
     detection domains mixed by domain_interleave_probs), a tiny Qwen2.5-VL with its vision tower frozen by the
     file's own freeze_module_prefix, every reward section grading its domain."""
-    import io
 
-    import numpy as np
     import pyarrow as pa
     import pyarrow.parquet as pq
-    from PIL import Image
+    from test_apps_rlvr_vl import png
 
     from rl_engines.tiny_model import build_tiny_vl_model
 
     path = require_shared(roll_target_files("qwen2_5-vl-3B-rlvr_fsdp2/rlvr_fsdp2_offload.yaml")[0])
     raw = load_config(path)
     build_tiny_vl_model(tmp_path / "vl", [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)])
-
-    def png(seed: int) -> bytes:
-        out = io.BytesIO()
-        Image.fromarray(np.random.default_rng(seed).integers(0, 256, (56, 56, 3), dtype=np.uint8)).save(out, "PNG")
-        return out.getvalue()
 
     boxes = '<answer>[{"bbox_2d": [10, 10, 500, 500], "label": "cat"}]</answer>'
     detection = {"ground_truth": boxes, "verifier_parm": {"det_verifier_normalized": True,
@@ -171,8 +164,9 @@ def test_rolls_qwen25_vl_fsdp2_file_runs_two_steps_on_a_tiny_vl_model(tmp_path, 
     def domains(i: int) -> tuple[tuple[str, dict, str], ...]:
         return (f"{i}+1=", {"ground_truth": str(i + 1)}, "mm_math"), ("Find the cat.", detection, "v3det_train")
 
-    rows = [{"prompt": [{"role": "user", "content": f"<image>{question}"}], "images": [{"bytes": png(i), "path": None}],
-             "reward_model": reward_model, "data_source": source}
+    rows = [{"prompt": [{"role": "user", "content": f"<image>{question}"}],
+             "images": [{"bytes": png(1 + i % 3, i), "path": None}], "reward_model": reward_model,
+             "data_source": source}
             for i in range(4) for question, reward_model, source in domains(i)]  # fmt: skip
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data.parquet")
     out = tmp_path / "out"
