@@ -71,11 +71,15 @@ def make_setup(root: Path, **model: int) -> Path:
     return root
 
 
-def megatron_shim_overrides(root: Path) -> list[str]:
-    """``system_envs`` overrides that make Ray workers apply tests/rl_engines/megatron_shims.py (megatron-core's CUDA
+def megatron_shim_envs(root: Path) -> dict[str, str]:
+    """``system_envs`` that make Ray workers apply tests/rl_engines/megatron_shims.py (megatron-core's CUDA
     assumptions on a CPU-only torch) through a sitecustomize on their PYTHONPATH; never product code."""
-    module = _rl_engines_test_module("megatron_shims")
-    return [f"+system_envs.{name}='{value}'" for name, value in module.worker_envs(root).items()]
+    return _rl_engines_test_module("megatron_shims").worker_envs(root)  # type: ignore[no-any-return]
+
+
+def megatron_shim_overrides(root: Path) -> list[str]:
+    """:func:`megatron_shim_envs` as command-line overrides."""
+    return [f"+system_envs.{name}='{value}'" for name, value in megatron_shim_envs(root).items()]
 
 
 def _rl_engines_test_module(name: str) -> Any:

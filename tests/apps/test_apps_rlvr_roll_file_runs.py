@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 
 import pytest
-from rlvr_fixtures import make_setup
-from test_apps_rlvr_config import adapt
+from rlvr_fixtures import make_setup, megatron_shim_envs
+from test_apps_rlvr_config import ENGINES_HERE, adapt
 
 from apps.common.yaml_config import load_config
 from apps.rlvr.config import RLVRConfig
@@ -63,10 +63,10 @@ def records(tags: set[str]) -> list[dict]:
     return [r for r in rows if r["tag"] in tags]
 
 
-def on_cpu(raw: dict, model: str, data: str, out: str, *, ulysses: bool) -> dict:
-    """The ROLL file with the swaps above (adapt() did the engines); ``ulysses``: roles keep their sequence
-    parallelism (ulysses_size 2 on 2 ranks), else they run it on one rank."""
-    config = adapt(raw)
+def on_cpu(raw: dict, model: str, data: str, out: str, *, ulysses: bool, swaps: dict | None = None) -> dict:
+    """The ROLL file with the swaps above (adapt() did the engines, ``swaps`` if given); ``ulysses``: roles keep
+    their sequence parallelism (ulysses_size 2 on 2 ranks), else they run it on one rank."""
+    config = adapt(raw) if swaps is None else adapt(raw, swaps)
     config.update(pretrain=model, reward_pretrain=model, num_nodes=1, num_gpus_per_node=2, max_steps=2,
                   save_steps=2, eval_steps=0, rollout_batch_size=10, num_return_sequences_in_group=2,
                   prompt_length=64, response_length=8, output_dir=out, logging_dir=f"{out}/logs",
@@ -141,11 +141,21 @@ def test_a_roll_file_runs_two_steps_on_cpu_with_every_reward(roll_file: Path, tm
     assert graded == {(f"reward/{section}", step) for section in sections for step in (0, 1)}  # a track each
 
 
-def test_rolls_qwen25_vl_fsdp2_file_runs_two_steps_on_a_tiny_vl_model(tmp_path, ray_session):
-    """The Qwen2.5-VL fsdp2 roll-target (issue 23) after the same swaps: its parquet data in ROLL's VLM layout
-    (a chat ``prompt`` column with ``<image>``, PNG ``images``, ``reward_model`` and ``data_source``: math and
-    detection domains mixed by domain_interleave_probs), a tiny Qwen2.5-VL with its vision tower frozen by the
-    file's own freeze_module_prefix, every reward section grading its domain."""
+VL_FILES = {
+    "qwen2_5-vl-3B-rlvr_fsdp2/rlvr_fsdp2_offload.yaml": ("qwen2_5_vl", None),
+    "qwen3-vl-4B-rlvr_megatron/rlvr_megatron_80G.yaml": ("qwen3_vl", ENGINES_HERE),
+}
+"""The VL roll-targets that run here, with the tiny model's architecture and the engine swaps (None: adapt()'s)."""
+
+
+@pytest.mark.parametrize("name", VL_FILES)
+def test_rolls_vl_files_run_two_steps_on_a_tiny_vl_model(name, tmp_path, ray_session):
+    """The Qwen2.5-VL fsdp2 and Qwen3-VL Megatron roll-targets (issue 23) after the same swaps (the Megatron file on
+    its own megatron_train / megatron_infer, vLLM's role on hf_infer): their parquet data in ROLL's VLM layout (a
+    chat ``prompt`` column with ``<image>``, PNG ``images``, ``reward_model`` and ``data_source``: math and detection
+    domains mixed by domain_interleave_probs), a tiny model of the file's architecture with its vision tower frozen
+    by the file's own freeze_module_prefix (``model.visual``; ``vision_model`` on Megatron), every reward section
+    grading its domain."""
 
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -153,9 +163,11 @@ def test_rolls_qwen25_vl_fsdp2_file_runs_two_steps_on_a_tiny_vl_model(tmp_path, 
 
     from rl_engines.tiny_model import build_tiny_vl_model
 
-    path = require_shared(roll_target_files("qwen2_5-vl-3B-rlvr_fsdp2/rlvr_fsdp2_offload.yaml")[0])
+    path = require_shared(roll_target_files(name)[0])
     raw = load_config(path)
-    build_tiny_vl_model(tmp_path / "vl", [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)])
+    model_type, swaps = VL_FILES[name]
+    build_tiny_vl_model(tmp_path / "vl", [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)],
+                        model_type=model_type)  # fmt: skip
 
     boxes = '<answer>[{"bbox_2d": [10, 10, 500, 500], "label": "cat"}]</answer>'
     detection = {"ground_truth": boxes, "verifier_parm": {"det_verifier_normalized": True,
@@ -170,10 +182,12 @@ def test_rolls_qwen25_vl_fsdp2_file_runs_two_steps_on_a_tiny_vl_model(tmp_path, 
             for i in range(4) for question, reward_model, source in domains(i)]  # fmt: skip
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "data.parquet")
     out = tmp_path / "out"
-    config = on_cpu(raw, str(tmp_path / "vl"), str(tmp_path / "data.parquet"), str(out), ulysses=False)
+    config = on_cpu(raw, str(tmp_path / "vl"), str(tmp_path / "data.parquet"), str(out), ulysses=False, swaps=swaps)
     config["actor_train"]["training_args"].update(per_device_train_batch_size=4, gradient_accumulation_steps=5)
     for role in ("actor_train", "actor_infer", "reference"):  # the file resolved ${pretrain} into each section
         config[role]["model_args"]["model_name_or_path"] = str(tmp_path / "vl")
+    if swaps is not None:  # Megatron's workers need the test harness's CPU shims
+        config["system_envs"] = {**config.get("system_envs", {}), **megatron_shim_envs(tmp_path / "shims")}
     RLVRPipeline(RLVRConfig.from_dict(config)).run()
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [step["step"] for step in steps] == [0, 1]
@@ -182,7 +196,8 @@ def test_rolls_qwen25_vl_fsdp2_file_runs_two_steps_on_a_tiny_vl_model(tmp_path, 
         assert step["time/reward/math"] > 0 and step["time/reward/cv_detection"] > 0
     from rl_ckpt.hf_io import HFCheckpoint
 
-    vision = sum(name.startswith("visual.") for name in HFCheckpoint(tmp_path / "vl").weight_map)  # model.visual's
+    weights = HFCheckpoint(tmp_path / "vl").weight_map  # the tower: visual.* (Qwen2.5-VL), model.visual.* (Qwen3-VL)
+    vision = sum(name.startswith(("visual.", "model.visual.")) for name in weights)
     sent = [step["model_update/tensors"] for step in steps]
     assert vision > 0 and sent[0] - sent[1] == vision  # the frozen vision tower travels with the first sync only
     exported = out / "checkpoints" / "checkpoint-1" / "actor_hf"  # with the image processor: it loads and serves

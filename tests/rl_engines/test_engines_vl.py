@@ -5,20 +5,16 @@ alone, without padding, with the token types its processor returns (so its multi
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 from engine_fixtures import CORPUS, worker_config
-from PIL import Image
+from vl_fixtures import alone, teacher_forced, vl_prompts
 
-from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
 from rl_engines.objectives import ActorObjective
 from rl_engines.strategies import create_strategy
 from rl_engines.tiny_model import VL_MODEL_TYPES, build_tiny_vl_model
-from rl_engines.vision import VISUAL_KEY, encode_prompt, load_image_processor, token_types, visual_column
-
-SIZES = [(56, 84), (28, 56), (84, 56)]  # (height, width): 6, 2 and 6 image tokens after the 2 x 2 merge
+from rl_engines.vision import VISUAL_KEY
 
 
 @pytest.fixture(scope="module")
@@ -36,48 +32,6 @@ def any_vl_dir(request, vl_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     build_tiny_vl_model(path, CORPUS, model_type=request.param)
     return path
-
-
-def image(height, width, seed):
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
-    return Image.fromarray(pixels)
-
-
-def vl_prompts(model_dir) -> RolloutBatch:
-    """Three left-padded prompts: an image before the text, an image after it, and text alone."""
-    from transformers import AutoTokenizer
-
-    tokenizer, processor = AutoTokenizer.from_pretrained(str(model_dir)), load_image_processor(model_dir)
-    items = [("<image>1+2=", [image(*SIZES[0], 0)]), ("3+4=<image>", [image(*SIZES[1], 1)]), ("5+6=", [])]
-    encoded = [encode_prompt(text, images, tokenizer, processor) for text, images in items]
-    width = max(len(ids) for ids, _ in encoded)
-    ids = torch.zeros(len(encoded), width, dtype=torch.long)
-    mask = torch.zeros(len(encoded), width, dtype=torch.long)
-    for row, (tokens, _) in enumerate(encoded):
-        ids[row, width - len(tokens) :], mask[row, width - len(tokens) :] = torch.tensor(tokens), 1
-    return RolloutBatch({"input_ids": ids, "attention_mask": mask},
-                        {VISUAL_KEY: visual_column(visual for _, visual in encoded)})  # fmt: skip
-
-
-def alone(model_dir, rollout: RolloutBatch) -> torch.Tensor:
-    """Each sample's response log-probs from the HF model on that sample alone (no padding, its own images)."""
-    from transformers import AutoModelForImageTextToText
-
-    model = AutoModelForImageTextToText.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    resp = rollout.batch["responses"].shape[1]
-    out = torch.zeros(rollout.batch["responses"].shape)
-    for row in range(len(rollout)):
-        keep = rollout.batch["attention_mask"][row].bool()
-        ids = rollout.batch["input_ids"][row][keep].unsqueeze(0)
-        visual = rollout.non_tensor_batch[VISUAL_KEY][row]
-        with torch.no_grad():
-            logits = model(input_ids=ids, mm_token_type_ids=token_types(ids, model.config), **visual).logits[0].float()
-        n = int(rollout.batch["response_mask"][row].sum())
-        targets = ids[0, ids.shape[1] - n :]
-        log_probs = torch.log_softmax(logits[ids.shape[1] - n - 1 : -1], dim=-1)
-        out[row, :n] = log_probs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    assert out.shape[1] == resp
-    return out
 
 
 def test_vl_rollouts_score_train_and_sync_as_the_hf_model(any_vl_dir):
@@ -118,13 +72,6 @@ PACKED = {"use_sequence_packing": True,
           "sequence_packing_args": {"algorithm": "load_balance", "max_packed_sequence_length_train": 128,
                                     "max_packed_sequence_length_forward": 128}}  # fmt: skip
 """ROLL's sequence packing with rows of 128 tokens: the three samples (about 20 tokens each) share one row."""
-
-
-def teacher_forced(rollout: RolloutBatch) -> RolloutBatch:
-    """The prompts as their own responses (their last 3 tokens): all a forward or a train_step needs."""
-    rollout.batch["responses"] = rollout.batch["input_ids"][:, -3:]
-    rollout.batch["response_mask"] = rollout.batch["attention_mask"][:, -3:].bool()
-    return rollout
 
 
 def test_vl_samples_pack_into_one_row_and_score_and_train_as_padded_rows(any_vl_dir):
@@ -215,9 +162,9 @@ def test_deepspeed_freezes_the_vision_tower_and_updates_the_rest_like_fsdp2(vl_d
 
 
 def test_what_does_not_take_pictures_yet_refuses_a_vl_model_or_batch(vl_dir):
-    """vLLM / SGLang would drop the prompts' pictures, Megatron builds the language model only and Ulysses' packed
-    rows do not carry them: each refuses, naming the key, rather than run blind to the pictures. Frozen weights are
-    left out of a sync only into an engine that loads any subset of tensors and keeps its weights (hf_infer)."""
+    """vLLM / SGLang would drop the prompts' pictures and Ulysses' packed rows do not carry them: each refuses,
+    naming the key, rather than run blind to the pictures. Frozen weights are left out of a sync only into an engine
+    that loads any subset of tensors and keeps its weights (hf_infer)."""
     from types import SimpleNamespace
 
     from rl_engines.role_worker import RoleWorker
@@ -227,10 +174,6 @@ def test_what_does_not_take_pictures_yet_refuses_a_vl_model_or_batch(vl_dir):
         with pytest.raises(ValueError, match=rf"is a vision-language model; the {engine} adapter does not pass"):
             create_strategy(worker_config(vl_dir, "actor_infer", strategy_args={"strategy_name": engine}),
                             "actor_infer")  # fmt: skip
-    from rl_engines.strategies.megatron_model import read_spec
-
-    with pytest.raises(ValueError, match=r"is a vision-language model \(qwen2_5_vl\); megatron_train / megatron_infer"):
-        read_spec(str(vl_dir), "actor_train")  # what both Megatron strategies read first
     with pytest.raises(ValueError, match=r"ulysses_size > 1 on a vision-language batch"):
         ulysses_outputs(None, vl_prompts(vl_dir), torch.device("cpu"), None, kernel="sdpa", value_head=False,
                         temperature=1.0, with_entropy=False)  # fmt: skip

@@ -165,6 +165,7 @@ def build_tiny_vl_model(
     hidden_size: int = 64,
     num_hidden_layers: int = 2,
     vision_depth: int = 2,
+    num_key_value_heads: int = 1,
     min_pixels: int = 28 * 28,
     max_pixels: int = 112 * 112,
     seed: int = 0,
@@ -175,7 +176,8 @@ def build_tiny_vl_model(
     ``max_pixels``) to ``path``. The vision tower has ``vision_depth`` blocks (Qwen2.5-VL: the last one full
     attention, the others windowed; Qwen3-VL: the first one's features also added to the language model's first
     layer, its DeepStack) and projects to the language model's ``hidden_size``; multimodal RoPE splits the 32-wide
-    heads' frequencies 4 / 6 / 6 (Qwen3-VL: 6 / 5 / 5, interleaved)."""
+    heads' frequencies 4 / 6 / 6 (Qwen3-VL: 6 / 5 / 5, interleaved). ``num_key_value_heads`` 2 lets Megatron split
+    them over 2 TP ranks."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -186,6 +188,7 @@ def build_tiny_vl_model(
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     ids: dict[str, Any] = {token: tokenizer.convert_tokens_to_ids(token) for token in VISION_TOKENS}
     text, vision = _tiny_vl_sections(model_type, len(tokenizer), hidden_size, num_hidden_layers, vision_depth)
+    text["num_key_value_heads"] = num_key_value_heads
     config = AutoConfig.for_model(
         model_type, text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"], vision_start_token_id=ids["<|vision_start|>"],

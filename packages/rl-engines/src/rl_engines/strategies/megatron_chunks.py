@@ -26,6 +26,8 @@ class ModelChunks(nn.Module):
         first, last = chunks[0], chunks[-1]
         if getattr(first, "pre_process", False):
             self.embedding = first.embedding
+        if getattr(first, "vision_model", None) is not None:  # a VL model's vision tower (megatron_vision)
+            self.vision_model = first.vision_model
         self.decoder = nn.Module()
         self.decoder.layers = nn.ModuleList(layer for chunk in chunks for layer in chunk.decoder.layers)  # type: ignore[union-attr]
         if getattr(last, "post_process", False):

@@ -22,10 +22,11 @@ from rl_engines.strategies.generation import sample_responses
 from rl_engines.strategies.megatron_config import check_world_size, parse_megatron_options
 from rl_engines.strategies.megatron_generate import MegatronGenerator, load_generation_config
 from rl_engines.strategies.megatron_model import MegatronModel, build_model, check_local_model, init_model_parallel
-from rl_engines.strategies.megatron_weights import export_hf, sharded_names
+from rl_engines.strategies.megatron_weights import sharded_names
 from rl_engines.strategies.micro_batches import pass_name, planner, require_no_training, require_no_ulysses
 from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path
 from rl_engines.strategies.train_utils import gather_batch
+from rl_engines.vision import is_visual
 
 
 @STRATEGIES.register("megatron_infer")
@@ -94,6 +95,11 @@ class MegatronInferStrategy:
         """
         args = generating_args or self.config.generating_args
         args.validate(f"{self.role}.generating_args")
+        if is_visual(batch):
+            raise ValueError(
+                f"{self.role}: megatron_infer generates from text prompts only (its reference sampler runs no vision "
+                "tower between steps); generate vision-language prompts with hf_infer or vllm and score them here."
+            )
         self.reload()
         pooled, own = gather_batch(batch, self.megatron.mp_group)
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
@@ -112,7 +118,7 @@ class MegatronInferStrategy:
         self.reload()
         model = self.megatron
         params = dict(model.module.named_parameters())
-        return export_hf(params, sharded_names(model.module), model.layout, model.tp_group, model.stage)
+        return model.export(params, sharded_names(model.module))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Reshard HF-named full tensors onto this rank (cast to its dtype / device); unknown names are an error.

@@ -3,13 +3,15 @@
 Supported families are rl_ckpt's dense decoders (Qwen2 / Qwen3 / Llama / Mistral: RMSNorm, SwiGLU, RoPE, GQA,
 optional QKV bias and qk-norm, tied or untied embeddings) and Qwen3-MoE (every layer a softmax top-k router over
 SwiGLU experts, split over ``expert_model_parallel_size`` ranks), built from Megatron's local (non
-Transformer-Engine) layer spec. megatron is imported inside functions only, so this module imports without it.
+Transformer-Engine) layer spec; and the language model of Qwen2-VL / Qwen2.5-VL / Qwen3-VL with their vision tower
+(:mod:`.megatron_vision`). megatron is imported inside functions only, so this module imports without it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +35,16 @@ from rl_engines.strategies.megatron_pipeline import (
     current_stage,
     run_schedule,
 )
-from rl_engines.strategies.megatron_weights import ELSEWHERE, RankLayout, WeightLoader, hf_target
+from rl_engines.strategies.megatron_vision import (
+    VISION_MODULE,
+    InterleavedMRoPE,
+    MegatronVision,
+    add_deepstack,
+    build_vision,
+    language_config,
+    mrope,
+)
+from rl_engines.strategies.megatron_weights import ELSEWHERE, RankLayout, WeightLoader, export_hf, hf_target
 from rl_engines.strategies.micro_batches import MicroBatchPlanner, in_batch_order
 from rl_engines.strategies.model_io import model_inputs, response_length, widen
 from rl_engines.strategies.packing import PackedBatch, block_causal_mask
@@ -45,27 +56,28 @@ MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128
 
 
 def read_spec(model_path: str, role: str) -> ModelSpec:
-    """The architecture of a HF folder; raises naming ``model_name_or_path`` for what Megatron cannot build."""
-    config = json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))
-    if is_vl_config(config):
-        raise ValueError(
-            f"{role}.model_args.model_name_or_path={model_path!r} is a vision-language model "
-            f"({config.get('model_type')}); megatron_train / megatron_infer build language models only and would run "
-            "blind to the prompts' pictures. Use fsdp2_train or deepspeed_train, and hf_infer, for this model."
-        )
+    """The (language model's) architecture of a HF folder; raises naming ``model_name_or_path`` for what Megatron
+    cannot build."""
+    config = _read_config(model_path)
+    vision = is_vl_config(config)
+    text = language_config(config, role, model_path) if vision else config
     try:
-        spec = spec_from_hf_config(config)
+        spec = spec_from_hf_config(text)
     except Exception as err:  # rl_ckpt names the unsupported model_type / option
         raise ValueError(f"{role}.model_args.model_name_or_path={model_path!r}: {err}") from None
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    rope = text.get("rope_scaling") or text.get("rope_parameters") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise ValueError(
             f"{role}.model_args.model_name_or_path={model_path!r} uses rope scaling {rope!r}, which megatron_train / "
             "megatron_infer do not build yet; use fsdp2_train / hf_infer for this model."
         )
-    if config.get("use_sliding_window"):
+    if text.get("use_sliding_window"):
         raise ValueError(f"{role}: sliding-window attention ({model_path}) is not supported by the Megatron adapter.")
     return spec
+
+
+def _read_config(model_path: str) -> dict[str, Any]:
+    return json.loads((Path(model_path) / "config.json").read_text(encoding="utf-8"))  # type: ignore[no-any-return]
 
 
 def init_model_parallel(options: MegatronOptions, seed: int, role: str) -> None:
@@ -103,8 +115,10 @@ def transformer_config(
     params_dtype: torch.dtype,
     device: torch.device,
     aux_loss_coef: float = 0.0,
+    mrope_section: list[int] | None = None,
 ) -> Any:
-    """Megatron's TransformerConfig for ``spec``: no dropout, no fused CUDA kernels (they need Apex / TE)."""
+    """Megatron's TransformerConfig for ``spec``: no dropout, no fused CUDA kernels (they need Apex / TE);
+    ``mrope_section``: a VL model's multimodal RoPE sections."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -144,6 +158,7 @@ def transformer_config(
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        mrope_section=mrope_section,
         **_moe_config(spec, options, aux_loss_coef),
     )
 
@@ -191,10 +206,24 @@ class ValueHead(nn.Module):
 
 
 def check_local_model(config: Any, options: MegatronOptions, role: str) -> None:
-    """The MoE keys against the model when its folder is here already (pre-flight); otherwise once it is loaded."""
+    """The MoE keys against the model when its folder is here already (pre-flight); otherwise once it is loaded.
+    A vision-language model refuses what the Megatron strategies do not build for it, naming the key."""
     path = Path(str(config.model_args.model_name_or_path))
-    if (path / "config.json").is_file():
-        check_moe_options(options, read_spec(str(path), role), role)
+    if not (path / "config.json").is_file():
+        return
+    check_moe_options(options, read_spec(str(path), role), role)
+    if not is_vl_config(_read_config(str(path))):
+        return
+    if getattr(config, "use_sequence_packing", False):
+        raise ValueError(
+            f"{role}.use_sequence_packing: the Megatron strategies do not pack vision-language batches ({path}); set "
+            "it to false (fsdp2_train packs them)."
+        )
+    if config.model_args.lora:
+        raise ValueError(
+            f"{role}.model_args.lora_target: the Megatron strategies have no LoRA on vision-language models ({path}); "
+            "train it full-parameter, or with LoRA on fsdp2_train."
+        )
 
 
 @dataclass
@@ -211,6 +240,8 @@ class MegatronModel:
     stage: PipelineStage = field(default_factory=PipelineStage)
     mp_group: Any = None
     """The TP x PP group of ranks that hold one model replica together (None when that is this rank alone)."""
+    vision: MegatronVision | None = None
+    """A vision-language model's vision tower and multimodal positions (:mod:`.megatron_vision`)."""
     loader: WeightLoader = field(init=False)
 
     def __post_init__(self) -> None:
@@ -252,14 +283,16 @@ class MegatronModel:
         return rows, ids.shape[0], self.layout.spec.hidden_size
 
     def run(self, ids: torch.Tensor, mask: torch.Tensor, hidden: torch.Tensor | None = None,
-            segments: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:  # fmt: skip
+            segments: torch.Tensor | None = None, chunk: int = 0,
+            source: RolloutBatch | None = None) -> torch.Tensor:  # fmt: skip
         """``ids [B, S]``, ``mask [B, S]`` (True = real token) -> the last stage's ``[B, S, Vp/tp]`` logits
         (``[B, S, 1]`` values); earlier (virtual) stages return the hidden states ``[S, B, H]`` for the next one,
         and every one but the first takes the previous one's as ``hidden``. ``segments [B, S]`` (packed rows: the
         sample of each token) keeps attention within each sample. ``chunk``: which of this stage's model chunks
-        runs (virtual pipeline)."""
+        runs (virtual pipeline). ``source``: the batch of ``ids``, whose pictures a VL model sees."""
         length = ids.shape[1]
         extra = self._padding(length)
+        positions = self._positions(ids, mask, source)
         ids, mask = nn.functional.pad(ids, (0, extra)), nn.functional.pad(mask, (0, extra))
         seq = ids.shape[1]
         if segments is None:
@@ -267,16 +300,30 @@ class MegatronModel:
         else:
             segments = nn.functional.pad(segments.to(self.device), (0, extra), value=-1)
         allowed = block_causal_mask(segments) & mask.unsqueeze(1)
-        # RoPE is relative, so Megatron's 0..S-1 positions equal HF's left-padding-aware position_ids here, and
-        # within each sample of a packed row (attention never leaves it) its own restarting ones.
-        positions = torch.arange(seq, device=self.device).expand_as(ids)
+        if positions is None:
+            # RoPE is relative, so Megatron's 0..S-1 positions equal HF's left-padding-aware position_ids here, and
+            # within each sample of a packed row (attention never leaves it) its own restarting ones.
+            positions = torch.arange(seq, device=self.device).expand_as(ids)
+        elif extra:  # the sequence-parallel padding counts on
+            positions = torch.cat([positions, positions[..., -1:] + torch.arange(1, extra + 1, device=self.device)], -1)
         module = self.chunks[chunk]
         if self.takes_input(chunk):
             module.set_input_tensor(hidden)
         # A MoE layer's router leaves padding out of its load-balancing loss (padding_mask: True = padding).
         routing = {"padding_mask": ~mask} if self.layout.spec.moe else {}
-        out = module(ids, positions, ~allowed.unsqueeze(1), **routing)  # mask [B, 1, S, S], True = masked
+        if self.vision is not None and not self.takes_input(chunk):
+            first, deepstack = self.vision.decoder_input(module, ids, source, self.sequence_parallel)
+            block: dict[str, Any] = {} if deepstack is None else {"extra_block_kwargs": {"context": deepstack}}
+            out = module(ids, positions, ~allowed.unsqueeze(1), decoder_input=first, **block, **routing)
+        else:
+            out = module(ids, positions, ~allowed.unsqueeze(1), **routing)  # mask [B, 1, S, S], True = masked
         return out[:, :length] if self.gives_output(chunk) else out  # type: ignore[no-any-return]
+
+    def _positions(self, ids: torch.Tensor, mask: torch.Tensor, source: RolloutBatch | None) -> torch.Tensor | None:
+        """A VL model's ``[3, B, S]`` multimodal RoPE positions (None for a text model)."""
+        if self.vision is None:
+            return None
+        return self.vision.positions(ids, mask, source, self.device)
 
     def forward(self, batch: RolloutBatch | PackedBatch, hidden: torch.Tensor | None = None,
                 chunk: int = 0) -> torch.Tensor:  # fmt: skip
@@ -286,15 +333,59 @@ class MegatronModel:
         right (see model_io)."""
         last = self.gives_output(chunk)
         if isinstance(batch, PackedBatch):
+            if self.vision is not None:
+                raise ValueError(
+                    f"{self.role}.use_sequence_packing: the Megatron strategies do not pack vision-language batches; "
+                    "set it to false (fsdp2_train packs them)."
+                )
             segments = batch.segments.to(self.device)
             out = self.run(batch.input_ids.to(self.device), segments >= 0, hidden, segments, chunk)
             return out[:, batch.rows.to(self.device)] if last else out
         inputs = model_inputs(batch, self.device)
-        out = self.run(inputs["input_ids"], inputs["attention_mask"].bool(), hidden, chunk=chunk)
+        out = self.run(inputs["input_ids"], inputs["attention_mask"].bool(), hidden, chunk=chunk, source=batch)
         if not last:
             return out
         length, resp = out.shape[1], response_length(batch)
         return out[:, length - resp - 1 : length - 1]
+
+    def freeze(self, prefixes: Sequence[str]) -> set[str]:
+        """Freeze (``requires_grad`` off) this rank's parameters whose Megatron names start with one of ``prefixes``
+        (``model_args.freeze_module_prefix``, as ROLL matches them on its Megatron models: ``vision_model`` is the
+        vision tower; decoder layers are numbered within each stage). A prefix matching no parameter of any stage
+        is an error naming it. Returns the transformers names of the frozen vision-tower weights (the same on every
+        rank), which weight syncs send once."""
+        names = [name for name, _ in self.module.named_parameters()]
+        for name, param in self.module.named_parameters():
+            if any(name.startswith(prefix) for prefix in prefixes):
+                param.requires_grad_(False)
+        matched = [{prefix for prefix in prefixes if any(name.startswith(prefix) for name in names)}]
+        if self.stage.size > 1:
+            everywhere: list[Any] = [None] * self.stage.size
+            dist.all_gather_object(everywhere, matched[0], group=self.stage.group)
+            matched = everywhere
+        unmatched = [prefix for prefix in prefixes if not any(prefix in found for found in matched)]
+        if unmatched:
+            heads = sorted({".".join(name.split(".")[:2]) for name in names})
+            raise ValueError(
+                f"{self.role}.model_args.freeze_module_prefix: {unmatched} match no parameter of the Megatron model; "
+                f"its parameter names (ROLL's Megatron names) start with {heads}."
+            )
+        if self.vision is None:
+            return set()
+        tower = (name.removeprefix("visual.") for name, _ in self.layout.vision)
+        return {self.vision.module_names.get(f"visual.{rest}", f"visual.{rest}") for rest in tower
+                if any(f"{VISION_MODULE}.{rest}".startswith(prefix) for prefix in prefixes)}  # fmt: skip
+
+    def export(self, params: dict[str, torch.Tensor], sharded: set[str],
+               ep_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+        """:func:`export_hf` of this rank's ``params`` (a VL model's under transformers' module names)."""
+        weights = export_hf(params, sharded, self.layout, self.tp_group, self.stage, ep_group)
+        if self.vision is None:
+            yield from weights
+            return
+        names = self.vision.module_names
+        for name, tensor in weights:
+            yield names.get(name, name), tensor
 
     def batch_hidden_shape(self, batch: RolloutBatch | PackedBatch) -> tuple[int, int, int]:
         """:meth:`hidden_shape` of ``batch``'s input ids."""
@@ -428,7 +519,9 @@ def build_model(
     vp = options.virtual_pipeline_model_parallel_size
     stage = current_stage(vp)
     padded = padded_vocab_size(spec.vocab_size, MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
-    config = transformer_config(spec, options, params_dtype, device, aux_loss_coef)
+    hf_config = _read_config(model_path)
+    section, interleaved = mrope(hf_config) if is_vl_config(hf_config) else (None, False)
+    config = transformer_config(spec, options, params_dtype, device, aux_loss_coef, section)
     experts = {"num_experts": spec.num_experts, "moe_grouped_gemm": False} if spec.moe else {}
     chunks = [
         GPTModel(
@@ -439,24 +532,59 @@ def build_model(
             pre_process=stage.first and chunk == 0,
             post_process=stage.last and chunk == vp - 1,
             share_embeddings_and_output_weights=spec.tied_embeddings and not value_head and pp == 1,
-            position_embedding_type="rope",
+            position_embedding_type="rope" if section is None else "mrope",
             rotary_base=int(spec.rotary_base),
             vp_stage=chunk if vp > 1 else None,
         )
         for chunk in range(vp)
     ]
+    vision = None
+    if section is not None:
+        vision = _attach_vision(chunks, model_path, stage.first, params_dtype, device, role, value_head, options)
+        if interleaved:
+            for chunk_model in chunks:
+                chunk_model.rotary_pos_emb = InterleavedMRoPE(spec.head_dim, spec.rotary_base, section)
     if value_head and stage.last:
         chunks[-1].output_layer = ValueHead(spec.hidden_size, options.sequence_parallel, params_dtype)
     module = chunks[0] if vp == 1 else ModelChunks(chunks)
     module.to(device)
     layout = RankLayout(spec, parallel_state.get_tensor_model_parallel_rank(), tp, padded, value_head,
                         stage.rank, pp, _stage_offsets(config, pp, vp), parallel_state.get_expert_model_parallel_rank(),
-                        options.expert_model_parallel_size, vp)  # fmt: skip
+                        options.expert_model_parallel_size, vp,
+                        tuple(vision.shapes.items()) if vision is not None else ())  # fmt: skip
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     mp_group = parallel_state.get_model_parallel_group() if tp * pp > 1 else None
-    model = MegatronModel(module, role, layout, group, options.sequence_parallel, device, stage, mp_group)
+    model = MegatronModel(module, role, layout, group, options.sequence_parallel, device, stage, mp_group, vision)
     load_folder(model, model_path, seed)
     return model
+
+
+def _attach_vision(chunks: list[Any], model_path: str, first: bool, dtype: torch.dtype, device: torch.device,
+                   role: str, value_head: bool, options: MegatronOptions) -> MegatronVision:  # fmt: skip
+    """A VL model's vision tower on the first chunk of the first stage (``vision_model``), and its DeepStack hooks
+    on that chunk's first decoder layers; what this does not build is refused naming the key."""
+    if value_head:
+        raise ValueError(
+            f"{role}.model_args.model_name_or_path={model_path!r} is a vision-language model; a value head on it (a "
+            "critic) is not built. Use a critic-free estimator (GRPO, REINFORCE++, RLOO) for vision-language runs."
+        )
+    vision = build_vision(model_path, first=first, dtype=dtype, device=device)
+    if not (first and vision.deepstack):
+        if first:
+            setattr(chunks[0], VISION_MODULE, vision.tower)
+        return vision
+    layers = chunks[0].decoder.layers
+    prefix = f"{role}.strategy_args.strategy_config"
+    if len(layers) < vision.deepstack:
+        raise ValueError(
+            f"{prefix}.pipeline_model_parallel_size={options.pipeline_model_parallel_size}: the first model chunk "
+            f"holds {len(layers)} decoder layer(s), but {model_path} adds DeepStack features after its first "
+            f"{vision.deepstack}; use fewer stages (or virtual stages) so the first one holds them."
+        )
+    setattr(chunks[0], VISION_MODULE, vision.tower)
+    for index in range(vision.deepstack):
+        layers[index].register_forward_hook(functools.partial(add_deepstack, index), with_kwargs=True)
+    return vision
 
 
 def load_folder(model: MegatronModel, model_path: str, seed: int) -> None:

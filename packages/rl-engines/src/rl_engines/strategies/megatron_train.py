@@ -54,9 +54,15 @@ from rl_engines.strategies.megatron_ops import (
 )
 from rl_engines.strategies.megatron_pipeline import broadcast_object_from_last
 from rl_engines.strategies.megatron_router import router_loss_coef, set_micro_weight, tracked_layer_mean
-from rl_engines.strategies.megatron_weights import export_hf, sharded_names
+from rl_engines.strategies.megatron_weights import sharded_names
 from rl_engines.strategies.micro_batches import pass_name, planner, require_no_ulysses
-from rl_engines.strategies.model_io import TORCH_DTYPES, load_tokenizer, resolve_model_path, response_length, widen
+from rl_engines.strategies.model_io import (
+    TORCH_DTYPES,
+    load_tokenizer,
+    resolve_model_path,
+    response_length,
+    widen,
+)
 from rl_engines.strategies.train_utils import (
     MetricAccumulator,
     build_optimizer,
@@ -100,10 +106,10 @@ class MegatronTrainStrategy:
         check_local_model(config, self.options, role)
         self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
         check_megatron_lora(config, role, self.value_head, self.options)
-        if config.model_args.frozen_prefixes():
+        if config.model_args.frozen_prefixes() and config.model_args.lora:
             raise ValueError(
-                f"{role}.model_args.freeze_module_prefix: megatron_train trains every parameter (it has no "
-                "partial-parameter training yet); remove it, or train with fsdp2_train / deepspeed_train."
+                f"{role}.model_args.freeze_module_prefix with lora_target: under LoRA only the adapters train "
+                "already; remove freeze_module_prefix."
             )
         self.adapters: MegatronLora | None = None
         """The LoRA adapters (``lora_target`` set): then the only masters."""
@@ -112,11 +118,17 @@ class MegatronTrainStrategy:
         self.model: MegatronModel = None  # type: ignore[assignment]
         self.masters: dict[str, torch.nn.Parameter] = {}
         """fp32 weights the optimizer updates, by Megatron name (the parameters themselves when computing in fp32)."""
+        self.frozen: set[str] = set()
+        """HF names of the vision-tower weights ``model_args.freeze_module_prefix`` froze (weight syncs send them
+        once); frozen language-model weights keep being sent (their HF tensors may be fused with trained ones)."""
         self.sharded: set[str] = set()
         """Names of the masters split over TP ranks."""
         self.base_sharded: set[str] = set()
         """Names of the model's own parameters split over TP ranks."""
-        self._sequence_split: set[str] = set()
+        self._tp_partial: set[str] = set()
+        """Replicated weights whose gradient each TP rank computes from its part only, summed over TP ranks as
+        Megatron's finalize_model_grads does: norms under sequence parallelism (its slice of the sequence) and the
+        per-head q / k norms (qk_layernorm: its heads)."""
         self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
@@ -171,9 +183,10 @@ class MegatronTrainStrategy:
             self.masters, self._pairs = dict(self.adapters.named_parameters()), []
             self.sharded = self.adapters.sharded_names()
         else:
+            self.frozen = self.model.freeze(args.frozen_prefixes())
             self.masters, self._pairs = fp32_masters(module)
             self.sharded = set(self.base_sharded)
-            self._sequence_split = {n for n, p in module.named_parameters() if getattr(p, "sequence_parallel", False)}
+            self._tp_partial = tp_partial_names(module, self.masters, self.options.tensor_model_parallel_size)
         self.dp_rank = parallel_state.get_data_parallel_rank()
         self.dp_group = parallel_state.get_data_parallel_group() if dist.get_world_size() > 1 else None
         self.experts = {name for name in self.masters if ".mlp.experts." in name}
@@ -183,7 +196,8 @@ class MegatronTrainStrategy:
             self.ep_group = parallel_state.get_expert_model_parallel_group()
         self.checkpoint_writer = (parallel_state.get_expert_data_parallel_rank() if self.experts else self.dp_rank) == 0
         layout = self.model.layout
-        if layout.tied_copy and (layout.first or layout.last) and not args.lora:
+        tied = "embedding.word_embeddings.weight" if layout.first else "output_layer.weight"
+        if layout.tied_copy and (layout.first or layout.last) and tied in self.masters:
             self.embedding_group = parallel_state.get_embedding_group()
         self.optimizer = self._build_optimizer()
         self.scheduler = build_scheduler(self.optimizer, self.config.training_args, self.role)
@@ -320,14 +334,14 @@ class MegatronTrainStrategy:
                 if (name in self.sharded or layout.tp_rank == 0) and name not in skip]  # fmt: skip
 
     def _finalize_gradients(self) -> None:
-        """fp32 master gradients summed over DP ranks (and over TP ranks for sequence-split norm weights, and over
+        """fp32 master gradients summed over DP ranks (and over TP ranks for the weights of ``_tp_partial``, and over
         the first and last stage for tied embeddings under PP)."""
         for param, master in self._pairs:
             master.grad = None if param.grad is None else param.grad.float()
             param.grad = None
         sum_gradients([m for name, m in self.masters.items() if name not in self.experts], self.dp_group)
         sum_gradients([m for name, m in self.masters.items() if name in self.experts], self.expert_dp_group)
-        for name in self._sequence_split:  # under sequence parallelism each TP rank saw part of the sequence
+        for name in sorted(self._tp_partial):  # each TP rank saw part of the sequence or heads; same order on all
             grad = self.masters[name].grad
             if grad is not None:
                 dist.all_reduce(grad, group=self.model.tp_group)
@@ -352,12 +366,11 @@ class MegatronTrainStrategy:
         was_offloaded = self._offloaded
         self.reload()
         try:
-            if self.adapters is None:
-                params: dict[str, torch.Tensor] = dict(self.masters)
+            if self.adapters is None:  # frozen weights (freeze_module_prefix) have no master
+                params: dict[str, torch.Tensor] = {**dict(self.model.module.named_parameters()), **self.masters}
             else:  # the frozen base with the adapters merged into each shard (what an engine without adapters loads)
                 params = self.adapters.merged(dict(self.model.module.named_parameters()))
-            yield from export_hf(params, self.base_sharded, self.model.layout, self.model.tp_group, self.model.stage,
-                                 self.ep_group)  # fmt: skip
+            yield from self.model.export(params, self.base_sharded, self.ep_group)
         finally:
             if was_offloaded:
                 self.offload()
@@ -437,6 +450,14 @@ def check_megatron_lora(config: WorkerConfig, role: str, value_head: bool, optio
         )
 
 
+def tp_partial_names(module: torch.nn.Module, masters: dict[str, Any], tp: int) -> set[str]:
+    """The trained replicated weights whose gradient each TP rank computes from its part only (see
+    ``MegatronTrainStrategy._tp_partial``)."""
+    heads = (".q_layernorm.", ".k_layernorm.")
+    return {name for name, param in module.named_parameters() if name in masters and (
+        getattr(param, "sequence_parallel", False) or (tp > 1 and any(norm in name for norm in heads)))}  # fmt: skip
+
+
 def fp32_masters(module: torch.nn.Module) -> tuple[dict[str, torch.nn.Parameter], list[tuple[Any, Any]]]:
     """Master weights by name and the (compute parameter, master) pairs that differ.
 
@@ -446,6 +467,8 @@ def fp32_masters(module: torch.nn.Module) -> tuple[dict[str, torch.nn.Parameter]
     masters: dict[str, torch.nn.Parameter] = {}
     pairs = []
     for name, param in module.named_parameters():
+        if not param.requires_grad:  # frozen (model_args.freeze_module_prefix): no master, no optimizer state
+            continue
         if param.dtype == torch.float32:
             masters[name] = param
         else:

@@ -26,6 +26,7 @@ from rl_ckpt.layout import fuse_fc1, fuse_qkv, pad_rows, split
 from rl_ckpt.mcore_to_hf import StageShards, layer_to_hf
 from rl_ckpt.spec import ModelSpec
 from rl_engines.strategies.megatron_pipeline import PipelineStage
+from rl_engines.strategies.megatron_vision import VISION_MODULE, file_name
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _QKV = re.compile(r"self_attn\.([qkv])_proj\.(weight|bias)")
@@ -55,6 +56,9 @@ class RankLayout:
     """Expert parallelism (MoE): this rank holds experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)`` of a layer."""
     vp: int = 1
     """Model chunks per stage (Megatron's virtual pipeline size)."""
+    vision: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """A VL model's vision-tower tensors (HF file names, ``visual.*``) and shapes: on the first stage, replicated
+    over TP ranks, as ``vision_model.*`` (:mod:`.megatron_vision`)."""
 
     @property
     def local_experts(self) -> int:
@@ -178,6 +182,11 @@ def hf_target(layout: RankLayout, name: str) -> Target | None:
     """Where HF tensor ``name`` goes on this rank (kind ``elsewhere``: on another pipeline stage), or None when
     the model has no such tensor."""
     s = layout.spec
+    if layout.vision:  # transformers' module names (model.language_model.*, model.visual.*) as the files spell them
+        name = file_name(name)
+        shape = dict(layout.vision).get(name)
+        if shape is not None:
+            return _elsewhere(Target(f"{VISION_MODULE}.{name.removeprefix('visual.')}", shape, "copy"), layout.first)
     vocab_shape = (s.vocab_size, s.hidden_size)
     embedding = Target("embedding.word_embeddings.weight", vocab_shape, "vocab")
     if name == "model.embed_tokens.weight":
@@ -359,6 +368,9 @@ def export_hf(
     yield name, embed
     if spec.tied_embeddings and not layout.value_head:
         yield "lm_head.weight", embed  # right after its twin, so weight sync sends it once (as an alias)
+    if layout.vision:  # replicated over TP ranks: no gather
+        yield from piece(0, lambda: [(name, params[f"{VISION_MODULE}.{name.removeprefix('visual.')}"].detach())
+                                     for name, _ in layout.vision])  # fmt: skip
     for layer in range(spec.num_layers):
 
         def layer_tensors(layer: int = layer) -> HFTensors:

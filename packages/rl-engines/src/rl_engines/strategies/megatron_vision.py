@@ -1,0 +1,218 @@
+"""Vision-language models (Qwen2-VL / Qwen2.5-VL / Qwen3-VL) under megatron_train and megatron_infer.
+
+The language model is Megatron's ``GPTModel`` built from the config's text section like its text twin (Qwen2-VL and
+Qwen2.5-VL: Qwen2; Qwen3-VL: Qwen3), split the same ways (TP, sequence parallelism, PP, virtual pipeline), with
+multimodal RoPE: each token's temporal / height / width positions come from the model's own ``get_rope_index``
+(transformers) and rotate the frequency sections the config's ``mrope_section`` gives them (Qwen3-VL: interleaved,
+``mrope_interleaved``).
+
+The vision tower is transformers' own module, loaded from the same folder and **replicated** on every TP rank of the
+first pipeline stage, registered on the first model chunk as ``vision_model`` (ROLL's Megatron name for it, so
+``freeze_module_prefix: vision_model`` means what it means in ROLL). Its output replaces the image pads' word
+embeddings before the first layer, as transformers does. Qwen3-VL's DeepStack features are added to the image tokens'
+hidden states after the first decoder layers; they travel into the decoder as its ``context`` (the input Megatron's
+layers pass through untouched without cross-attention), so activation recomputation (``recompute_granularity:
+full``) re-adds each micro-batch's own features and returns their gradient. Gradients: every TP rank runs the tower
+on the same pictures and gets the complete gradient of the embeddings (column-parallel layers all-reduce their input
+gradient; under sequence parallelism the scatter's backward gathers it), so the tower's gradients agree over TP ranks
+and are summed over data-parallel ranks like every other replicated weight.
+
+Names: HF files call the tower ``visual.*`` and the language model like its text twin (``model.layers.*``);
+transformers 5's modules call them ``model.visual.*`` and ``model.language_model.*``. Both spellings load; weights
+are exported under the modules' names, the ones hf_infer and fsdp2_train use.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from rl_engines.vision import token_types, visual_inputs
+
+VISION_MODULE = "vision_model"
+"""Attribute (and parameter-name prefix) of the vision tower on the first model chunk."""
+TEXT_FAMILY = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+"""The text architecture (rl_ckpt family) of each vision-language model type."""
+_MODULE_NAME = re.compile(r"model\.(language_model|visual)\.(.+)")
+
+
+def file_name(name: str) -> str:
+    """A VL weight's name as HF files spell it: ``model.language_model.X`` -> ``model.X``, ``model.visual.X`` ->
+    ``visual.X`` (other names unchanged)."""
+    match = _MODULE_NAME.fullmatch(name)
+    if match is None:
+        return name
+    part, rest = match.groups()
+    return f"model.{rest}" if part == "language_model" else f"visual.{rest}"
+
+
+def language_config(config: dict[str, Any], role: str, model_path: str) -> dict[str, Any]:
+    """The text section of a VL ``config.json`` as its text twin's config (what rl_ckpt's spec reads): the text
+    family's ``model_type``, the tie flag of the whole model, ``rope_theta``, no rope scaling (multimodal RoPE is
+    built apart, see :func:`mrope`)."""
+    family = TEXT_FAMILY.get(str(config.get("model_type")))
+    if family is None:
+        raise ValueError(
+            f"{role}.model_args.model_name_or_path={model_path!r} is a vision-language model of model_type="
+            f"{config.get('model_type')!r}; the Megatron strategies build {sorted(TEXT_FAMILY)}. Use fsdp2_train / "
+            "hf_infer for it."
+        )
+    text = dict(config.get("text_config") or {})
+    rope = mrope_parameters(text)
+    text = {key: value for key, value in text.items() if key not in ("rope_scaling", "rope_parameters")}
+    text["rope_theta"] = float(rope.get("rope_theta") or text.get("rope_theta") or 10000.0)
+    text["model_type"] = family
+    text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    return text
+
+
+def mrope_parameters(text: dict[str, Any]) -> dict[str, Any]:
+    """The text section's RoPE parameters (transformers 5: ``rope_parameters``; older files: ``rope_scaling``)."""
+    return dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+
+
+def mrope(config: dict[str, Any]) -> tuple[list[int], bool]:
+    """``mrope_section`` (frequencies per temporal / height / width axis) and whether they interleave (Qwen3-VL)."""
+    rope = mrope_parameters(dict(config.get("text_config") or {}))
+    section = rope.get("mrope_section")
+    if not section or len(section) != 3:
+        raise ValueError(f"config.json's text_config names no 3-part mrope_section (got {rope!r})")
+    return [int(s) for s in section], bool(rope.get("mrope_interleaved", False))
+
+
+class InterleavedMRoPE(nn.Module):
+    """Qwen3-VL's multimodal RoPE as Megatron's rotary module (``GPTModel.rotary_pos_emb``): frequency ``j`` rotates
+    by the height position when ``j % 3 == 1`` and ``j < 3 * section[1]``, by the width position when ``j % 3 == 2``
+    and ``j < 3 * section[2]``, else by the temporal one (transformers' ``apply_interleaved_mrope``)."""
+
+    inv_freq: torch.Tensor
+    axis: torch.Tensor
+
+    def __init__(self, head_dim: int, base: float, section: list[int]) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        index = torch.arange(head_dim // 2)
+        axis = torch.zeros(head_dim // 2, dtype=torch.long)
+        for dim in (1, 2):
+            axis[(index % 3 == dim) & (index < 3 * section[dim])] = dim
+        self.register_buffer("axis", axis, persistent=False)
+
+    def forward(self, position_ids: torch.Tensor, mrope_section: Any = None, cp_group: Any = None) -> torch.Tensor:
+        """``position_ids [3, B, S]`` -> ``[S, B, 1, head_dim]`` angles (Megatron's rotary layout)."""
+        freqs = position_ids.to(self.inv_freq.device).float()[..., None] * self.inv_freq  # [3, B, S, D/2]
+        chosen = freqs.gather(0, self.axis.expand_as(freqs[:1]).clone())[0]  # [B, S, D/2]
+        return torch.cat((chosen, chosen), dim=-1)[..., None, :].transpose(0, 1).contiguous()
+
+
+@dataclass
+class MegatronVision:
+    """A rank's share of a VL model beyond the language model: the HF model's structure (on the meta device; its
+    ``get_rope_index`` and ``get_image_features`` are used) with the real vision tower on the first stage."""
+
+    hf: Any
+    """transformers' inner VL model (``Qwen2_5_VLModel``...), its ``visual`` real on the first stage."""
+    tower: nn.Module | None
+    shapes: dict[str, tuple[int, ...]]
+    """The tower's parameter shapes by file name (``visual.*``), on every stage."""
+    module_names: dict[str, str]
+    """File name -> transformers module name of every weight."""
+    deepstack: int
+    """Decoder layers after which DeepStack features are added (Qwen3-VL; 0 otherwise)."""
+
+    @property
+    def config(self) -> Any:
+        return self.hf.config
+
+    def positions(self, ids: torch.Tensor, mask: torch.Tensor, batch: Any, device: torch.device) -> torch.Tensor:
+        """``[3, B, S]`` multimodal RoPE positions of ``ids`` (``mask``: the real tokens) with ``batch``'s pictures
+        (None: text only), from the model's own ``get_rope_index`` (left padding aware)."""
+        rows = ids.cpu()
+        grids = visual_inputs(batch, torch.device("cpu")).get("image_grid_thw") if batch is not None else None
+        rope, _ = self.hf.get_rope_index(rows, token_types(rows, self.config), image_grid_thw=grids,
+                                         attention_mask=mask.long().cpu())  # fmt: skip
+        return rope.to(device)  # type: ignore[no-any-return]
+
+    def decoder_input(
+        self, chunk: Any, ids: torch.Tensor, batch: Any, sequence_parallel: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The first layer's input ``[S, B, H]`` (this rank's sequence slice under sequence parallelism): word
+        embeddings (vocabulary-parallel, all-reduced) with the image pads' rows replaced by the tower's output; and
+        the DeepStack addends ``[layers, S, B, H]`` (zero away from the image tokens; None without them)."""
+        words = chunk.embedding.word_embeddings
+        scatter = words.reduce_scatter_embeddings
+        words.reduce_scatter_embeddings = False  # the whole sequence first: image rows go in before the scatter
+        try:
+            embeds = words(ids)  # [B, S, H]
+        finally:
+            words.reduce_scatter_embeddings = scatter
+        visual = visual_inputs(batch, ids.device) if batch is not None else {}
+        if not visual:
+            return _sequence_first(embeds, sequence_parallel), None
+        features = self.hf.get_image_features(visual["pixel_values"], visual["image_grid_thw"], return_dict=True)
+        image = ids == int(self.config.image_token_id)
+        rows = torch.cat(features.pooler_output).to(embeds.dtype)
+        if int(image.sum()) != rows.shape[0]:
+            raise ValueError(
+                f"Image features and image tokens do not match: {int(image.sum())} image pads, {rows.shape[0]} image "
+                "features"
+            )
+        embeds = embeds.masked_scatter(image[..., None].expand_as(embeds), rows)
+        if not self.deepstack:
+            return _sequence_first(embeds, sequence_parallel), None
+        layers = features.deepstack_features
+        addends = torch.stack([_at(image, torch.cat(parts).to(embeds.dtype), embeds) for parts in layers])
+        return _sequence_first(embeds, sequence_parallel), _sequence_first(addends, sequence_parallel, dim=1)
+
+
+def add_deepstack(layer: int, _module: Any, _args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+    """Forward hook (``with_kwargs``) of decoder layer ``layer`` (< ``deepstack``): its hidden states plus that
+    layer's DeepStack addend from the decoder's ``context`` (none: a batch without images)."""
+    context = kwargs.get("context")
+    if context is None:
+        return output
+    hidden, passed = output
+    return hidden + context[layer], passed
+
+
+def _at(mask: torch.Tensor, rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``[B, S, H]`` zeros with ``rows`` at ``mask``."""
+    return torch.zeros_like(like).masked_scatter(mask[..., None].expand_as(like), rows)
+
+
+def _sequence_first(hidden: torch.Tensor, sequence_parallel: bool, dim: int = 0) -> torch.Tensor:
+    """``[..., B, S, H]`` -> ``[..., S, B, H]`` (batch at ``dim``), this rank's sequence slice under sequence
+    parallelism (whose backward gathers the gradient of the whole sequence)."""
+    out = hidden.transpose(dim, dim + 1).contiguous()
+    if sequence_parallel:
+        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+        if dim:  # Megatron scatters the first dimension
+            out = scatter_to_sequence_parallel_region(out.transpose(0, dim).contiguous()).transpose(0, dim)
+        else:
+            out = scatter_to_sequence_parallel_region(out)
+    return out
+
+
+def build_vision(model_path: str, *, first: bool, dtype: torch.dtype, device: torch.device) -> MegatronVision:
+    """The VL structure of ``model_path`` on the meta device; on the first stage (``first``) its vision tower real
+    (random until the loader fills it from the folder)."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        whole = AutoModelForImageTextToText.from_config(config)  # type: ignore[no-untyped-call]
+    names = {file_name(name): name for name in whole.state_dict()}
+    hf = whole.model
+    shapes = {f"visual.{name}": tuple(p.shape) for name, p in hf.visual.named_parameters()}
+    tower = None
+    if first:
+        tower = type(hf.visual)._from_config(config.vision_config)
+        tower.to(device=device, dtype=dtype)
+        hf.visual = tower
+    deepstack = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
+    return MegatronVision(hf, tower, shapes, names, deepstack)
