@@ -1,16 +1,17 @@
 """The alignment matrix's vision-language column (issue 23): RLVR rollouts of the tiny Qwen2.5-VL (pictures through
 its image processor, ``multi_modal_inputs`` in every batch) dumped once by fsdp2_train on 2 data-parallel ranks,
 then replayed, pictures and all (rl-replay stores the visual tensors bit for bit, without pickle), through
-deepspeed_train ZeRO-3 on 2 ranks (parameters partitioned, the vision tower's too). The per-step pg_loss,
-total_loss, approx_kl and grad_norm must agree within 1e-6 (measured: 6e-7; fsdp2_train on 1 rank with twice the
+deepspeed_train ZeRO-3 on 2 ranks (parameters partitioned, the vision tower's too) and megatron_train with 2 pipeline
+stages (the vision tower on the first, multimodal positions on both). The per-step pg_loss, total_loss, approx_kl
+and grad_norm must agree within 1e-6 (measured: ZeRO-3 6e-7, Megatron 5e-7; fsdp2_train on 1 rank with twice the
 gradient accumulation, measured too, within 2.4e-7). A replay that lost the pictures could not run at all: the
-prompts' image pads need their patches ("Image features and image tokens do not match"). Megatron has no VL
-column: megatron_train refuses a vision-language model (issue 23 leaves it open).
+prompts' image pads need their patches ("Image features and image tokens do not match").
 """
 
 from __future__ import annotations
 
 import pytest
+from rlvr_fixtures import megatron_shim_overrides
 
 from apps.rlvr.alignment import ALIGNED, AlignmentResult, alignment_matrix
 from apps.rlvr.demo_vl import CONFIG, ROOT, demo_vl_model, tasks, write_data
@@ -34,19 +35,25 @@ STRATEGY = "actor_train.strategy_args"
 TOLERANCE = 1e-6
 
 
-def variants() -> dict[str, list[str]]:
-    return {"fsdp2_dp2": [], "zero3": [f"{STRATEGY}.strategy_name=deepspeed_train",
-                                       f"+{STRATEGY}.strategy_config.zero_stage=3"]}  # fmt: skip
+def variants(shim_envs: list[str]) -> dict[str, list[str]]:
+    """fsdp2 on 2 data-parallel ranks (the reference), ZeRO-3 on 2, Megatron with 2 pipeline stages (one data rank:
+    twice the gradient accumulation, the same 8 samples per optimizer step)."""
+    megatron = [f"{STRATEGY}.strategy_name=megatron_train",
+                f"+{STRATEGY}.strategy_config.pipeline_model_parallel_size=2",
+                "actor_train.training_args.gradient_accumulation_steps=4", *shim_envs]  # fmt: skip
+    zero3 = [f"{STRATEGY}.strategy_name=deepspeed_train", f"+{STRATEGY}.strategy_config.zero_stage=3"]
+    return {"fsdp2_dp2": [], "zero3": zero3, "megatron_pp2": megatron}
 
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory, ray_session) -> tuple[AlignmentResult, RolloutReplay]:
     pytest.importorskip("deepspeed")
+    pytest.importorskip("megatron.core")
     root = tmp_path_factory.mktemp("alignment_vl")
     model = demo_vl_model(ROOT / ".cache" / "rlvr_demo_vl")  # the VL demo's warm model (its cache is shared)
     data = write_data(root / "data", tasks(8, seed=3))
     base = [*BASE, f"pretrain={model}", f"actor_train.data_args.file_name={data}"]
-    result = alignment_matrix(CONFIG, base, variants(), root / "work")
+    result = alignment_matrix(CONFIG, base, variants(megatron_shim_overrides(root / "shims")), root / "work")
     print("\n" + result.table())  # the matrix, for the issue notes (pytest -s)
     return result, RolloutReplay(str(root / "work" / "rollouts"), "mock")
 
@@ -67,3 +74,4 @@ def test_vl_rollouts_replay_with_their_pictures_and_zero3_trains_like_fsdp2(matr
     assert all(reference[step]["actor/pg_loss"] != 0.0 for step in reference)
     assert any(reference[step]["actor/ppo_kl"] != 0.0 for step in reference)
     _assert_aligned(result, "zero3", TOLERANCE)
+    _assert_aligned(result, "megatron_pp2", TOLERANCE)
