@@ -7,7 +7,7 @@ import re
 import shutil
 import struct
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,8 @@ class HFCheckpoint:
             raise CheckpointError(f"{path} has no config.json; is --checkpoint_path a HuggingFace model folder?")
         self.config: dict[str, Any] = json.loads(config.read_text(encoding="utf-8"))
         self.weight_map = self._weight_map()
+        self.aliases: dict[str, str] = {}
+        """Other names of tensors (a vision-language model's text-model names: see :meth:`read_as`)."""
         self._handles: dict[str, Any] = {}
         self._headers: dict[str, tuple[dict[str, Any], int]] = {}
 
@@ -72,9 +74,15 @@ class HFCheckpoint:
             return dict.fromkeys(f.keys(), "model.safetensors")
 
     def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
+        return self.aliases.get(name, name) in self.weight_map
+
+    def read_as(self, text_name: Callable[[str], str]) -> None:
+        """Read every tensor also under ``text_name`` of its name in the files (a vision-language model's language
+        model and vision tower under its text twin's names and ``visual.*``: ``ModelSpec.text_name``)."""
+        self.aliases = {text_name(name): name for name in self.weight_map if text_name(name) != name}
 
     def _handle(self, name: str) -> Any:
+        name = self.aliases.get(name, name)
         if name not in self.weight_map:
             raise CheckpointError(f"tensor {name!r} is missing from {self.path}")
         file = self.weight_map[name]
@@ -84,12 +92,13 @@ class HFCheckpoint:
 
     def get(self, name: str) -> torch.Tensor:
         """Tensor ``name`` (a copy); raises naming the folder when it is missing."""
-        tensor: torch.Tensor = self._handle(name).get_tensor(name)
+        tensor: torch.Tensor = self._handle(name).get_tensor(self.aliases.get(name, name))
         return tensor
 
     def lazy(self, name: str) -> torch.Tensor:
         """Tensor ``name`` left on disk: a meta tensor marked with its file and offset (see ``sources``); slices
         of it read only their bytes when written or materialized. Unknown dtypes are read into memory."""
+        name = self.aliases.get(name, name)
         if name not in self.weight_map:
             raise CheckpointError(f"tensor {name!r} is missing from {self.path}")
         file = self.weight_map[name]
@@ -107,16 +116,16 @@ class HFCheckpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor ``name``, read from the file header only."""
-        return tuple(int(n) for n in self._handle(name).get_slice(name).get_shape())
+        return tuple(int(n) for n in self._handle(name).get_slice(self.aliases.get(name, name)).get_shape())
 
     def get_rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """``tensor[start:stop]`` of ``name`` as a zero-copy view of the memory-mapped file (copy it to keep it)."""
-        view: torch.Tensor = self._handle(name).get_slice(name)[start:stop]
+        view: torch.Tensor = self._handle(name).get_slice(self.aliases.get(name, name))[start:stop]
         return view
 
     def get_columns(self, name: str, start: int, stop: int) -> torch.Tensor:
         """``tensor[:, start:stop]`` of ``name``, a strided view of the memory-mapped file."""
-        view: torch.Tensor = self._handle(name).get_slice(name)[:, start:stop]
+        view: torch.Tensor = self._handle(name).get_slice(self.aliases.get(name, name))[:, start:stop]
         return view
 
     def release(self) -> None:
@@ -279,7 +288,7 @@ def write_hf_config(out_dir: Path, spec: ModelSpec, dtype: torch.dtype) -> None:
         (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
         return
     kwargs = {k: v for k, v in cfg.items() if k != "model_type"}
-    AutoConfig.for_model(spec.model_type, **kwargs).save_pretrained(out_dir)
+    AutoConfig.for_model(str(cfg.get("model_type", spec.model_type)), **kwargs).save_pretrained(out_dir)
 
 
 def write_generation_config(out_dir: Path, generation: dict[str, Any] | None, tokenizer_path: Path | None) -> None:

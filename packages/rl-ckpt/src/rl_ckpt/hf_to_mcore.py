@@ -19,7 +19,7 @@ from rl_ckpt.layout import fuse_qkv_parts, padded_vocab_size
 from rl_ckpt.mcore_io import RankLayout, iteration_dir_name, save_rank, write_tracker
 from rl_ckpt.mcore_merge import check_moe_layout
 from rl_ckpt.sources import Source, cat
-from rl_ckpt.spec import ModelSpec, mcore_args, spec_from_hf_config
+from rl_ckpt.spec import VISION_MODULE, ModelSpec, mcore_args, spec_from_hf_config
 from rl_ckpt.staged_file import StagingBuffers
 from rl_ckpt.stream_io import FileReader
 
@@ -144,6 +144,7 @@ def rank_to_mcore(
     if stage == 0:
         embedding = vocab_block(src, "model.embed_tokens.weight", spec, padded, tp, rank)
         state["embedding.word_embeddings.weight"] = embedding
+        state.update(vision_tower(src, spec))
     start, stop = bounds[stage]
     for local, layer in enumerate(range(start, stop)):
         for key, tensor in layer_to_mcore(src, spec, layer, tp, rank, ep_rank, ep).items():
@@ -155,6 +156,16 @@ def rank_to_mcore(
         if not spec.tied_embeddings or len(bounds) > 1:
             state["output_layer.weight"] = vocab_block(src, head, spec, padded, tp, rank)
     return state
+
+
+def vision_tower(src: HFCheckpoint, spec: ModelSpec) -> dict[str, Source]:
+    """A vision-language model's vision tower as ``vision_model.*`` (the first stage holds it whole, on every TP rank:
+    ROLL's mcore_adapter layout); empty for a text model."""
+    if not spec.vision:
+        return {}
+    names = (spec.text_name(name) for name in src.weight_map)
+    return {f"{VISION_MODULE}.{name.removeprefix('visual.')}": src.lazy(name) for name in names
+            if name.startswith("visual.")}  # fmt: skip
 
 
 def convert_hf_to_mcore(
@@ -176,6 +187,7 @@ def convert_hf_to_mcore(
     """
     src = HFCheckpoint(Path(hf_path))
     spec = spec_from_hf_config(src.config)
+    src.read_as(spec.text_name)  # a VL model's language model under its text twin's names
     if ep < 1:
         raise CheckpointError(f"--ep {ep}: must be >= 1")
     check_moe_layout(spec, tp, ep, str(hf_path))

@@ -23,7 +23,7 @@ from rl_ckpt.families import FAMILIES
 from rl_ckpt.hf_io import vocab_size_from_tokenizer
 from rl_ckpt.layout import fc1_parts, qkv_parts
 from rl_ckpt.sources import Source, cat, materialize, rows, shape_of
-from rl_ckpt.spec import ModelSpec, arg, spec_from_mcore_args
+from rl_ckpt.spec import VISION_MODULE, ModelSpec, arg, spec_from_mcore_args
 
 _LAYER_KEY = re.compile(r"decoder\.layers\.(\d+)\.")
 _EXPERT_KEY = re.compile(
@@ -248,12 +248,21 @@ def iter_hf_tensors(ckpt: McoreSource) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def iter_hf_sources(ckpt: McoreSource) -> Iterator[tuple[str, Source]]:
-    """Yield (HF name, source: views / concatenations of the checkpoint's tensors) in order, one piece at a time."""
+    """Yield (HF name, source: views / concatenations of the checkpoint's tensors) in order, one piece at a time; a
+    vision-language model's names as its HF files spell them."""
+    spec = ckpt.spec
+    for name, source in _text_named_sources(ckpt):
+        yield spec.file_name(name), source
+        del source  # else it keeps the last piece's tensors alive while the next piece is planned
+
+
+def _text_named_sources(ckpt: McoreSource) -> Iterator[tuple[str, Source]]:
     spec = ckpt.spec
     offset = 0
     for stage in ckpt.stages():
         if stage.first:
             yield "model.embed_tokens.weight", vocab_rows(stage, EMBEDDING, spec)
+            yield from _vision_tower(stage)
         n_local = stage.num_layers()
         for local in range(n_local):
             yield from layer_sources(stage, spec, local, offset + local)
@@ -262,6 +271,13 @@ def iter_hf_sources(ckpt: McoreSource) -> Iterator[tuple[str, Source]]:
         del stage  # release this piece before the next one is read
     if offset != spec.num_layers:
         raise CheckpointError(f"{ckpt.iteration_dir}: found {offset} layers in all, the args say {spec.num_layers}")
+
+
+def _vision_tower(stage: StageShards) -> Iterator[tuple[str, Source]]:
+    """A vision-language model's vision tower (``vision_model.*``, the same on every TP rank) as ``visual.*``."""
+    prefix = f"{VISION_MODULE}."
+    for key in [key for key in stage.states[0] if key.startswith(prefix)]:
+        yield "visual." + key.removeprefix(prefix), stage.shards(key)[0]
 
 
 def _config_in(folder: Any) -> dict[str, Any] | None:

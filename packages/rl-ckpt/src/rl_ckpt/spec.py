@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rl_ckpt.errors import CheckpointError
@@ -61,6 +61,60 @@ class ModelSpec:
         """Whether the family has Qwen3's q / k norms."""
         return FAMILIES.get(self.model_type).qk_norm
 
+    @property
+    def vision(self) -> bool:
+        """A vision-language model: the decoder is its language model, ``hf_config`` the whole model's config."""
+        return self.hf_config is not None and "vision_config" in self.hf_config
+
+    def file_name(self, name: str) -> str:
+        """A tensor's name in the model's HF files from its text-model name (``model.*``, ``lm_head.weight``) or
+        vision-tower name (``visual.*``): Qwen3-VL's files put them under ``model.language_model.`` and
+        ``model.visual.``; Qwen2-VL's and Qwen2.5-VL's keep ``model.`` and ``visual.``."""
+        language, tower = self._prefixes()
+        if name.startswith("visual."):
+            return tower + name.removeprefix("visual.")
+        return language + name.removeprefix("model.") if name.startswith("model.") else name
+
+    def text_name(self, file_name: str) -> str:
+        """The inverse of :meth:`file_name`."""
+        language, tower = self._prefixes()
+        if file_name.startswith(tower):
+            return "visual." + file_name.removeprefix(tower)
+        return "model." + file_name.removeprefix(language) if file_name.startswith(language) else file_name
+
+    def _prefixes(self) -> tuple[str, str]:
+        if not self.vision or self.hf_config is None:
+            return "model.", "visual."
+        return VL_PREFIXES.get(str(self.hf_config.get("model_type")), ("model.", "visual."))
+
+
+VL_TEXT_FAMILIES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+"""Vision-language model types rl-ckpt converts: their language model as its text family, the vision tower carried
+(Megatron: ``vision_model.*`` on the first pipeline stage, the same on every TP rank, as ROLL's mcore_adapter)."""
+VISION_MODULE = "vision_model"
+"""Megatron's name of a VL model's vision tower (ROLL's mcore_adapter; rl_engines' Megatron strategies)."""
+VL_PREFIXES = {"qwen3_vl": ("model.language_model.", "model.visual.")}
+"""HF file prefixes of the language model and the vision tower where they are not ``model.`` and ``visual.``."""
+
+
+def language_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """The text section of a vision-language ``config.json`` as its text twin's config: the text family's
+    ``model_type``, the whole model's tie flag, ``rope_theta``, no rope scaling (multimodal RoPE sections are the
+    VL model's own)."""
+    family = VL_TEXT_FAMILIES.get(str(cfg.get("model_type")))
+    if family is None:
+        raise CheckpointError(
+            f"config.json describes a vision-language model of model_type={cfg.get('model_type')!r}; rl-ckpt converts "
+            f"{sorted(VL_TEXT_FAMILIES)}"
+        )
+    text = dict(cfg.get("text_config") or {})
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    text = {key: value for key, value in text.items() if key not in ("rope_scaling", "rope_parameters")}
+    text["rope_theta"] = float(rope.get("rope_theta") or text.get("rope_theta") or 10000.0)
+    text["model_type"] = family
+    text["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    return text
+
 
 def _rope_theta(cfg: Mapping[str, Any]) -> float:
     # transformers < 5 stores rope_theta at the top level, transformers >= 5 inside rope_parameters.
@@ -71,7 +125,10 @@ def _rope_theta(cfg: Mapping[str, Any]) -> float:
 
 
 def spec_from_hf_config(cfg: Mapping[str, Any]) -> ModelSpec:
-    """Read a HF config.json dict; raises CheckpointError for an unknown model_type or an unsupported option."""
+    """Read a HF config.json dict; raises CheckpointError for an unknown model_type or an unsupported option. A
+    vision-language config gives its language model's spec carrying the whole config."""
+    if "vision_config" in cfg:
+        return replace(spec_from_hf_config(language_config(cfg)), hf_config=copy.deepcopy(dict(cfg)))
     family = FAMILIES.get(str(cfg.get("model_type")))
     if cfg.get("mlp_bias"):
         raise CheckpointError("config.json sets mlp_bias=true, which rl-ckpt does not convert yet")
@@ -253,6 +310,9 @@ def spec_from_mcore_args(
     """
     if hf_config is None and isinstance(arg(args, "hf_config"), Mapping):
         hf_config = arg(args, "hf_config")
+    if hf_config is not None and "vision_config" in hf_config:  # the language model's numbers, the whole config
+        language = spec_from_mcore_args(args, vocab_size, model_type, language_config(hf_config))
+        return replace(language, hf_config=copy.deepcopy(dict(hf_config)))
     check_supported_args(args, hf_config)
     heads = required(args, "num_attention_heads")
     hidden = required(args, "hidden_size")
@@ -314,7 +374,7 @@ def hf_config_dict(spec: ModelSpec, dtype: str) -> dict[str, Any]:
     """A HF config.json dict for ``spec``: the original one when it was carried along, else built from numbers."""
     if spec.hf_config is not None:
         carried = copy.deepcopy(spec.hf_config)
-        carried["vocab_size"] = spec.vocab_size
+        (carried.setdefault("text_config", {}) if spec.vision else carried)["vocab_size"] = spec.vocab_size
         return carried
     family = FAMILIES.get(spec.model_type)
     cfg: dict[str, Any] = {

@@ -22,7 +22,7 @@ from torch import nn
 
 from rl_ckpt.hf_io import HFCheckpoint
 from rl_ckpt.layout import padded_vocab_size
-from rl_ckpt.spec import ModelSpec, spec_from_hf_config
+from rl_ckpt.spec import VISION_MODULE, ModelSpec, language_config, spec_from_hf_config
 from rl_core.batch import RolloutBatch
 from rl_engines.strategies.megatron_chunks import ModelChunks
 from rl_engines.strategies.megatron_config import MegatronOptions, check_moe_options
@@ -36,12 +36,10 @@ from rl_engines.strategies.megatron_pipeline import (
     run_schedule,
 )
 from rl_engines.strategies.megatron_vision import (
-    VISION_MODULE,
     InterleavedMRoPE,
     MegatronVision,
     add_deepstack,
     build_vision,
-    language_config,
     mrope,
 )
 from rl_engines.strategies.megatron_weights import ELSEWHERE, RankLayout, WeightLoader, export_hf, hf_target
@@ -59,10 +57,9 @@ def read_spec(model_path: str, role: str) -> ModelSpec:
     """The (language model's) architecture of a HF folder; raises naming ``model_name_or_path`` for what Megatron
     cannot build."""
     config = _read_config(model_path)
-    vision = is_vl_config(config)
-    text = language_config(config, role, model_path) if vision else config
     try:
-        spec = spec_from_hf_config(text)
+        spec = spec_from_hf_config(config)
+        text = language_config(config) if spec.vision else config
     except Exception as err:  # rl_ckpt names the unsupported model_type / option
         raise ValueError(f"{role}.model_args.model_name_or_path={model_path!r}: {err}") from None
     rope = text.get("rope_scaling") or text.get("rope_parameters") or {}

@@ -33,10 +33,6 @@ from torch import nn
 
 from rl_engines.vision import token_types, visual_inputs
 
-VISION_MODULE = "vision_model"
-"""Attribute (and parameter-name prefix) of the vision tower on the first model chunk."""
-TEXT_FAMILY = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
-"""The text architecture (rl_ckpt family) of each vision-language model type."""
 _MODULE_NAME = re.compile(r"model\.(language_model|visual)\.(.+)")
 
 
@@ -48,26 +44,6 @@ def file_name(name: str) -> str:
         return name
     part, rest = match.groups()
     return f"model.{rest}" if part == "language_model" else f"visual.{rest}"
-
-
-def language_config(config: dict[str, Any], role: str, model_path: str) -> dict[str, Any]:
-    """The text section of a VL ``config.json`` as its text twin's config (what rl_ckpt's spec reads): the text
-    family's ``model_type``, the tie flag of the whole model, ``rope_theta``, no rope scaling (multimodal RoPE is
-    built apart, see :func:`mrope`)."""
-    family = TEXT_FAMILY.get(str(config.get("model_type")))
-    if family is None:
-        raise ValueError(
-            f"{role}.model_args.model_name_or_path={model_path!r} is a vision-language model of model_type="
-            f"{config.get('model_type')!r}; the Megatron strategies build {sorted(TEXT_FAMILY)}. Use fsdp2_train / "
-            "hf_infer for it."
-        )
-    text = dict(config.get("text_config") or {})
-    rope = mrope_parameters(text)
-    text = {key: value for key, value in text.items() if key not in ("rope_scaling", "rope_parameters")}
-    text["rope_theta"] = float(rope.get("rope_theta") or text.get("rope_theta") or 10000.0)
-    text["model_type"] = family
-    text["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
-    return text
 
 
 def mrope_parameters(text: dict[str, Any]) -> dict[str, Any]:

@@ -24,9 +24,9 @@ from torch import nn
 from rl_ckpt.families import FAMILIES
 from rl_ckpt.layout import fuse_fc1, fuse_qkv, pad_rows, split
 from rl_ckpt.mcore_to_hf import StageShards, layer_to_hf
-from rl_ckpt.spec import ModelSpec
+from rl_ckpt.spec import VISION_MODULE, ModelSpec
 from rl_engines.strategies.megatron_pipeline import PipelineStage
-from rl_engines.strategies.megatron_vision import VISION_MODULE, file_name
+from rl_engines.strategies.megatron_vision import file_name
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _QKV = re.compile(r"self_attn\.([qkv])_proj\.(weight|bias)")
