@@ -69,13 +69,15 @@ RLVR_ONLY = {
 # its own sample, its prompt rebuilt from agent_template with a window of earlier turns) or "native" (each turn its
 # own sample, its prompt the conversation the environment keeps).
 ENV_MANAGER_CLASSES = {"TrajEnvManager": "trajectory", "EnvManager": "trajectory", "AgenticEnvManager": "trajectory",
-                       "EnvironmentWorker": "trajectory", "StepEnvManager": "step",
+                       "EnvironmentWorker": "trajectory", "VLTrajEnvManager": "trajectory", "StepEnvManager": "step",
                        "AgentNativeStepEnvManager": "native", "StepConcatEnvManager": "concat"}  # fmt: skip
 # ROLL managers not built here -> what to use instead.
 UNBUILT_ENV_MANAGERS = {
-    "VLTrajEnvManager": "vision-language environments are not built yet",
     "ProxyEnvManager": "LLM-proxy environments are not built",
 }
+VISION_MANAGER = "VLTrajEnvManager"
+"""ROLL's vision-language trajectory manager: each turn's user message is pre_step_template, the observation (a
+picture with ``render_mode: rgb_array``) and next_step_template (:mod:`apps.agentic.vision`)."""
 MODES = ("trajectory", "step", "native", "concat")
 """native (AgentNativeStepEnvManager): step samples whose prompt is the conversation the environment keeps; concat
 (StepConcatEnvManager, GEM's observation-concatenating wrapper): step samples whose prompt shows the earlier
@@ -246,6 +248,11 @@ class EnvSpec:
     tool_wrapper: dict[str, Any] | None = None
     """ROLL / GEM tool use (e.g. a python_code tool) around the environment: not built; refused for the tags a
     manager runs (accepted on the others, as ROLL's files list them)."""
+    pre_step_template: str | None = None
+    """VLTrajEnvManager: the text before each turn's observation; field {turn_idx} (the first turn's also starts
+    with the environment's instructions)."""
+    next_step_template: str | None = None
+    """VLTrajEnvManager: the text after each turn's observation; fields {actions_left}, {max_response_length}."""
 
     def validate(self, key: str) -> None:
         """Env type registered, templates formattable, lengths positive."""
@@ -276,6 +283,9 @@ class EnvSpec:
         if self.mode == "native":
             self._check_native(key)
             return  # the environment writes the conversation: agent_template is not used (ROLL: a placeholder)
+        self._check_pictures(key)
+        if self.visual:
+            return  # the turns are pre_step_template, the observation, next_step_template
         fields = {"step": STEP_TEMPLATE_FIELDS, "concat": CONCAT_TEMPLATE_FIELDS}.get(self.mode, TEMPLATE_FIELDS)
         try:
             self.agent_template.format(**dict.fromkeys(fields, 0))
@@ -284,6 +294,35 @@ class EnvSpec:
                 f"{key}.agent_template cannot be formatted ({err!r}); with {self.mode} samples it may use "
                 f"{{{'}, {'.join(fields)}}} and must double literal braces."
             ) from None
+
+    def _check_pictures(self, key: str) -> None:
+        """VLTrajEnvManager's templates format; pictures (``render_mode: rgb_array``) only with it."""
+        pictures = self.env_config.get("render_mode") == "rgb_array"
+        if pictures and not self.visual:
+            raise WorkerConfigError(
+                f"{key}.env_config.render_mode=rgb_array makes the observations pictures, which only the "
+                "vision-language env manager shows the model: set env_manager_cls to roll.pipeline.agentic."
+                "env_manager.vl_traj_env_manager.VLTrajEnvManager, or render_mode: text."
+            )
+        if not self.visual:
+            return
+        for name, fields in (("pre_step_template", ("turn_idx",)),
+                             ("next_step_template", ("actions_left", "max_response_length"))):  # fmt: skip
+            template = getattr(self, name)
+            if template is None:
+                raise WorkerConfigError(f"{key}.{name} is not set; VLTrajEnvManager builds every turn from it.")
+            try:
+                template.format(**dict.fromkeys(fields, 0))
+            except (KeyError, IndexError, ValueError) as err:
+                raise WorkerConfigError(
+                    f"{key}.{name} cannot be formatted ({err!r}); it may use {{{'}, {'.join(fields)}}} and must "
+                    "double literal braces."
+                ) from None
+
+    @property
+    def visual(self) -> bool:
+        """Episodes run by the vision-language env manager (VLTrajEnvManager)."""
+        return self.env_manager_cls is not None and self.env_manager_cls.rsplit(".", 1)[-1] == VISION_MANAGER
 
     def _check_native(self, key: str) -> None:
         from apps.agentic.envs.base import resolve_env_class
@@ -372,6 +411,10 @@ class AgenticConfig:
     def mode(self, manager: EnvManagerConfig) -> str:
         """The sample layout of a manager's episodes (its tags share one, checked by validate_agentic)."""
         return self.custom_envs[manager.tags[0]].mode
+
+    def visual(self, manager: EnvManagerConfig) -> bool:
+        """Some of a manager's tags run under the vision-language env manager (VLTrajEnvManager)."""
+        return any(self.custom_envs[tag].visual for tag in manager.tags)
 
     def env_spec(self, tag: str) -> EnvSpec:
         """The spec of ``tag`` with the top-level overrides (max_tokens_per_step) applied."""

@@ -30,6 +30,7 @@ from apps.agentic.render import render_episodes
 from apps.agentic.rollout import TrajectoryRunner, episode_metrics
 from apps.agentic.step_batch import adjust_batch, size_divisor, step_sample_rewards, train_plans, with_step_returns
 from apps.agentic.step_rollout import ConcatRunner, NativeRunner, StepRunner
+from apps.agentic.vision import VisionTrajectoryRunner, load_vl_processor
 from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.checkpoint_space import checkpoint_space_warning
 from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
@@ -40,6 +41,7 @@ from apps.common.timeline import Timeline
 from apps.common.training import checkpoint_dir, load_roles, save_checkpoint, score_with_roles, train_roles
 from rl_core.batch import RolloutBatch
 from rl_core.batch_size import TrainBatchPlan
+from rl_engines.config import GeneratingArgs
 from rl_engines.model_update import ModelUpdater
 from rl_engines.placement import ClusterSpec
 from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
@@ -84,8 +86,7 @@ class AgenticPipeline:
         generating = self.base.actor_infer.generating_args
         self.step_mode = config.mode(config.train_env_manager) != "trajectory"
         self.divisor = size_divisor(config, role_sections(self.base)) if self.step_mode else 1
-        self.runner = RUNNERS[config.mode(config.train_env_manager)](self.train_envs, self.tokenizer, generating,
-                                                                     self.sequence_length)  # fmt: skip
+        self.runner = self._runner(config.train_env_manager, self.train_envs, generating, record_frames=False)
         self.val_envs, self.val_runner = self._validation(config.val_env_manager)
         self.replay = RolloutReplay.from_config(self.base.rollout_mock)
         self.get_rollout = self._rollout if self.replay is None else self.replay.wrap(self._rollout, step="step")
@@ -117,9 +118,18 @@ class AgenticPipeline:
             return None, None
         envs = EnvManager(self.config, section, "val")
         sampling = section.generating_args or replace(self.base.actor_infer.generating_args, temperature=0.0)
-        runner = RUNNERS[self.config.mode(section)](envs, self.tokenizer, sampling, self.sequence_length,
-                                                    record_frames=self.config.render_save_dir is not None)  # fmt: skip
-        return envs, runner
+        return envs, self._runner(section, envs, sampling, record_frames=self.config.render_save_dir is not None)
+
+    def _runner(self, section: EnvManagerConfig, envs: EnvManager, sampling: GeneratingArgs,
+                record_frames: bool) -> TrajectoryRunner:  # fmt: skip
+        """The runner of a manager's sample layout; VLTrajEnvManager tags: the vision-language runner, with the
+        actor's image processor."""
+        if self.config.visual(section):
+            model = str(self.base.actor_infer.model_args.model_name_or_path)
+            return VisionTrajectoryRunner(envs, self.tokenizer, sampling, self.sequence_length,
+                                          load_vl_processor(model, "actor_infer"), record_frames)  # fmt: skip
+        return RUNNERS[self.config.mode(section)](envs, self.tokenizer, sampling, self.sequence_length,
+                                                  record_frames=record_frames)  # fmt: skip
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:

@@ -72,6 +72,8 @@ class Episode:
     """The observation the next turn acts on."""
     turns: list[Turn] = field(default_factory=list)
     """Step samples (StepEnvManager): each turn's own prompt and response."""
+    pictures: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    """VLTrajEnvManager: the visual inputs of the pictures in the context, in order (``apps.agentic.vision``)."""
 
     @property
     def context(self) -> list[int]:
@@ -142,10 +144,15 @@ class TrajectoryRunner:
 
     def _first_prompt(self, episode: Episode) -> list[int]:
         """System message, the environment's instructions and the first observation, chat-templated."""
-        instructions = episode.slot.env.instructions
-        user = user_turn(episode.slot.spec, episode.observation, 1, env_suffix(episode.slot.env))
-        user = f"{instructions}\n{user}" if instructions else user
+        user, episode.pictures = self._user_text(episode, 1)
         return self.formatters[episode.slot.tag].first_prompt(user)
+
+    def _user_text(self, episode: Episode, turn: int) -> tuple[str, list[dict[str, torch.Tensor]]]:
+        """The user message of turn ``turn`` (the first one opens with the environment's instructions) and the
+        visual inputs of the pictures it holds (none here)."""
+        user = user_turn(episode.slot.spec, episode.observation, turn, env_suffix(episode.slot.env))
+        instructions = episode.slot.env.instructions if turn == 1 else ""
+        return (f"{instructions}\n{user}" if instructions else user), []
 
     def _turn(self, infer: Any, running: list[Episode], step: int, round_index: int, turn: int) -> None:
         """Generate one response per running episode, step the environments, extend the contexts."""
@@ -181,7 +188,8 @@ class TrajectoryRunner:
         for row, context in enumerate(contexts):
             input_ids[row, width - len(context) :] = torch.tensor(context)
             attention_mask[row, width - len(context) :] = 1
-        batch = RolloutBatch.from_dict({"input_ids": input_ids, "attention_mask": attention_mask})
+        batch = RolloutBatch.from_dict({"input_ids": input_ids, "attention_mask": attention_mask},
+                                       self._context_columns([episodes[i] for i in rows]))  # fmt: skip
         out = infer.call("generate", batch, args, dispatch="dp_split")
         lengths = out.batch["response_mask"].sum(dim=-1).tolist()
         return [(out.batch["responses"][row, : int(n)].tolist(), out.batch["rollout_log_probs"][row, : int(n)].tolist())
@@ -212,15 +220,19 @@ class TrajectoryRunner:
     def _next_context(self, episode: Episode, ids: list[int], turn: int) -> None:
         """Extend the conversation by the next user turn, or end the episode when the next turn would not fit."""
         eos_text = self.tokenizer.decode(ids[-1:]) if ids and ids[-1] in self.eos_ids else ""
-        following = self.formatters[episode.slot.tag].continuation(
-            eos_text, user_turn(episode.slot.spec, episode.observation, turn + 1, env_suffix(episode.slot.env))
-        )
+        user, pictures = self._user_text(episode, turn + 1)
+        following = self.formatters[episode.slot.tag].continuation(eos_text, user)
         if len(episode.context) + len(following) + self._turn_limit(episode) > self.sequence_length:
             episode.done = True  # the next turn would not fit: truncated, finish stays "length"
             return
+        episode.pictures += pictures
         episode.tokens += following
         episode.mask += [False] * len(following)
         episode.log_probs += [0.0] * len(following)
+
+    def _context_columns(self, episodes: Sequence[Episode]) -> dict[str, list[Any]]:
+        """Non-tensor columns of the contexts sent to generation (a VL runner's pictures; none here)."""
+        return {}
 
     def _frame(self, slot: EnvSlot, observation: str) -> dict[str, Any]:
         return {"observation": observation, "image": slot.env.render("rgb_array")}

@@ -69,8 +69,18 @@ def hf_scorer(tiny_model_dir):
         ({"sleep_level": 3}, r"actor_infer\.strategy_args\.strategy_config\.sleep_level must be 1 or 2"),
         ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 but actor_infer\.num_gpus_per_worker=1"),
         ({"optimization_level": 4}, r"actor_infer\.strategy_args\.strategy_config\.optimization_level must be 0"),
+        ({"limit_mm_per_prompt": {"image": -1}}, r"strategy_config\.limit_mm_per_prompt\.image must be an int >= 0"),
     ],
-    ids=["unknown", "range", "load_format", "type", "sleep_level", "tensor_parallel_size", "optimization_level"],
+    ids=[
+        "unknown",
+        "range",
+        "load_format",
+        "type",
+        "sleep_level",
+        "tensor_parallel_size",
+        "optimization_level",
+        "limit_mm_per_prompt",
+    ],
 )
 def test_strategy_config_errors_name_the_key(tiny_model_dir, strategy_config, message):
     config = worker_config(tiny_model_dir, "actor_infer",
@@ -85,12 +95,13 @@ def test_rolls_pass_through_engine_options_reach_the_engine(tiny_model_dir):
     from rl_engines.strategies.vllm_config import engine_kwargs, parse_vllm_config
 
     options = {"tensor_parallel_size": 1, "disable_log_stats": False, "disable_custom_all_reduce": True,
-               "optimization_level": 1}  # fmt: skip
+               "optimization_level": 1, "limit_mm_per_prompt": {"image": 10}}  # fmt: skip
     config = worker_config(tiny_model_dir, "actor_infer",
                            strategy_args={"strategy_name": "vllm", "strategy_config": options})  # fmt: skip
     kwargs = engine_kwargs(config, parse_vllm_config(config, "actor_infer"), on_cpu=True, seed=0)
     assert (kwargs["tensor_parallel_size"], kwargs["disable_log_stats"], kwargs["disable_custom_all_reduce"],
             kwargs["optimization_level"]) == (1, False, True, 1)  # fmt: skip
+    assert kwargs["limit_mm_per_prompt"] == {"image": 10}
 
 
 # ---- agreement with hf_infer --------------------------------------------------------------------------------

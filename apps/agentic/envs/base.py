@@ -116,8 +116,13 @@ def invalid_action_result(observation: str, format_penalty: float, truncated: bo
     return StepResult(observation, float(format_penalty), terminated=False, truncated=truncated, info=info)
 
 
-def check_common_fields(max_steps: int, format_penalty: float) -> None:
+RENDER_MODES = ("text", "rgb_array")
+
+
+def check_common_fields(max_steps: int, format_penalty: float, render_mode: str = "text") -> None:
     """Range checks shared by the built-in configs."""
+    if render_mode not in RENDER_MODES:
+        raise EnvConfigError(f"env_config.render_mode={render_mode!r}: use one of {list(RENDER_MODES)}.")
     if max_steps < 1:
         raise EnvConfigError(f"env_config.max_steps must be >= 1, got {max_steps}.")
     if format_penalty > 0:

@@ -65,9 +65,12 @@ class FrozenLakeConfig:
     """Reward of a step whose response holds no valid action (<= 0)."""
     env_instruction: str | None = None
     """Replaces the opening task description of the instructions (symbols, actions and format still follow)."""
+    render_mode: str = "text"
+    """What an observation is (ROLL's key): ``text`` (the symbol grid) or ``rgb_array`` (the picture of the grid,
+    which the vision-language env manager, VLTrajEnvManager, puts into the conversation as an image)."""
 
     def __post_init__(self) -> None:
-        check_common_fields(self.max_steps, self.format_penalty)
+        check_common_fields(self.max_steps, self.format_penalty, self.render_mode)
         if self.size < 2:
             raise EnvConfigError(f"env_config.size must be >= 2, got {self.size}.")
         if not 0.0 < self.p <= 1.0:

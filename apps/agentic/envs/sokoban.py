@@ -68,9 +68,12 @@ class SokobanConfig:
     """Symbol -> the word the instructions explain it with."""
     env_instruction: str | None = None
     """Replaces the opening task description of the instructions (symbols, actions and format still follow)."""
+    render_mode: str = "text"
+    """What an observation is (ROLL's key): ``text`` (the symbol grid) or ``rgb_array`` (the picture of the grid,
+    which the vision-language env manager, VLTrajEnvManager, puts into the conversation as an image)."""
 
     def __post_init__(self) -> None:
-        check_common_fields(self.max_steps, self.format_penalty)
+        check_common_fields(self.max_steps, self.format_penalty, self.render_mode)
         rows, cols = self.dim_room
         if rows < 4 or cols < 4:
             raise EnvConfigError(f"env_config.dim_room must be at least [4, 4] (walls included), got {self.dim_room}.")

@@ -22,6 +22,7 @@ AGENTIC_DIR = ROLL_EXAMPLES / "qwen2.5-0.5B-agentic"
 AGENTIC_FILES = roll_example_files("qwen2.5-0.5B-agentic/*.yaml") + roll_target_files(
     "qwen2.5-0.5B-agentic/agentic_val_sokoban_dynamic_batching.yaml",  # dynamic batching (issue 15)
     "qwen2.5-0.5B-agentic/agent_val_frozen_lake.yaml",  # per-manager generating_args, env_instruction (issue 17)
+    "qwen2.5-vl-3B-agentic/agentic_val_sokoban.yaml",  # VLTrajEnvManager, grids rendered as pictures (issue 23)
 )
 
 
@@ -35,7 +36,7 @@ def test_the_roll_agentic_files_exist():
     assert [p.name for p in AGENTIC_FILES] == ["agent_val_frozen_lake_async.yaml",
                                                "agentic_sokoban_rollout_mock_dump.yaml",
                                                "agentic_val_sokoban_dynamic_batching.yaml",
-                                               "agent_val_frozen_lake.yaml"]  # fmt: skip
+                                               "agent_val_frozen_lake.yaml", "agentic_val_sokoban.yaml"]  # fmt: skip
 
 
 def test_every_roll_agentic_file_loads_and_passes_preflight(roll_file):

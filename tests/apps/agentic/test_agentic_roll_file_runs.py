@@ -78,3 +78,20 @@ def test_a_roll_agentic_file_runs_a_step_on_cpu(setup, tmp_path, path):
     else:
         assert not any(key.startswith("dynamic_batching/") for key in row)
     assert (tmp_path / "ckpt" / "checkpoint-0" / "pipeline_state.json").exists()
+
+
+def test_rolls_vl_sokoban_file_runs_a_step_on_cpu_with_pictures(tmp_path):
+    """ROLL's Qwen2.5-VL Sokoban file (VLTrajEnvManager, render_mode rgb_array; issue 23) after the same swaps, on a
+    tiny Qwen2.5-VL: the episodes' pictures reach generation and training."""
+    from apps.agentic.envs import make_env
+    from rl_engines.tiny_model import build_tiny_vl_model
+
+    corpus = ["<answer>Up</answer> <answer>Down</answer>", make_env("sokoban").instructions]
+    build_tiny_vl_model(tmp_path / "model", corpus, vocab_size=500)
+    path = require_shared(roll_target_files("qwen2.5-vl-3B-agentic/agentic_val_sokoban.yaml")[0])
+    raw = on_cpu(load_config(path), tmp_path, tmp_path / "out")
+    raw["sequence_length"] = 1500  # the instructions and up to ten turns, each with a picture of the room
+    config = AgenticConfig.from_dict(raw)
+    assert config.visual(config.train_env_manager)
+    (row,) = AgenticPipeline(config).run()
+    assert row["env/num_turns/mean"] >= 1.0 and "actor/pg_loss" in row

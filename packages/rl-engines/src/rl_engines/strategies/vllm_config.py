@@ -58,6 +58,9 @@ class VllmStrategyConfig:
     """vLLM's periodic throughput log lines off (vllm.LLM's own default)."""
     disable_custom_all_reduce: bool = True
     """vLLM's custom all-reduce kernel off for tensor parallel engines (ROLL's default: it can hang with TP > 1)."""
+    limit_mm_per_prompt: dict[str, int] | None = None
+    """Most items of each modality in one prompt (``{image: 10}``: ROLL's VL agentic configs allow one picture per
+    turn); passed to vLLM, which sizes its multimodal profiling by it. Null = vLLM's default."""
     cache_dir: str | None = None
     """Where vLLM and torch inductor keep caches, compile artifacts and IPC sockets; null = a per-user folder in
     the system temp dir, shared by runs so later engines start warm."""
@@ -78,6 +81,9 @@ class VllmStrategyConfig:
             raise WorkerConfigError(f"{prefix}.optimization_level must be 0, 1, 2 or 3, got {self.optimization_level}.")
         if self.sleep_level not in (1, 2):
             raise WorkerConfigError(f"{prefix}.sleep_level must be 1 or 2, got {self.sleep_level}.")
+        for modality, count in (self.limit_mm_per_prompt or {}).items():
+            if not isinstance(count, int) or count < 0:
+                raise WorkerConfigError(f"{prefix}.limit_mm_per_prompt.{modality} must be an int >= 0, got {count!r}.")
 
 
 def parse_vllm_config(config: WorkerConfig, role: str) -> VllmStrategyConfig:
@@ -137,6 +143,7 @@ def engine_kwargs(config: WorkerConfig, options: VllmStrategyConfig, *, on_cpu: 
         "disable_log_stats": options.disable_log_stats,
         "disable_custom_all_reduce": options.disable_custom_all_reduce,
     }
-    optional = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "optimization_level")
+    optional = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "optimization_level",
+                "limit_mm_per_prompt")  # fmt: skip
     kwargs.update({name: getattr(options, name) for name in optional if getattr(options, name) is not None})
     return {key: value for key, value in kwargs.items() if value is not None}
