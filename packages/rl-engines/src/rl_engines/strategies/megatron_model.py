@@ -9,7 +9,6 @@ Transformer-Engine) layer spec; and the language model of Qwen2-VL / Qwen2.5-VL 
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -22,7 +21,7 @@ from torch import nn
 
 from rl_ckpt.hf_io import HFCheckpoint
 from rl_ckpt.layout import padded_vocab_size
-from rl_ckpt.spec import VISION_MODULE, ModelSpec, language_config, spec_from_hf_config
+from rl_ckpt.spec import ModelSpec, language_config, spec_from_hf_config
 from rl_core.batch import RolloutBatch
 from rl_engines.strategies.megatron_chunks import ModelChunks
 from rl_engines.strategies.megatron_config import MegatronOptions, check_moe_options
@@ -38,8 +37,8 @@ from rl_engines.strategies.megatron_pipeline import (
 from rl_engines.strategies.megatron_vision import (
     InterleavedMRoPE,
     MegatronVision,
-    add_deepstack,
-    build_vision,
+    attach_vision,
+    check_vl_options,
     mrope,
 )
 from rl_engines.strategies.megatron_weights import ELSEWHERE, RankLayout, WeightLoader, export_hf, hf_target
@@ -209,18 +208,8 @@ def check_local_model(config: Any, options: MegatronOptions, role: str) -> None:
     if not (path / "config.json").is_file():
         return
     check_moe_options(options, read_spec(str(path), role), role)
-    if not is_vl_config(_read_config(str(path))):
-        return
-    if getattr(config, "use_sequence_packing", False):
-        raise ValueError(
-            f"{role}.use_sequence_packing: the Megatron strategies do not pack vision-language batches ({path}); set "
-            "it to false (fsdp2_train packs them)."
-        )
-    if config.model_args.lora:
-        raise ValueError(
-            f"{role}.model_args.lora_target: the Megatron strategies have no LoRA on vision-language models ({path}); "
-            "train it full-parameter, or with LoRA on fsdp2_train."
-        )
+    if is_vl_config(_read_config(str(path))):
+        check_vl_options(config, role, str(path))
 
 
 @dataclass
@@ -344,34 +333,6 @@ class MegatronModel:
             return out
         length, resp = out.shape[1], response_length(batch)
         return out[:, length - resp - 1 : length - 1]
-
-    def freeze(self, prefixes: Sequence[str]) -> set[str]:
-        """Freeze (``requires_grad`` off) this rank's parameters whose Megatron names start with one of ``prefixes``
-        (``model_args.freeze_module_prefix``, as ROLL matches them on its Megatron models: ``vision_model`` is the
-        vision tower; decoder layers are numbered within each stage). A prefix matching no parameter of any stage
-        is an error naming it. Returns the transformers names of the frozen vision-tower weights (the same on every
-        rank), which weight syncs send once."""
-        names = [name for name, _ in self.module.named_parameters()]
-        for name, param in self.module.named_parameters():
-            if any(name.startswith(prefix) for prefix in prefixes):
-                param.requires_grad_(False)
-        matched = [{prefix for prefix in prefixes if any(name.startswith(prefix) for name in names)}]
-        if self.stage.size > 1:
-            everywhere: list[Any] = [None] * self.stage.size
-            dist.all_gather_object(everywhere, matched[0], group=self.stage.group)
-            matched = everywhere
-        unmatched = [prefix for prefix in prefixes if not any(prefix in found for found in matched)]
-        if unmatched:
-            heads = sorted({".".join(name.split(".")[:2]) for name in names})
-            raise ValueError(
-                f"{self.role}.model_args.freeze_module_prefix: {unmatched} match no parameter of the Megatron model; "
-                f"its parameter names (ROLL's Megatron names) start with {heads}."
-            )
-        if self.vision is None:
-            return set()
-        tower = (name.removeprefix("visual.") for name, _ in self.layout.vision)
-        return {self.vision.module_names.get(f"visual.{rest}", f"visual.{rest}") for rest in tower
-                if any(f"{VISION_MODULE}.{rest}".startswith(prefix) for prefix in prefixes)}  # fmt: skip
 
     def export(self, params: dict[str, torch.Tensor], sharded: set[str],
                ep_group: Any = None) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
@@ -537,7 +498,7 @@ def build_model(
     ]
     vision = None
     if section is not None:
-        vision = _attach_vision(chunks, model_path, stage.first, params_dtype, device, role, value_head, options)
+        vision = attach_vision(chunks, model_path, stage.first, params_dtype, device, role, value_head, options)
         if interleaved:
             for chunk_model in chunks:
                 chunk_model.rotary_pos_emb = InterleavedMRoPE(spec.head_dim, spec.rotary_base, section)
@@ -554,34 +515,6 @@ def build_model(
     model = MegatronModel(module, role, layout, group, options.sequence_parallel, device, stage, mp_group, vision)
     load_folder(model, model_path, seed)
     return model
-
-
-def _attach_vision(chunks: list[Any], model_path: str, first: bool, dtype: torch.dtype, device: torch.device,
-                   role: str, value_head: bool, options: MegatronOptions) -> MegatronVision:  # fmt: skip
-    """A VL model's vision tower on the first chunk of the first stage (``vision_model``), and its DeepStack hooks
-    on that chunk's first decoder layers; what this does not build is refused naming the key."""
-    if value_head:
-        raise ValueError(
-            f"{role}.model_args.model_name_or_path={model_path!r} is a vision-language model; a value head on it (a "
-            "critic) is not built. Use a critic-free estimator (GRPO, REINFORCE++, RLOO) for vision-language runs."
-        )
-    vision = build_vision(model_path, first=first, dtype=dtype, device=device)
-    if not (first and vision.deepstack):
-        if first:
-            setattr(chunks[0], VISION_MODULE, vision.tower)
-        return vision
-    layers = chunks[0].decoder.layers
-    prefix = f"{role}.strategy_args.strategy_config"
-    if len(layers) < vision.deepstack:
-        raise ValueError(
-            f"{prefix}.pipeline_model_parallel_size={options.pipeline_model_parallel_size}: the first model chunk "
-            f"holds {len(layers)} decoder layer(s), but {model_path} adds DeepStack features after its first "
-            f"{vision.deepstack}; use fewer stages (or virtual stages) so the first one holds them."
-        )
-    setattr(chunks[0], VISION_MODULE, vision.tower)
-    for index in range(vision.deepstack):
-        layers[index].register_forward_hook(functools.partial(add_deepstack, index), with_kwargs=True)
-    return vision
 
 
 def load_folder(model: MegatronModel, model_path: str, seed: int) -> None:

@@ -54,6 +54,7 @@ from rl_engines.strategies.megatron_ops import (
 )
 from rl_engines.strategies.megatron_pipeline import broadcast_object_from_last
 from rl_engines.strategies.megatron_router import router_loss_coef, set_micro_weight, tracked_layer_mean
+from rl_engines.strategies.megatron_vision import freeze_parameters
 from rl_engines.strategies.megatron_weights import sharded_names
 from rl_engines.strategies.micro_batches import pass_name, planner, require_no_ulysses
 from rl_engines.strategies.model_io import (
@@ -183,7 +184,7 @@ class MegatronTrainStrategy:
             self.masters, self._pairs = dict(self.adapters.named_parameters()), []
             self.sharded = self.adapters.sharded_names()
         else:
-            self.frozen = self.model.freeze(args.frozen_prefixes())
+            self.frozen = freeze_parameters(self.model, args.frozen_prefixes())
             self.masters, self._pairs = fp32_masters(module)
             self.sharded = set(self.base_sharded)
             self._tp_partial = tp_partial_names(module, self.masters, self.options.tensor_model_parallel_size)

@@ -1,4 +1,5 @@
-"""Vision-language models (Qwen2-VL / Qwen2.5-VL / Qwen3-VL) under megatron_train and megatron_infer.
+"""Vision-language models (Qwen2-VL / Qwen2.5-VL / Qwen3-VL) under megatron_train and megatron_infer, and
+``freeze_module_prefix`` on Megatron models (:func:`freeze_parameters`).
 
 The language model is Megatron's ``GPTModel`` built from the config's text section like its text twin (Qwen2-VL and
 Qwen2.5-VL: Qwen2; Qwen3-VL: Qwen3), split the same ways (TP, sequence parallelism, PP, virtual pipeline), with
@@ -24,13 +25,18 @@ are exported under the modules' names, the ones hf_infer and fsdp2_train use.
 
 from __future__ import annotations
 
+import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from rl_ckpt.spec import VISION_MODULE
+from rl_engines.strategies.megatron_config import MegatronOptions
 from rl_engines.vision import token_types, visual_inputs
 
 _MODULE_NAME = re.compile(r"model\.(language_model|visual)\.(.+)")
@@ -192,3 +198,76 @@ def build_vision(model_path: str, *, first: bool, dtype: torch.dtype, device: to
         hf.visual = tower
     deepstack = len(getattr(config.vision_config, "deepstack_visual_indexes", None) or ())
     return MegatronVision(hf, tower, shapes, names, deepstack)
+
+
+def attach_vision(chunks: list[Any], model_path: str, first: bool, dtype: torch.dtype, device: torch.device,
+                   role: str, value_head: bool, options: MegatronOptions) -> MegatronVision:  # fmt: skip
+    """A VL model's vision tower on the first chunk of the first stage (``vision_model``), and its DeepStack hooks
+    on that chunk's first decoder layers; what this does not build is refused naming the key."""
+    if value_head:
+        raise ValueError(
+            f"{role}.model_args.model_name_or_path={model_path!r} is a vision-language model; a value head on it (a "
+            "critic) is not built. Use a critic-free estimator (GRPO, REINFORCE++, RLOO) for vision-language runs."
+        )
+    vision = build_vision(model_path, first=first, dtype=dtype, device=device)
+    if not (first and vision.deepstack):
+        if first:
+            setattr(chunks[0], VISION_MODULE, vision.tower)
+        return vision
+    layers = chunks[0].decoder.layers
+    prefix = f"{role}.strategy_args.strategy_config"
+    if len(layers) < vision.deepstack:
+        raise ValueError(
+            f"{prefix}.pipeline_model_parallel_size={options.pipeline_model_parallel_size}: the first model chunk "
+            f"holds {len(layers)} decoder layer(s), but {model_path} adds DeepStack features after its first "
+            f"{vision.deepstack}; use fewer stages (or virtual stages) so the first one holds them."
+        )
+    setattr(chunks[0], VISION_MODULE, vision.tower)
+    for index in range(vision.deepstack):
+        layers[index].register_forward_hook(functools.partial(add_deepstack, index), with_kwargs=True)
+    return vision
+
+
+def freeze_parameters(model: Any, prefixes: Sequence[str]) -> set[str]:
+    """Freeze (``requires_grad`` off) this rank's parameters of ``model`` (a MegatronModel) whose Megatron names
+    start with one of ``prefixes`` (``model_args.freeze_module_prefix``, as ROLL matches them on its Megatron models:
+    ``vision_model`` is the vision tower; decoder layers are numbered within each stage). A prefix matching no
+    parameter of any stage is an error naming it (every stage calls this). Returns the transformers names of the
+    frozen vision-tower weights (the same on every rank), which weight syncs send once."""
+    if not prefixes:
+        return set()
+    names = [name for name, _ in model.module.named_parameters()]
+    for name, param in model.module.named_parameters():
+        if any(name.startswith(prefix) for prefix in prefixes):
+            param.requires_grad_(False)
+    matched = [{prefix for prefix in prefixes if any(name.startswith(prefix) for name in names)}]
+    if model.stage.size > 1:
+        everywhere: list[Any] = [None] * model.stage.size
+        dist.all_gather_object(everywhere, matched[0], group=model.stage.group)
+        matched = everywhere
+    unmatched = [prefix for prefix in prefixes if not any(prefix in found for found in matched)]
+    if unmatched:
+        heads = sorted({".".join(name.split(".")[:2]) for name in names})
+        raise ValueError(
+            f"{model.role}.model_args.freeze_module_prefix: {unmatched} match no parameter of the Megatron model; "
+            f"its parameter names (ROLL's Megatron names) start with {heads}."
+        )
+    if model.vision is None:
+        return set()
+    tower = (name.removeprefix("visual.") for name, _ in model.layout.vision)
+    return {model.vision.module_names.get(f"visual.{rest}", f"visual.{rest}") for rest in tower
+            if any(f"{VISION_MODULE}.{rest}".startswith(prefix) for prefix in prefixes)}  # fmt: skip
+
+
+def check_vl_options(config: Any, role: str, path: str) -> None:
+    """What the Megatron strategies do not build for a vision-language model, refused naming the key."""
+    if getattr(config, "use_sequence_packing", False):
+        raise ValueError(
+            f"{role}.use_sequence_packing: the Megatron strategies do not pack vision-language batches ({path}); set "
+            "it to false (fsdp2_train packs them)."
+        )
+    if config.model_args.lora:
+        raise ValueError(
+            f"{role}.model_args.lora_target: the Megatron strategies have no LoRA on vision-language models ({path}); "
+            "train it full-parameter, or with LoRA on fsdp2_train."
+        )
