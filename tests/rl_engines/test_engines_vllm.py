@@ -101,7 +101,7 @@ def test_rolls_pass_through_engine_options_reach_the_engine(tiny_model_dir):
     kwargs = engine_kwargs(config, parse_vllm_config(config, "actor_infer"), on_cpu=True, seed=0)
     assert (kwargs["tensor_parallel_size"], kwargs["disable_log_stats"], kwargs["disable_custom_all_reduce"],
             kwargs["optimization_level"]) == (1, False, True, 1)  # fmt: skip
-    assert kwargs["limit_mm_per_prompt"] == {"image": 10}
+    assert "limit_mm_per_prompt" not in kwargs  # vLLM refuses it on a text model; VL models are refused here
 
 
 # ---- agreement with hf_infer --------------------------------------------------------------------------------

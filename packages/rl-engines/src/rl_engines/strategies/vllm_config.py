@@ -60,7 +60,8 @@ class VllmStrategyConfig:
     """vLLM's custom all-reduce kernel off for tensor parallel engines (ROLL's default: it can hang with TP > 1)."""
     limit_mm_per_prompt: dict[str, int] | None = None
     """Most items of each modality in one prompt (``{image: 10}``: ROLL's VL agentic configs allow one picture per
-    turn); passed to vLLM, which sizes its multimodal profiling by it. Null = vLLM's default."""
+    turn), which ROLL passes to vLLM for a multimodal model. The vLLM adapter here refuses vision-language models (it
+    would drop the pictures) and vLLM rejects the key on a text model, so it is checked and not passed (logged)."""
     cache_dir: str | None = None
     """Where vLLM and torch inductor keep caches, compile artifacts and IPC sockets; null = a per-user folder in
     the system temp dir, shared by runs so later engines start warm."""
@@ -143,7 +144,6 @@ def engine_kwargs(config: WorkerConfig, options: VllmStrategyConfig, *, on_cpu: 
         "disable_log_stats": options.disable_log_stats,
         "disable_custom_all_reduce": options.disable_custom_all_reduce,
     }
-    optional = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "optimization_level",
-                "limit_mm_per_prompt")  # fmt: skip
+    optional = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "optimization_level")
     kwargs.update({name: getattr(options, name) for name in optional if getattr(options, name) is not None})
     return {key: value for key, value in kwargs.items() if value is not None}

@@ -122,6 +122,12 @@ class VllmInferStrategy:
 
         seed = self.config.training_args.seed + _rank()
         kwargs = engine_kwargs(self.config, self.options, on_cpu=self.device.type == "cpu", seed=seed)
+        if self.options.limit_mm_per_prompt:
+            logger.info(
+                "[engines] %s.strategy_args.strategy_config.limit_mm_per_prompt=%s: not passed to vLLM, which takes "
+                "it for multimodal models only (this adapter serves text models).",
+                self.role, self.options.limit_mm_per_prompt,
+            )  # fmt: skip
         if self.config.model_args.lora:
             kwargs.update(self._lora_setup())
         self.model = EngineModel(LLM(**kwargs), load_generation_config(path))
