@@ -78,7 +78,7 @@ class HFCheckpoint:
 
     def read_as(self, text_name: Callable[[str], str]) -> None:
         """Read every tensor also under ``text_name`` of its name in the files (a vision-language model's language
-        model and vision tower under its text twin's names and ``visual.*``: ``ModelSpec.text_name``)."""
+        model and vision tower under its text twin's names and ``visual.*``: ``rl_ckpt.spec.vl_text_name``)."""
         self.aliases = {text_name(name): name for name in self.weight_map if text_name(name) != name}
 
     def _handle(self, name: str) -> Any:

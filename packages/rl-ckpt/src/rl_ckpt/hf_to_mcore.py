@@ -19,7 +19,7 @@ from rl_ckpt.layout import fuse_qkv_parts, padded_vocab_size
 from rl_ckpt.mcore_io import RankLayout, iteration_dir_name, save_rank, write_tracker
 from rl_ckpt.mcore_merge import check_moe_layout
 from rl_ckpt.sources import Source, cat
-from rl_ckpt.spec import VISION_MODULE, ModelSpec, mcore_args, spec_from_hf_config
+from rl_ckpt.spec import VISION_MODULE, ModelSpec, mcore_args, spec_from_hf_config, vl_text_name
 from rl_ckpt.staged_file import StagingBuffers
 from rl_ckpt.stream_io import FileReader
 
@@ -163,7 +163,7 @@ def vision_tower(src: HFCheckpoint, spec: ModelSpec) -> dict[str, Source]:
     ROLL's mcore_adapter layout); empty for a text model."""
     if not spec.vision:
         return {}
-    names = (spec.text_name(name) for name in src.weight_map)
+    names = (vl_text_name(name) for name in src.weight_map)
     return {f"{VISION_MODULE}.{name.removeprefix('visual.')}": src.lazy(name) for name in names
             if name.startswith("visual.")}  # fmt: skip
 
@@ -187,7 +187,7 @@ def convert_hf_to_mcore(
     """
     src = HFCheckpoint(Path(hf_path))
     spec = spec_from_hf_config(src.config)
-    src.read_as(spec.text_name)  # a VL model's language model under its text twin's names
+    src.read_as(vl_text_name)  # a VL model's language model under its text twin's names
     if ep < 1:
         raise CheckpointError(f"--ep {ep}: must be >= 1")
     check_moe_layout(spec, tp, ep, str(hf_path))

@@ -68,24 +68,12 @@ class ModelSpec:
 
     def file_name(self, name: str) -> str:
         """A tensor's name in the model's HF files from its text-model name (``model.*``, ``lm_head.weight``) or
-        vision-tower name (``visual.*``): Qwen3-VL's files put them under ``model.language_model.`` and
-        ``model.visual.``; Qwen2-VL's and Qwen2.5-VL's keep ``model.`` and ``visual.``."""
-        language, tower = self._prefixes()
-        if name.startswith("visual."):
-            return tower + name.removeprefix("visual.")
-        return language + name.removeprefix("model.") if name.startswith("model.") else name
-
-    def text_name(self, file_name: str) -> str:
-        """The inverse of :meth:`file_name`."""
-        language, tower = self._prefixes()
-        if file_name.startswith(tower):
-            return "visual." + file_name.removeprefix(tower)
-        return "model." + file_name.removeprefix(language) if file_name.startswith(language) else file_name
-
-    def _prefixes(self) -> tuple[str, str]:
-        if not self.vision or self.hf_config is None:
-            return "model.", "visual."
-        return VL_PREFIXES.get(str(self.hf_config.get("model_type")), ("model.", "visual."))
+        vision-tower name (``visual.*``): Qwen3-VL's files use transformers' module names (``model.language_model.``,
+        ``model.visual.``); Qwen2-VL's and Qwen2.5-VL's keep ``model.`` and ``visual.``. Read back with
+        :func:`vl_text_name`, which takes either spelling."""
+        if self.vision and self.hf_config is not None and self.hf_config.get("model_type") in VL_MODULE_NAMED_FILES:
+            return vl_module_name(name)
+        return name
 
 
 VL_TEXT_FAMILIES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
@@ -93,8 +81,29 @@ VL_TEXT_FAMILIES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwe
 (Megatron: ``vision_model.*`` on the first pipeline stage, the same on every TP rank, as ROLL's mcore_adapter)."""
 VISION_MODULE = "vision_model"
 """Megatron's name of a VL model's vision tower (ROLL's mcore_adapter; rl_engines' Megatron strategies)."""
-VL_PREFIXES = {"qwen3_vl": ("model.language_model.", "model.visual.")}
-"""HF file prefixes of the language model and the vision tower where they are not ``model.`` and ``visual.``."""
+VL_MODULE_NAMED_FILES = frozenset({"qwen3_vl"})
+"""VL model types whose HF files name tensors as transformers 5's modules do (the others: ``model.*``, ``visual.*``)."""
+
+
+def vl_text_name(module_name: str) -> str:
+    """A VL weight's text-model / ``visual.*`` name from transformers 5's module name (``model.language_model.X`` ->
+    ``model.X``, ``model.visual.X`` -> ``visual.X``; other names unchanged)."""
+    for module, text in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+        if module_name.startswith(module):
+            return text + module_name.removeprefix(module)
+    return module_name
+
+
+def vl_module_name(text_name: str) -> str:
+    """The inverse of :func:`vl_text_name`."""
+    if text_name.startswith("visual."):
+        return "model." + text_name
+    return "model.language_model." + text_name.removeprefix("model.") if text_name.startswith("model.") else text_name
+
+
+def rope_parameters(text: Mapping[str, Any]) -> dict[str, Any]:
+    """A config section's RoPE parameters (transformers 5: ``rope_parameters``; older files: ``rope_scaling``)."""
+    return dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
 
 
 def language_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -108,7 +117,7 @@ def language_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
             f"{sorted(VL_TEXT_FAMILIES)}"
         )
     text = dict(cfg.get("text_config") or {})
-    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+    rope = rope_parameters(text)
     text = {key: value for key, value in text.items() if key not in ("rope_scaling", "rope_parameters")}
     text["rope_theta"] = float(rope.get("rope_theta") or text.get("rope_theta") or 10000.0)
     text["model_type"] = family

@@ -11,7 +11,7 @@ import torch
 
 from rl_ckpt.errors import CheckpointError
 from rl_ckpt.mcore_merge import McoreSource, iter_hf_tensors
-from rl_ckpt.spec import hf_config_dict, spec_from_hf_config
+from rl_ckpt.spec import hf_config_dict, vl_module_name, vl_text_name
 
 VERIFY_TOKENS = 16
 """Length of the fixed verification input (one sequence)."""
@@ -37,7 +37,7 @@ def model_from_tensors(config: dict[str, Any], tensors: dict[str, torch.Tensor])
     cfg = tf.AutoConfig.for_model(config["model_type"], **kwargs)
     model = _model_class(tf, config).from_config(cfg, attn_implementation="eager").float()
     if "vision_config" in config:  # the files' names -> transformers' module names
-        tensors = {_module_name(spec_from_hf_config(config).text_name(k)): v for k, v in tensors.items()}
+        tensors = {vl_module_name(vl_text_name(k)): v for k, v in tensors.items()}
     state = fused_experts({k: v.float() for k, v in tensors.items()}, set(model.state_dict()))
     missing, unexpected = model.load_state_dict(state, strict=False)
     allowed = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -74,13 +74,6 @@ def _model_class(tf: Any, config: dict[str, Any]) -> Any:
     """transformers' auto class of ``config``: a vision-language model's (its logits on text input verify the
     language model; its tensors, the vision tower's too, must all fit)."""
     return tf.AutoModelForImageTextToText if "vision_config" in config else tf.AutoModelForCausalLM
-
-
-def _module_name(text_name: str) -> str:
-    """A VL tensor's transformers module name from its text-model / ``visual.*`` name."""
-    if text_name.startswith("visual."):
-        return "model." + text_name
-    return "model.language_model." + text_name.removeprefix("model.") if text_name.startswith("model.") else text_name
 
 
 def model_from_folder(path: Path) -> Any:

@@ -26,7 +26,6 @@ are exported under the modules' names, the ones hf_infer and fsdp2_train use.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,31 +34,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rl_ckpt.spec import VISION_MODULE
+from rl_ckpt.spec import VISION_MODULE, rope_parameters, vl_text_name
 from rl_engines.strategies.megatron_config import MegatronOptions
 from rl_engines.vision import token_types, visual_inputs
-
-_MODULE_NAME = re.compile(r"model\.(language_model|visual)\.(.+)")
-
-
-def file_name(name: str) -> str:
-    """A VL weight's name as HF files spell it: ``model.language_model.X`` -> ``model.X``, ``model.visual.X`` ->
-    ``visual.X`` (other names unchanged)."""
-    match = _MODULE_NAME.fullmatch(name)
-    if match is None:
-        return name
-    part, rest = match.groups()
-    return f"model.{rest}" if part == "language_model" else f"visual.{rest}"
-
-
-def mrope_parameters(text: dict[str, Any]) -> dict[str, Any]:
-    """The text section's RoPE parameters (transformers 5: ``rope_parameters``; older files: ``rope_scaling``)."""
-    return dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
 
 
 def mrope(config: dict[str, Any]) -> tuple[list[int], bool]:
     """``mrope_section`` (frequencies per temporal / height / width axis) and whether they interleave (Qwen3-VL)."""
-    rope = mrope_parameters(dict(config.get("text_config") or {}))
+    rope = rope_parameters(dict(config.get("text_config") or {}))
     section = rope.get("mrope_section")
     if not section or len(section) != 3:
         raise ValueError(f"config.json's text_config names no 3-part mrope_section (got {rope!r})")
@@ -188,7 +170,7 @@ def build_vision(model_path: str, *, first: bool, dtype: torch.dtype, device: to
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         whole = AutoModelForImageTextToText.from_config(config)  # type: ignore[no-untyped-call]
-    names = {file_name(name): name for name in whole.state_dict()}
+    names = {vl_text_name(name): name for name in whole.state_dict()}
     hf = whole.model
     shapes = {f"visual.{name}": tuple(p.shape) for name, p in hf.visual.named_parameters()}
     tower = None

@@ -24,9 +24,8 @@ from torch import nn
 from rl_ckpt.families import FAMILIES
 from rl_ckpt.layout import fuse_fc1, fuse_qkv, pad_rows, split
 from rl_ckpt.mcore_to_hf import StageShards, layer_to_hf
-from rl_ckpt.spec import VISION_MODULE, ModelSpec
+from rl_ckpt.spec import VISION_MODULE, ModelSpec, vl_text_name
 from rl_engines.strategies.megatron_pipeline import PipelineStage
-from rl_engines.strategies.megatron_vision import file_name
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _QKV = re.compile(r"self_attn\.([qkv])_proj\.(weight|bias)")
@@ -183,7 +182,7 @@ def hf_target(layout: RankLayout, name: str) -> Target | None:
     the model has no such tensor."""
     s = layout.spec
     if layout.vision:  # transformers' module names (model.language_model.*, model.visual.*) as the files spell them
-        name = file_name(name)
+        name = vl_text_name(name)
         shape = dict(layout.vision).get(name)
         if shape is not None:
             return _elsewhere(Target(f"{VISION_MODULE}.{name.removeprefix('visual.')}", shape, "copy"), layout.first)
