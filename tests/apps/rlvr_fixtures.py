@@ -71,17 +71,6 @@ def make_setup(root: Path, **model: int) -> Path:
     return root
 
 
-def megatron_shim_envs(root: Path) -> dict[str, str]:
-    """``system_envs`` that make Ray workers apply tests/rl_engines/megatron_shims.py (megatron-core's CUDA
-    assumptions on a CPU-only torch) through a sitecustomize on their PYTHONPATH; never product code."""
-    return _rl_engines_test_module("megatron_shims").worker_envs(root)  # type: ignore[no-any-return]
-
-
-def megatron_shim_overrides(root: Path) -> list[str]:
-    """:func:`megatron_shim_envs` as command-line overrides."""
-    return [f"+system_envs.{name}='{value}'" for name, value in megatron_shim_envs(root).items()]
-
-
 def _rl_engines_test_module(name: str) -> Any:
     """A helper module of tests/rl_engines (not on this folder's import path), loaded from its file."""
     path = Path(__file__).resolve().parents[1] / "rl_engines" / f"{name}.py"

@@ -11,8 +11,8 @@ total_loss, approx_kl (ppo_kl) and grad_norm must match the reference to within 
 LoRA (ROLL's lora_* keys) on fsdp2_train, deepspeed_train ZeRO-3 and megatron_train TP=2 (adapters sharded like
 their base weights), from the same adapter init, must match each other the same way. (Megatron's expert parallelism
 against fsdp2 on a MoE model: tests/rl_engines/test_engines_megatron_moe.py.) Megatron's Ray workers get the test
-harness's CUDA shims through a sitecustomize on their PYTHONPATH (tests/rl_engines/megatron_shims.py), never through
-product code. One matrix (one dump, one replay per other variant) serves every test of this module.
+harness's CUDA shims (tests/rl_engines/megatron_shims.py) through the session's start-up hook, never through product
+code. One matrix (one dump, one replay per other variant) serves every test of this module.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import importlib.util
 import json
 
 import pytest
-from rlvr_fixtures import NO_KL, make_setup, megatron_shim_overrides
+from rlvr_fixtures import NO_KL, make_setup
 
 from apps.rlvr.alignment import ALIGNED, AlignmentResult, alignment_matrix, parse_variant
 
@@ -77,7 +77,7 @@ def _installed(module: str) -> bool:
         return False
 
 
-def variants(shim_envs: list[str]) -> dict[str, list[str]]:
+def variants() -> dict[str, list[str]]:
     """The reference first; the engine adapters' variants only where their engine is installed."""
     deepspeed, megatron = f"{STRATEGY}.strategy_name=deepspeed_train", f"{STRATEGY}.strategy_name=megatron_train"
     found: dict[str, list[str]] = {"fsdp2_dp2": [], "fsdp2_dp1": ["actor_train.device_mapping=[0]", *ONE_DATA_RANK],
@@ -89,9 +89,9 @@ def variants(shim_envs: list[str]) -> dict[str, list[str]]:
         found["lora_zero3"] = [*LORA, deepspeed, f"+{STRATEGY}.strategy_config.zero_stage=3"]
     if _installed("megatron.core"):
         found["megatron_tp2"] = [megatron, f"+{STRATEGY}.strategy_config.tensor_model_parallel_size=2",
-                                 *ONE_DATA_RANK, *shim_envs]  # fmt: skip
+                                 *ONE_DATA_RANK]  # fmt: skip
         found["megatron_pp2"] = [megatron, f"+{STRATEGY}.strategy_config.pipeline_model_parallel_size=2",
-                                 *ONE_DATA_RANK, *shim_envs]  # fmt: skip
+                                 *ONE_DATA_RANK]  # fmt: skip
         found["lora_megatron_tp2"] = [*LORA, *found["megatron_tp2"]]
     return found
 
@@ -107,9 +107,8 @@ def _varied_prompts(setup) -> str:
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory, ray_session) -> AlignmentResult:
     root = tmp_path_factory.mktemp("alignment")
-    shim_envs = megatron_shim_overrides(root / "shims")
     setup = make_setup(root / "setup", num_attention_heads=4, num_key_value_heads=2)  # TP=2 splits 2 KV heads
-    result = alignment_matrix(setup / "rlvr.yaml", [*BASE, _varied_prompts(setup)], variants(shim_envs), root / "work")
+    result = alignment_matrix(setup / "rlvr.yaml", [*BASE, _varied_prompts(setup)], variants(), root / "work")
     print("\n" + result.table())  # the matrix, for the issue notes (pytest -s)
     return result
 

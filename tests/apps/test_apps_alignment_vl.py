@@ -11,7 +11,6 @@ prompts' image pads need their patches ("Image features and image tokens do not 
 from __future__ import annotations
 
 import pytest
-from rlvr_fixtures import megatron_shim_overrides
 
 from apps.rlvr.alignment import ALIGNED, AlignmentResult, alignment_matrix
 from apps.rlvr.demo_vl import CONFIG, ROOT, demo_vl_model, tasks, write_data
@@ -35,12 +34,12 @@ STRATEGY = "actor_train.strategy_args"
 TOLERANCE = 1e-6
 
 
-def variants(shim_envs: list[str]) -> dict[str, list[str]]:
+def variants() -> dict[str, list[str]]:
     """fsdp2 on 2 data-parallel ranks (the reference), ZeRO-3 on 2, Megatron with 2 pipeline stages (one data rank:
     twice the gradient accumulation, the same 8 samples per optimizer step)."""
     megatron = [f"{STRATEGY}.strategy_name=megatron_train",
                 f"+{STRATEGY}.strategy_config.pipeline_model_parallel_size=2",
-                "actor_train.training_args.gradient_accumulation_steps=4", *shim_envs]  # fmt: skip
+                "actor_train.training_args.gradient_accumulation_steps=4"]  # fmt: skip
     zero3 = [f"{STRATEGY}.strategy_name=deepspeed_train", f"+{STRATEGY}.strategy_config.zero_stage=3"]
     return {"fsdp2_dp2": [], "zero3": zero3, "megatron_pp2": megatron}
 
@@ -53,7 +52,7 @@ def matrix(tmp_path_factory, ray_session) -> tuple[AlignmentResult, RolloutRepla
     model = demo_vl_model(ROOT / ".cache" / "rlvr_demo_vl")  # the VL demo's warm model (its cache is shared)
     data = write_data(root / "data", tasks(8, seed=3))
     base = [*BASE, f"pretrain={model}", f"actor_train.data_args.file_name={data}"]
-    result = alignment_matrix(CONFIG, base, variants(megatron_shim_overrides(root / "shims")), root / "work")
+    result = alignment_matrix(CONFIG, base, variants(), root / "work")
     print("\n" + result.table())  # the matrix, for the issue notes (pytest -s)
     return result, RolloutReplay(str(root / "work" / "rollouts"), "mock")
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from rlvr_fixtures import megatron_shim_overrides
 
 from apps.rlvr.demo import ROOT, main
 from apps.rlvr.demo_model import demo_model, score_policy
@@ -52,7 +51,7 @@ def test_a_short_seeded_grpo_run_raises_the_expected_reward(tmp_path, capsys, lo
 
 def test_the_demo_config_trains_with_megatron(tmp_path):
     """The demo config with actor_train on Megatron (TP=2 over the two CPU slots, sequence parallel as ROLL's async
-    example; the test harness's CUDA shims reach its workers through a sitecustomize on PYTHONPATH), its weights
+    example; the test harness's CUDA shims reach its workers through the session's start-up hook), its weights
     synced into hf_infer. DeepSpeed in the pipeline: the alignment matrices' ZeRO-3 columns
     (tests/apps/test_apps_alignment*.py); its gathered weights synced into hf_infer: tests/rl_engines/
     test_engines_deepspeed.py."""
@@ -63,8 +62,7 @@ def test_the_demo_config_trains_with_megatron(tmp_path):
                  f"{strategy}.strategy_name=megatron_train",
                  f"+{strategy}.strategy_config.tensor_model_parallel_size=2",
                  f"+{strategy}.strategy_config.sequence_parallel=true",  # as ROLL's async example
-                 "actor_train.training_args.gradient_accumulation_steps=2",
-                 *megatron_shim_overrides(tmp_path / "shims")]  # fmt: skip
+                 "actor_train.training_args.gradient_accumulation_steps=2"]  # fmt: skip
     assert main(overrides) == 0
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [0, 1]

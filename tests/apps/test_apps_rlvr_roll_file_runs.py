@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
-from rlvr_fixtures import make_setup, megatron_shim_envs
+from rlvr_fixtures import make_setup
 from test_apps_rlvr_config import ENGINES_HERE, adapt
 
 from apps.common.yaml_config import load_config
@@ -187,8 +187,6 @@ def test_rolls_vl_files_run_two_steps_on_a_tiny_vl_model(name, tmp_path, ray_ses
     config["actor_train"]["training_args"].update(per_device_train_batch_size=4, gradient_accumulation_steps=5)
     for role in ("actor_train", "actor_infer", "reference"):  # the file resolved ${pretrain} into each section
         config[role]["model_args"]["model_name_or_path"] = str(tmp_path / "vl")
-    if swaps is not None:  # Megatron's workers need the test harness's CPU shims
-        config["system_envs"] = {**config.get("system_envs", {}), **megatron_shim_envs(tmp_path / "shims")}
     RLVRPipeline(RLVRConfig.from_dict(config)).run()
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [step["step"] for step in steps] == [0, 1]

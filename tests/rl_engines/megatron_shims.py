@@ -10,17 +10,16 @@ megatron-core assumes CUDA in a few places the Megatron strategies reach:
 5. ``moe_utils`` names its Transformer Engine kernels only when TE imports, then tests ``te_general_gemm is not
    None`` (a NameError without TE) -> the missing names set to None, so MoE routing takes its torch path.
 
-``apply()`` is idempotent. In-process tests call it from a fixture; Ray workers get it through
-``sitecustomize_dir()``, a folder whose ``sitecustomize.py`` arranges at interpreter start-up that the shims are
-applied when megatron-core is first imported (put the folder on the workers' ``PYTHONPATH`` via ``system_envs``), so
-no product code needs a hook and a worker that never imports megatron-core imports nothing for them.
+``apply()`` is idempotent. In-process tests call it from a fixture; every other process of the test session (Ray's
+workers, subprocesses) gets ``apply_on_import()`` from the session's start-up hook
+(tests/harness_site/sitecustomize.py), which applies the shims when megatron-core is first imported: no product code
+needs a hook, no worker needs a runtime env for them (Ray starts such a worker through an extra interpreter), and a
+process that never imports megatron-core imports nothing for them.
 """
 
 from __future__ import annotations
 
 import functools
-import os
-from pathlib import Path
 from typing import Any
 
 _applied = False
@@ -78,35 +77,10 @@ def _patch(megatron_random: Any) -> None:
 
 
 def apply_on_import() -> None:
-    """Apply the shims when megatron-core is first imported (what the Ray workers' sitecustomize calls), so that a
-    process imports nothing for them until (and unless) it imports megatron-core: a worker of another engine started
-    with the shims' PYTHONPATH pays nothing (megatron-core takes seconds to import)."""
-    import import_hooks  # loaded by the session's start-up hook, which the shims' sitecustomize runs first
+    """Apply the shims when megatron-core is first imported (what the session's start-up hook calls in every
+    process), so that a process imports nothing for them until (and unless) it imports megatron-core (which takes
+    seconds)."""
+    import import_hooks  # loaded by the session's start-up hook before it calls this
 
     import_hooks.after_import(RANDOM, _patch)
     import_hooks.after_import(MOE_UTILS, _patch_moe)
-
-
-SITECUSTOMIZE = """import runpy
-import sys
-runpy.run_path({harness!r})  # the session's own start-up hook, which this sitecustomize shadows
-sys.path.insert(0, {tests_dir!r})
-import megatron_shims
-megatron_shims.apply_on_import()
-"""
-
-
-def sitecustomize_dir(root: Path) -> Path:
-    """A folder under ``root`` holding a ``sitecustomize.py`` that applies the shims at Python start-up."""
-    folder = root / "megatron_sitecustomize"
-    folder.mkdir(parents=True, exist_ok=True)
-    here = Path(__file__).resolve().parent
-    text = SITECUSTOMIZE.format(tests_dir=str(here), harness=str(here.parent / "harness_site" / "sitecustomize.py"))
-    (folder / "sitecustomize.py").write_text(text, encoding="utf-8")
-    return folder
-
-
-def worker_envs(root: Path) -> dict[str, str]:
-    """``system_envs`` that make Ray workers apply the shims (PYTHONPATH led by the sitecustomize folder)."""
-    paths = [str(sitecustomize_dir(root)), os.environ.get("PYTHONPATH", "")]
-    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}

@@ -2,14 +2,13 @@
 
 Expected values are independent: the HF model's log-probs (one un-padded forward per token, engine_fixtures), the
 same update done by fsdp2_train on one rank in this process, and an uninterrupted run for checkpoint resume. The
-workers apply the test-harness shims (megatron_shims) through a sitecustomize on their PYTHONPATH.
+workers apply the test-harness shims (megatron_shims) through the session's start-up hook.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
-import megatron_shims
 import pytest
 import torch
 from engine_fixtures import CORPUS, prompt_batch, reference_log_probs, rollout_batch, worker_config
@@ -52,8 +51,7 @@ def roles(ray_session, tiny_model_dir, tmp_path_factory):
         "reference": worker_config(tiny_model_dir, "reference", device_mapping=[0, 1], infer_batch_size=4,
                                    strategy_args={"strategy_name": "megatron_infer", "strategy_config": TP2}),
     }  # fmt: skip
-    envs = megatron_shims.worker_envs(tmp_path_factory.mktemp("megatron_shims"))
-    with Roles(CLUSTER, configs, rpc_timeout=120, system_envs=envs) as started:
+    with Roles(CLUSTER, configs, rpc_timeout=120) as started:
         yield started
 
 

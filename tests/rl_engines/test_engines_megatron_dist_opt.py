@@ -3,7 +3,7 @@
 
 Expected values are independent: a replicated-AdamW twin of the same strategy in the same worker processes (same
 batches, same process groups), fsdp2_train on one rank in this process, and an uninterrupted run for resume. The
-workers apply the test-harness shims (megatron_shims) through a sitecustomize on their PYTHONPATH; the test reads
+workers apply the test-harness shims (megatron_shims) through the session's start-up hook; the test reads
 strategy internals on a worker through Ray's ``__ray_call__``.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 
-import megatron_shims
 import pytest
 import ray
 import torch
@@ -51,9 +50,7 @@ def train_config(model_dir, strategy_config):
 def workers(ray_session, tiny_model_dir, tmp_path_factory):
     """actor_train on two ranks with the partitioned optimizer; each worker also holds ``twin``, the same strategy
     with use_distributed_optimizer false."""
-    envs = megatron_shims.worker_envs(tmp_path_factory.mktemp("megatron_shims"))
-    with Roles(CLUSTER, {"actor_train": train_config(tiny_model_dir, DIST_OPT)}, rpc_timeout=120,
-               system_envs=envs) as roles:  # fmt: skip
+    with Roles(CLUSTER, {"actor_train": train_config(tiny_model_dir, DIST_OPT)}, rpc_timeout=120) as roles:
         group = roles["actor_train"]
         twin = train_config(tiny_model_dir, {**DIST_OPT, "use_distributed_optimizer": False})
         on_ranks(group, start_twin, twin)

@@ -184,7 +184,6 @@ def test_expert_parallel_ranks_train_sync_and_checkpoint_as_one_model(moe_dir, r
     each rank's experts in its own file and resuming equals the uninterrupted run. With ROLL's
     use_distributed_optimizer: the dense tensors' state is split over the two data-parallel ranks, each rank keeps
     its own experts' (no other rank holds them)."""
-    import megatron_shims
 
     from rl_engines.placement import ClusterSpec
     from rl_engines.roles import Roles
@@ -205,8 +204,7 @@ def test_expert_parallel_ranks_train_sync_and_checkpoint_as_one_model(moe_dir, r
     mask = batch.batch["response_mask"].bool()
     # rank 0 takes the first half, rank 1 the second: mini-batches {0, 1, 2, 3} and {4, 5, 6, 7} on both engines
     spread = batch.reorder([0, 1, 4, 5, 2, 3, 6, 7])
-    envs = megatron_shims.worker_envs(tmp_path / "shims")
-    with Roles(ClusterSpec(1, 2), configs, rpc_timeout=120, system_envs=envs) as roles:
+    with Roles(ClusterSpec(1, 2), configs, rpc_timeout=120) as roles:
         train = roles["actor_train"]
         batch.batch["old_log_probs"] = single.compute_log_probs(batch).batch["log_probs"]
         spread.batch["old_log_probs"] = batch.batch["old_log_probs"][[0, 1, 4, 5, 2, 3, 6, 7]]
@@ -255,7 +253,6 @@ def test_expert_parallel_ranks_train_sync_and_checkpoint_as_one_model(moe_dir, r
 def test_pipeline_stages_add_their_layers_router_loss_as_one_model(moe_dir, ray_session, tmp_path):
     """pipeline_model_parallel_size 2 on 2 Ray ranks, one layer each: every stage's router loss reaches the update
     and the reported load_balancing_loss (the stages' layers together), as fsdp2_train's on one rank."""
-    import megatron_shims
 
     from rl_engines.placement import ClusterSpec
     from rl_engines.roles import Roles
@@ -268,8 +265,7 @@ def test_pipeline_stages_add_their_layers_router_loss_as_one_model(moe_dir, ray_
     single = make(moe_dir, "fsdp2_train", model_args=ROUTER, gradient_accumulation_steps=2)
     batch = rollout_batch(batch_size=4, seed=7)
     batch.batch["old_log_probs"] = single.compute_log_probs(batch).batch["log_probs"]
-    envs = megatron_shims.worker_envs(tmp_path / "shims")
-    with Roles(ClusterSpec(1, 2), configs, rpc_timeout=120, system_envs=envs) as roles:
+    with Roles(ClusterSpec(1, 2), configs, rpc_timeout=120) as roles:
         ours = roles["actor_train"].call("train_step", batch, ActorObjective(), dispatch="dp_split")[0]  # pooled
     theirs = single.train_step(batch, ActorObjective())
     assert ours["actor/pg_loss"] == pytest.approx(theirs["pg_loss"], abs=1e-6)

@@ -4,13 +4,12 @@ PP=2 on two ranks (one data-parallel replica; the actor and the reference with a
 stage, Megatron's interleaved schedule), and TP=2 x PP=2 on four. Expected values are independent: the HF
 model's log-probs (one un-padded forward per token, engine_fixtures), fsdp2_train doing the same update on one rank
 in this process, megatron_train at PP=1 in this process (weight export, the critic), and an uninterrupted run for
-checkpoint resume. The workers apply the test-harness shims (megatron_shims) through a sitecustomize on their
-PYTHONPATH; the test reads strategy internals on a worker through Ray's ``__ray_call__``.
+checkpoint resume. The workers apply the test-harness shims (megatron_shims) through the session's start-up
+hook; the test reads strategy internals on a worker through Ray's ``__ray_call__``.
 """
 
 from __future__ import annotations
 
-import megatron_shims
 import pytest
 import ray
 import torch
@@ -62,8 +61,7 @@ def megatron(name, strategy_config, **sections):
 
 def start_roles(cluster, configs, tmp_path_factory):
     """The roles on the session's shared Ray (each class's fixture asks for ``ray_session``)."""
-    envs = megatron_shims.worker_envs(tmp_path_factory.mktemp("megatron_shims"))
-    with Roles(cluster, configs, rpc_timeout=180, system_envs=envs) as started:
+    with Roles(cluster, configs, rpc_timeout=180) as started:
         yield started
 
 

@@ -8,7 +8,6 @@ ROLL's ``freeze_module_prefix: vision_model`` freezes the tower."""
 
 from __future__ import annotations
 
-import megatron_shims
 import pytest
 import torch
 from engine_fixtures import CORPUS, require_engine, worker_config
@@ -48,8 +47,7 @@ def roles(ray_session, qwen3_vl, tmp_path_factory):
         "actor_infer": worker_config(qwen3_vl, "actor_infer", device_mapping=[0, 1],
                                      strategy_args={"strategy_name": "hf_infer"}),
     }  # fmt: skip
-    envs = megatron_shims.worker_envs(tmp_path_factory.mktemp("megatron_shims"))
-    with Roles(ClusterSpec(num_nodes=1, num_gpus_per_node=2), configs, rpc_timeout=120, system_envs=envs) as started:
+    with Roles(ClusterSpec(num_nodes=1, num_gpus_per_node=2), configs, rpc_timeout=120) as started:
         yield started
 
 
