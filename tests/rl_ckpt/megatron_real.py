@@ -52,6 +52,8 @@ class Case:
     """Expert-parallel size (a MoE model: its experts split over the ranks, which are its data-parallel ranks)."""
     formats: tuple[str, ...] = ("torch", "torch_dist")
     """The formats megatron saves this case in."""
+    vp: int = 1
+    """Model chunks per pipeline stage (Megatron-LM's virtual_pipeline_model_parallel_size; 1: none)."""
     """Whether the args' ``tokenizer_model`` names ``hf_dir`` (else a folder of the training cluster, absent here)."""
 
     def root(self, out: Path) -> Path:
@@ -68,7 +70,7 @@ def _apply_shims() -> None:
 
 
 def megatron_lm_args(
-    spec: Any, tp: int, pp: int, padded_vocab: int, ckpt_format: str, tokenizer_model: str, ep: int = 1
+    spec: Any, tp: int, pp: int, padded_vocab: int, ckpt_format: str, tokenizer_model: str, ep: int = 1, vp: int = 1
 ) -> Any:
     """The ``args`` Megatron-LM's ``parse_args`` + ``validate_args`` store (the fields a converter may read, plus a
     few typical non-primitive ones: an enum, torch dtypes). Megatron-LM records neither the unpadded vocabulary
@@ -90,7 +92,8 @@ def megatron_lm_args(
         normalization="RMSNorm", norm_epsilon=spec.norm_epsilon, swiglu=True,
         untie_embeddings_and_output_weights=not spec.tied_embeddings, add_qkv_bias=spec.qkv_bias,
         add_bias_linear=False, qk_layernorm=spec.qk_norm, tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=None, expert_model_parallel_size=ep,
+        pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp if vp > 1 else None,
+        expert_model_parallel_size=ep,
         make_vocab_size_divisible_by=128, padded_vocab_size=padded_vocab, vocab_size=None,
         tokenizer_type="HuggingFaceTokenizer", tokenizer_model=tokenizer_model, ckpt_format=ckpt_format,
         use_dist_ckpt=ckpt_format != "torch", transformer_impl="local", attention_backend=AttnBackend.auto,
@@ -98,7 +101,7 @@ def megatron_lm_args(
     )  # fmt: skip
 
 
-def _transformer_config(spec: Any, tp: int, pp: int, ep: int = 1) -> Any:
+def _transformer_config(spec: Any, tp: int, pp: int, ep: int = 1, vp: int = 1) -> Any:
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -115,14 +118,15 @@ def _transformer_config(spec: Any, tp: int, pp: int, ep: int = 1) -> Any:
         normalization="RMSNorm", layernorm_epsilon=spec.norm_epsilon, gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=spec.qkv_bias, qk_layernorm=spec.qk_norm, hidden_dropout=0.0,
         attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32, params_dtype=torch.float32, use_cpu_initialization=True,
+        virtual_pipeline_model_parallel_size=vp if vp > 1 else None, pipeline_dtype=torch.float32,
+        params_dtype=torch.float32, use_cpu_initialization=True,
         bias_dropout_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False,
     )  # fmt: skip
 
 
-def build_gpt(spec: Any, tp: int, pp: int, padded_vocab: int, ep: int = 1) -> Any:
-    """This rank's GPTModel stage (megatron-core, local spec, fp32, CPU).
+def build_gpt(spec: Any, tp: int, pp: int, padded_vocab: int, ep: int = 1, vp: int = 1, chunk: int = 0) -> Any:
+    """This rank's GPTModel stage, or its model chunk ``chunk`` of ``vp`` (megatron-core, local spec, fp32, CPU).
 
     One more CPU shim, for construction only: with tied embeddings and PP > 1, ``setup_embeddings_and_output_layer``
     moves the shared weight to ``.cuda()`` before all-reducing it between the first and last stage.
@@ -135,47 +139,54 @@ def build_gpt(spec: Any, tp: int, pp: int, padded_vocab: int, ep: int = 1) -> An
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     try:
         experts = {"num_experts": spec.num_experts, "moe_grouped_gemm": False} if spec.moe else {}
+        vp_stage = chunk if vp > 1 else None
         return GPTModel(
-            _transformer_config(spec, tp, pp, ep),
+            _transformer_config(spec, tp, pp, ep, vp),
             get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm, **experts),
             vocab_size=padded_vocab,
             max_sequence_length=spec.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(),
-            post_process=parallel_state.is_pipeline_last_stage(),
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             share_embeddings_and_output_weights=spec.tied_embeddings,
             position_embedding_type="rope",
             rotary_base=int(spec.rotary_base),
+            vp_stage=vp_stage,
         )
     finally:
         torch.Tensor.cuda = real_cuda  # type: ignore[method-assign]
 
 
-def load_rl_ckpt_rank(model: Any, rank_file: Path) -> None:
-    """Load rl-ckpt's rank file strictly: the keys must be megatron-core's own, apart from ``_extra_state``."""
+def load_rl_ckpt_rank(model: Any, rank_file: Path, chunk: int | None = None) -> None:
+    """Load rl-ckpt's rank file (its ``model<chunk>`` with a virtual pipeline) strictly: the keys must be
+    megatron-core's own, apart from ``_extra_state``."""
     from rl_ckpt.mcore_io import load_rank
 
-    _, state = load_rank(rank_file)
+    _, state = load_rank(rank_file, chunk=chunk)
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected, f"rl-ckpt wrote keys megatron-core does not have: {unexpected}"
     assert all(k.endswith("_extra_state") for k in missing), f"rl-ckpt lacks megatron-core keys: {missing}"
 
 
-def megatron_logits(model: Any, spec: Any, vocab: int) -> torch.Tensor | None:
-    """Logits [1, S, V] on the last stage's TP rank 0 (None elsewhere): TP shards all-gathered, PP by send / recv."""
+def megatron_logits(chunks: list[Any], spec: Any, vocab: int) -> torch.Tensor | None:
+    """Logits [1, S, V] on the last stage's TP rank 0 (None elsewhere): TP shards all-gathered, PP by send / recv
+    (with a virtual pipeline through every chunk in turn: chunk c of the last stage feeds chunk c + 1 of the first)."""
     from megatron.core import parallel_state as ps
 
     ids = torch.tensor(INPUT_IDS)
     seq = ids.shape[1]
     positions = torch.arange(seq).unsqueeze(0)
     mask = ~torch.ones(seq, seq, dtype=torch.bool).tril().view(1, 1, seq, seq)  # True = masked
-    if not ps.is_pipeline_first_stage():
-        hidden = torch.empty(seq, 1, spec.hidden_size)
-        dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
-        model.set_input_tensor(hidden)
-    with torch.no_grad():
-        out = model.eval()(ids, positions, mask)
-    if not ps.is_pipeline_last_stage():
-        dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    first, last = ps.is_pipeline_first_stage(ignore_virtual=True), ps.is_pipeline_last_stage(ignore_virtual=True)
+    for index, model in enumerate(chunks):
+        if not (first and index == 0):
+            hidden = torch.empty(seq, 1, spec.hidden_size)
+            dist.recv(hidden, src=ps.get_pipeline_model_parallel_prev_rank())
+            model.set_input_tensor(hidden)
+        with torch.no_grad():
+            out = model.eval()(ids, positions, mask)
+        if not (last and index == len(chunks) - 1):
+            dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
+    if not last:
         return None
     parts = [torch.empty_like(out) for _ in range(ps.get_tensor_model_parallel_world_size())]
     dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
@@ -205,7 +216,7 @@ def optimizer_state(model: Any) -> dict[str, Any]:
     return adam.state_dict()
 
 
-def save_legacy(root: Path, model: Any, args: Any) -> None:
+def save_legacy(root: Path, chunks: list[Any], args: Any) -> None:
     """``save_checkpoint`` with ``--ckpt-format torch``: one file per (TP, PP[, EP]) rank, written by the rank's
     first data-parallel replica (Megatron-LM: expert-data-parallel rank 0; ``_<EP rank>`` appended under EP)."""
     from megatron.core import parallel_state as ps
@@ -221,9 +232,11 @@ def save_legacy(root: Path, model: Any, args: Any) -> None:
         name += f"_{ps.get_expert_model_parallel_rank():03d}" if ep > 1 else ""
         path = root / f"iter_{ITERATION:07d}" / name / "model_optim_rng.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
+        models = {"model": chunks[0].state_dict_for_save_checkpoint()} if len(chunks) == 1 else {
+            f"model{c}": chunk.state_dict_for_save_checkpoint() for c, chunk in enumerate(chunks)}  # fmt: skip
         state = {
             "args": args, "checkpoint_version": 3.0, "iteration": ITERATION,
-            "model": model.state_dict_for_save_checkpoint(), "optimizer": optimizer_state(model),
+            **models, "optimizer": optimizer_state(chunks[0]),
             "opt_param_scheduler": {"max_lr": 1e-6, "num_steps": ITERATION, "decay_style": "cosine"},
             "rng_state": [rng_state()], "num_floating_point_operations_so_far": 0,
         }  # fmt: skip
@@ -233,7 +246,7 @@ def save_legacy(root: Path, model: Any, args: Any) -> None:
         (root / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
 
 
-def save_dist(root: Path, model: Any, args: Any) -> None:
+def save_dist(root: Path, chunks: list[Any], args: Any) -> None:
     """``save_checkpoint`` with ``--ckpt-format torch_dist``: ``dist_checkpointing.save`` of the whole state dict."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
@@ -246,7 +259,7 @@ def save_dist(root: Path, model: Any, args: Any) -> None:
     pp, tp = ps.get_pipeline_model_parallel_world_size(), ps.get_tensor_model_parallel_world_size()
     where = (ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
     rng = ShardedObject("rng_state", [rng_state()], (pp, tp), where, replica_id=ps.get_data_parallel_rank())
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": model.sharded_state_dict(),
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": ITERATION, "model": chunks[0].sharded_state_dict(),
              "rng_state": rng, "num_floating_point_operations_so_far": 0}  # fmt: skip
     dist_checkpointing.save(state, str(iter_dir))
     if dist.get_rank() == 0:
@@ -264,23 +277,26 @@ def run_case(case: Case, out: Path) -> None:
     from rl_ckpt.spec import spec_from_hf_config
 
     ps.initialize_model_parallel(tensor_model_parallel_size=case.tp, pipeline_model_parallel_size=case.pp,
+                                 virtual_pipeline_model_parallel_size=case.vp if case.vp > 1 else None,
                                  expert_model_parallel_size=case.ep)  # fmt: skip
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     spec = spec_from_hf_config(HFCheckpoint(case.hf_dir).config)
     padded = padded_vocab_size(spec.vocab_size, 128, case.tp)
-    model = build_gpt(spec, case.tp, case.pp, padded, case.ep)
+    chunks = [build_gpt(spec, case.tp, case.pp, padded, case.ep, case.vp, c) for c in range(case.vp)]
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     rank_dir = rank_dir_name(tp_rank, pp_rank, case.pp, ps.get_expert_model_parallel_rank(), case.ep)
-    load_rl_ckpt_rank(model, case.root(out) / "rl_ckpt" / f"iter_{1:07d}" / rank_dir / "model_optim_rng.pt")
-    logits = megatron_logits(model, spec, spec.vocab_size)
+    for c, chunk in enumerate(chunks):
+        rank_file = case.root(out) / "rl_ckpt" / f"iter_{1:07d}" / rank_dir / "model_optim_rng.pt"
+        load_rl_ckpt_rank(chunk, rank_file, c if case.vp > 1 else None)
+    logits = megatron_logits(chunks, spec, spec.vocab_size)
     if logits is not None and ps.get_data_parallel_rank() == 0:
         torch.save(logits, case.root(out) / "megatron_logits.pt")
     tokenizer_model = str(case.hf_dir) if case.hf_dir_in_args else "/cluster/models/tiny"
     for fmt, save in (("torch", save_legacy), ("torch_dist", save_dist)):
         if fmt not in case.formats:
             continue
-        args = megatron_lm_args(spec, case.tp, case.pp, padded, fmt, tokenizer_model, case.ep)
-        save(case.root(out) / ("legacy" if fmt == "torch" else "dist"), model, args)
+        args = megatron_lm_args(spec, case.tp, case.pp, padded, fmt, tokenizer_model, case.ep, case.vp)
+        save(case.root(out) / ("legacy" if fmt == "torch" else "dist"), chunks, args)
     dist.barrier()
     ps.destroy_model_parallel()
 
@@ -310,5 +326,5 @@ def make_real_checkpoints(cases: list[Case], out: Path) -> None:
     from rl_ckpt import convert_hf_to_mcore
 
     for case in cases:
-        convert_hf_to_mcore(case.hf_dir, case.root(out) / "rl_ckpt", case.tp, case.pp, ep=case.ep)
+        convert_hf_to_mcore(case.hf_dir, case.root(out) / "rl_ckpt", case.tp, case.pp, ep=case.ep, vp=case.vp)
     mp.spawn(_worker, args=(free_port(), cases, out), nprocs=WORLD, join=True)

@@ -201,3 +201,16 @@ def test_ckpt_full_disk_is_one_clear_error_and_leaves_nothing(direction, tiny_hf
                          r"on a larger one, or raise the file-size limit \(ulimit -f\)\.", err), err  # fmt: skip
     assert not fresh.exists() and [p.name for p in existing.iterdir()] == ["notes.txt"]
     assert main(["convert", "--checkpoint_path", str(src), "--output_path", str(fresh)]) == 0
+
+
+def test_ckpt_cli_virtual_pipeline_verifies_and_names_bad_sizes(tiny_hf, tmp_path, capsys):
+    """--vp writes each stage's chunks (model0, model1) and --verify reads them back to the source's logits; a
+    virtual pipeline without pipeline stages is refused naming both options."""
+    src = tiny_hf("qwen2", True)
+    argv = ["convert", "--checkpoint_path", str(src), "--output_path", str(tmp_path / "mc"), "--pp", "2", "--vp", "2"]
+    assert main([*argv, "--verify"]) == 0
+    out = capsys.readouterr().out
+    assert "PP=2 (virtual pipeline: 2 chunks per stage)" in out and "max abs logits difference 0.000e+00" in out
+    assert {"model0", "model1"} <= set(torch.load(rank_path(tmp_path / "mc", 0, 1), weights_only=True))
+    code, err = convert_fails(capsys, src, tmp_path / "bad", "--vp", "2")
+    assert code == 2 and "--vp 2 needs --pp >= 2" in err

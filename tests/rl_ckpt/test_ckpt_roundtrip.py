@@ -8,6 +8,7 @@ import transformers
 from ckpt_models import VOCAB, load_state, save_tiny_model
 
 from rl_ckpt import convert_hf_to_mcore, convert_mcore_to_hf, open_mcore_checkpoint
+from rl_ckpt.errors import CheckpointError
 
 CASES = [
     *[("qwen2", False, tp, pp) for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2)]],
@@ -84,3 +85,49 @@ def test_ckpt_virtual_pipeline_rank_files_convert_bitwise(tiny_hf, tmp_path, tie
     before, after = load_state(src), load_state(tmp_path / "hf")
     assert sorted(before) == sorted(after)
     assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_ckpt_writes_virtual_pipeline_files_as_megatron_lm_saves_them(tiny_hf, tmp_path, tied):
+    """hf2mcore with a virtual pipeline (TP=2 x PP=2 x 2 chunks of the 4-layer model): each stage's file holds
+    model0 and model1, chunk c of stage s being virtual stage c·2 + s with its layers numbered from 0, tensor for
+    tensor what the PP=4 files hold regrouped as Megatron-LM saves them; the args name both sizes; the files read
+    back to the HF tensors bit for bit."""
+    src = tiny_hf("qwen2", tied)
+    _as_virtual_pipeline(convert_hf_to_mcore(src, tmp_path / "pp4", 2, 4), 2, 2, tmp_path / "expected")
+    layout = convert_hf_to_mcore(src, tmp_path / "vpp", 2, 2, vp=2)
+    for tp_rank in range(2):
+        for stage in range(2):
+            ours = torch.load(layout.path(tp_rank, stage), weights_only=True)
+            expected = torch.load(tmp_path / "expected" / "iter_0000001" / layout.path(tp_rank, stage).parent.name
+                                  / "model_optim_rng.pt", weights_only=False)  # fmt: skip
+            assert "model" not in ours and sorted(k for k in ours if k.startswith("model")) == ["model0", "model1"]
+            for chunk in ("model0", "model1"):
+                assert list(ours[chunk]) == list(expected[chunk]), (stage, chunk)
+                assert all(torch.equal(ours[chunk][k], v) for k, v in expected[chunk].items()), (stage, chunk)
+            args = ours["args"]
+            assert (args["pipeline_model_parallel_size"], args["virtual_pipeline_model_parallel_size"]) == (2, 2)
+            assert args["num_layers_per_virtual_pipeline_stage"] == 1
+    first, last = (torch.load(layout.path(0, s), weights_only=True) for s in (0, 1))
+    for chunk in (*(first[c] for c in ("model0", "model1")), *(last[c] for c in ("model0", "model1"))):
+        assert {key.split(".")[2] for key in chunk if key.startswith("decoder.layers.")} == {"0"}  # one layer each
+    assert "embedding.word_embeddings.weight" in first["model0"] and "output_layer.weight" in last["model1"]
+    ckpt = open_mcore_checkpoint(tmp_path / "vpp")
+    assert (ckpt.layout.tp, ckpt.layout.pp, ckpt.vp) == (2, 2, 2)
+    convert_mcore_to_hf(ckpt, tmp_path / "hf")
+    before, after = load_state(src), load_state(tmp_path / "hf")
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+
+
+@pytest.mark.parametrize(
+    ("pp", "vp", "message"),
+    [
+        (1, 2, r"--vp 2 needs --pp >= 2"),
+        (2, 3, r"--pp 2 x --vp 3 = 6 virtual stages do not divide num_hidden_layers=4"),
+    ],
+)
+def test_ckpt_virtual_pipeline_sizes_megatron_cannot_run_are_refused(tiny_hf, tmp_path, pp, vp, message):
+    with pytest.raises(CheckpointError, match=message):
+        convert_hf_to_mcore(tiny_hf("qwen2", False), tmp_path / "out", 1, pp, vp=vp)
+    assert not (tmp_path / "out").exists()

@@ -177,8 +177,10 @@ def test_ckpt_streamed_safetensors_equal_across_buffers(on_disk_tensors, tmp_pat
     assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
+@pytest.mark.parametrize("chunks", [1, 2], ids=["model", "model0_model1"])
 @pytest.mark.parametrize("direct", [True, False])
-def test_ckpt_save_streamed_equals_torch_save(on_disk_tensors, tmp_path, direct):
+def test_ckpt_save_streamed_equals_torch_save(on_disk_tensors, tmp_path, direct, chunks):
+    """The bytes torch.save writes, for one model entry and for a virtual pipeline's chunks (model0, model1)."""
     _, lazy = on_disk_tensors
     model = {
         "cols": VIEWS["columns"](lazy),
@@ -187,12 +189,14 @@ def test_ckpt_save_streamed_equals_torch_save(on_disk_tensors, tmp_path, direct)
         "fused": VIEWS["concat rows"](lazy),
         "ints": torch.arange(11),
     }
+    models = {"model": model} if chunks == 1 else {"model0": model, "model1": {"rows": VIEWS["concat rows"](lazy)}}
     state = {"args": {"num_layers": 2, "name": "x"}, "checkpoint_version": 3.0, "iteration": 7}
     (tmp_path / "ours").mkdir()
     (tmp_path / "ref").mkdir()
     with FileReader() as reader:
-        save_streamed(tmp_path / "ours" / "m.pt", state, model, buffers=TINY, reader=reader, direct=direct)
-    torch.save({**state, "model": {k: materialize(v).clone() for k, v in model.items()}}, tmp_path / "ref" / "m.pt")
+        save_streamed(tmp_path / "ours" / "m.pt", state, models, buffers=TINY, reader=reader, direct=direct)
+    whole = {key: {k: materialize(v).clone() for k, v in entry.items()} for key, entry in models.items()}
+    torch.save({**state, **whole}, tmp_path / "ref" / "m.pt")
     assert (tmp_path / "ours" / "m.pt").read_bytes() == (tmp_path / "ref" / "m.pt").read_bytes()
 
 

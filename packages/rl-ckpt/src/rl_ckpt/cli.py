@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="hf2mcore: tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="hf2mcore: pipeline-parallel size")
     p.add_argument("--ep", type=int, default=1, help="hf2mcore: expert-parallel size (MoE models)")
+    p.add_argument("--vp", type=int, default=1, help="hf2mcore: virtual pipeline chunks per stage (model0, ...)")
     p.add_argument("--make_vocab_size_divisible_by", type=int, default=128, help="hf2mcore: megatron's padding")
     p.add_argument("--tokenizer_path", type=Path, help="mcore2hf, ds2hf: copy the tokenizer files from here")
     p.add_argument("--vocab_size", type=int, help="mcore2hf: unpadded vocabulary size when the args lack it")
@@ -82,9 +83,10 @@ def _convert(ns: argparse.Namespace) -> int:
         return _convert_deepspeed(ns)
     if direction == "hf2mcore":
         layout = convert_hf_to_mcore(
-            src, out, ns.tp, ns.pp, ep=ns.ep, make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by
+            src, out, ns.tp, ns.pp, ep=ns.ep, vp=ns.vp, make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by
         )
         sizes = f"TP={layout.tp} x PP={layout.pp}" + (f" x EP={layout.ep}" if layout.ep > 1 else "")
+        sizes += f" (virtual pipeline: {ns.vp} chunks per stage)" if ns.vp > 1 else ""
         print(f"[rl-ckpt] wrote Megatron checkpoint {sizes} to {layout.iteration_dir}")
         ckpt = open_mcore_checkpoint(out)
     else:

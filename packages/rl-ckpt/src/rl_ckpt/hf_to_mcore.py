@@ -32,10 +32,21 @@ def stage_bounds(num_layers: int, pp: int) -> list[tuple[int, int]]:
     return [(s * per, (s + 1) * per) for s in range(pp)]
 
 
-def check_parallel_sizes(spec: ModelSpec, tp: int, pp: int) -> None:
-    """Megatron's own divisibility rules for TP, named by the config key that breaks them."""
-    if tp < 1 or pp < 1:
-        raise CheckpointError(f"--tp {tp} / --pp {pp}: both must be >= 1")
+def check_parallel_sizes(spec: ModelSpec, tp: int, pp: int, vp: int = 1) -> None:
+    """Megatron's own divisibility rules for TP, PP and the virtual pipeline, named by the option and config key
+    that break them."""
+    if tp < 1 or pp < 1 or vp < 1:
+        raise CheckpointError(f"--tp {tp} / --pp {pp} / --vp {vp}: each must be >= 1")
+    if vp > 1 and pp < 2:
+        raise CheckpointError(
+            f"--vp {vp} needs --pp >= 2: a virtual pipeline interleaves the model chunks of several pipeline stages "
+            "(Megatron's interleaved schedule); set --pp or drop --vp"
+        )
+    if vp > 1 and spec.num_layers % (pp * vp):
+        raise CheckpointError(
+            f"--pp {pp} x --vp {vp} = {pp * vp} virtual stages do not divide num_hidden_layers={spec.num_layers}; "
+            "pick sizes whose product divides the layers"
+        )
     for key, value in (
         ("num_attention_heads", spec.num_attention_heads),
         ("num_key_value_heads", spec.num_query_groups),
@@ -44,6 +55,17 @@ def check_parallel_sizes(spec: ModelSpec, tp: int, pp: int) -> None:
         if value % tp:
             raise CheckpointError(f"--tp {tp} does not divide {key}={value}; pick a TP size that does")
     stage_bounds(spec.num_layers, pp)
+
+
+def stage_chunks(
+    src: HFCheckpoint, spec: ModelSpec, tp: int, tp_rank: int, stage: int, pp: int, vp: int, padded: int,
+    ep_rank: int = 0, ep: int = 1,
+) -> list[dict[str, Source]]:  # fmt: skip
+    """The model chunks of one rank file: with a virtual pipeline of ``vp`` chunks per stage, chunk c of stage s is
+    virtual stage c·pp + s (Megatron's interleaved assignment), its layers numbered from 0; one chunk without."""
+    bounds = stage_bounds(spec.num_layers, pp * vp)
+    return [rank_to_mcore(src, spec, tp, tp_rank, chunk * pp + stage, bounds, padded, ep_rank, ep)
+            for chunk in range(vp)]  # fmt: skip
 
 
 def _checked(src: HFCheckpoint, name: str, shape: tuple[int, ...]) -> None:
@@ -175,11 +197,14 @@ def convert_hf_to_mcore(
     pp: int = 1,
     *,
     ep: int = 1,
+    vp: int = 1,
     make_vocab_size_divisible_by: int = 128,
     iteration: int = 1,
 ) -> RankLayout:
     """Write ``out_path/iter_NNNNNNN/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt`` for a HF model folder (``ep``: a MoE
-    model's experts split over that many expert-parallel ranks, as Megatron's ``expert_model_parallel_size``).
+    model's experts split over that many expert-parallel ranks, as Megatron's ``expert_model_parallel_size``;
+    ``vp``: Megatron-LM's ``virtual_pipeline_model_parallel_size``, each stage's file holding ``model0`` ...
+    ``model{vp-1}``, as Megatron-LM saves an interleaved pipeline).
 
     Works one rank file at a time: each rank reads only its rows / columns of the HF files, straight into a few
     16 MiB write buffers, so peak memory does not grow with the model. Each rank file stores ``args`` (a dict with
@@ -191,22 +216,24 @@ def convert_hf_to_mcore(
     if ep < 1:
         raise CheckpointError(f"--ep {ep}: must be >= 1")
     check_moe_layout(spec, tp, ep, str(hf_path))
-    check_parallel_sizes(spec, tp, pp)
+    check_parallel_sizes(spec, tp, pp, vp)
     padded = padded_vocab_size(spec.vocab_size, make_vocab_size_divisible_by, tp)
     args = mcore_args(spec, tp, pp, padded, make_vocab_size_divisible_by)
     args.update(hf_generation_config=src.generation_config(), expert_model_parallel_size=ep)
+    if vp > 1:  # Megatron-LM's names (it leaves both None without a virtual pipeline)
+        per_chunk = spec.num_layers // (pp * vp)
+        args.update(virtual_pipeline_model_parallel_size=vp, num_layers_per_virtual_pipeline_stage=per_chunk)
     out = Path(out_path)
     layout = RankLayout(out / iteration_dir_name(iteration), tp, pp, ep)
-    bounds = stage_bounds(spec.num_layers, pp)
     buffers = StagingBuffers()
     with output_folder(out), FileReader() as reader:  # a failed conversion leaves no partial output
         for stage in range(pp):
             for ep_rank in range(ep):
                 for tp_rank in range(tp):
-                    state = rank_to_mcore(src, spec, tp, tp_rank, stage, bounds, padded, ep_rank, ep)
+                    chunks = stage_chunks(src, spec, tp, tp_rank, stage, pp, vp, padded, ep_rank, ep)
                     path = layout.path(tp_rank, stage, ep_rank)
-                    save_rank(path, state, args, iteration, buffers=buffers, reader=reader)
-                    del state
+                    save_rank(path, chunks, args, iteration, buffers=buffers, reader=reader)
+                    del chunks
         src.release()
         write_tracker(out, iteration)
     return layout

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,7 +214,7 @@ def _load_state(path: Path, trust_checkpoint: bool, *, meta: bool, key: str = "m
 
 def save_rank(
     path: Path,
-    model: Mapping[str, Source],
+    chunks: Sequence[Mapping[str, Source]],
     args: dict[str, Any],
     iteration: int,
     *,
@@ -222,10 +222,13 @@ def save_rank(
     reader: FileReader | None = None,
 ) -> None:
     """Write one rank file as megatron's ``save_checkpoint`` does (model only: no optimizer or RNG state): the
-    bytes ``torch.save`` writes, every tensor compact, streamed from the sources (``torch_zip.save_streamed``)."""
+    bytes ``torch.save`` writes, every tensor compact, streamed from the sources (``torch_zip.save_streamed``).
+    ``chunks``: the rank's model state dict, or one per model chunk of a virtual pipeline (``model0``, ``model1``,
+    ... as Megatron-LM names them)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration}
     with contextlib.ExitStack() as stack:
         if reader is None:
             reader = stack.enter_context(FileReader())
-        save_streamed(path, state, model, buffers=buffers or StagingBuffers(), reader=reader)
+        models = {"model": chunks[0]} if len(chunks) == 1 else {f"model{c}": chunk for c, chunk in enumerate(chunks)}
+        save_streamed(path, state, models, buffers=buffers or StagingBuffers(), reader=reader)

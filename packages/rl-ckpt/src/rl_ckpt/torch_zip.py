@@ -199,29 +199,33 @@ class _Plan:
 def save_streamed(
     path: Path,
     state: Mapping[str, Any],
-    model: Mapping[str, Source],
+    models: Mapping[str, Mapping[str, Source]],
     *,
     buffers: StagingBuffers,
     reader: FileReader,
     direct: bool = True,
 ) -> None:
-    """``torch.save({**state, "model": model})`` with every model tensor compact (its own storage, exactly its
-    bytes), streamed from the sources (see the module doc); ``state`` must hold no tensors."""
-    placeholders = {k: torch.empty(shape_of(s), dtype=dtype_of(s)) for k, s in model.items()}
+    """``torch.save({**state, **models})`` (``models``: entry name -> state dict, e.g. ``{"model": ...}``, or
+    ``model0``, ``model1``, ... for Megatron's virtual pipeline chunks) with every tensor compact (its own storage,
+    exactly its bytes), streamed from the sources (see the module doc); ``state`` must hold no tensors."""
+    placeholders = {key: {k: torch.empty(shape_of(s), dtype=dtype_of(s)) for k, s in model.items()}
+                    for key, model in models.items()}  # fmt: skip
+    ordered = [s for model in models.values() for s in model.values()]  # the order torch pickles (and stores) them
     try:
         with tempfile.TemporaryDirectory(prefix="rl_ckpt_") as tmp:
             template = Path(tmp) / path.name  # torch names the records' folder after the file: same name
             with torch.serialization.skip_data():
-                torch.save({**state, "model": placeholders}, template)
+                torch.save({**state, **placeholders}, template)
             segments = _read_template(template)
-        plan = _Plan(segments, [n for n in map(nbytes_of, model.values()) if n])
+        plan = _Plan(segments, [n for n in map(nbytes_of, ordered) if n])
         final = plan.final_patches({start: 0 for start in plan.holes})  # checks the layout before writing
     except (_TemplateError, AttributeError, zipfile.BadZipFile, struct.error):
-        torch.save({**state, "model": {k: materialize(s).clone() for k, s in model.items()}}, path)
+        whole = {key: {k: materialize(s).clone() for k, s in model.items()} for key, model in models.items()}
+        torch.save({**state, **whole}, path)
         return
     del placeholders
     patches = sorted(_patches(plan, final), key=lambda p: p[0])
-    sources = [s for s in model.values() if nbytes_of(s)]
+    sources = [s for s in ordered if nbytes_of(s)]
     prefetch = Prefetcher(reader, sources)
     first = 0  # patches before it lie in segments already written
     done = 0
