@@ -329,8 +329,10 @@ def check_moe_options(options: MegatronOptions, spec: Any, role: str) -> None:
     if options.tensor_model_parallel_size > 1:
         raise ValueError(
             f"{prefix}.tensor_model_parallel_size={options.tensor_model_parallel_size} on a MoE model "
-            f"({spec.model_type}): expert tensor parallelism is not built yet; split the experts with "
-            "expert_model_parallel_size and the layers with pipeline_model_parallel_size."
+            f"({spec.model_type}): expert tensor parallelism is not built (experts split over TP ranks are not "
+            "gathered for weight sync, HF export or checkpoints), and megatron-core trains MoE layers at TP > 1 only "
+            "with sequence parallelism, whose norms need Transformer Engine or Apex (neither runs on CPU). Split the "
+            "experts with expert_model_parallel_size and the layers with pipeline_model_parallel_size."
         )
 
 
