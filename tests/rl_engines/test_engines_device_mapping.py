@@ -1,6 +1,7 @@
 """parse_device_mapping: every accepted ROLL form, every rejection, and the real ROLL example configs."""
 
 import re
+import sys
 
 import pytest
 
@@ -64,7 +65,8 @@ def test_accepted_python_values(value, expected):
         ("list(range(0,8)", "not a valid expression"),
         ("range(0, 99999999999)", "larger than any device id"),
         ("range(0, 100000)", "more than the supported"),
-        ("[]+" * 3000 + "[1]", "not a valid expression"),
+        ("[]+" * 3000 + "[1]", "3001 terms joined by '+', more than the supported 256"),
+        ("list(" * 40 + "[1]" + ")" * 40, "brackets nested 41 deep, more than the supported 32"),
         ("[0]" + " " * 10_001, "longer than"),
     ],
 )
@@ -76,6 +78,23 @@ def test_rejected_strings_name_key_value_and_forms(text, reason):
     assert reason in message
     assert "Accepted forms: list(range(0,8))" in message
     assert repr(text)[:60] in message  # the bad value itself, possibly shortened
+
+
+@pytest.mark.parametrize("limit", [1000, 100_000])
+def test_long_and_deep_values_get_one_answer_whatever_the_recursion_limit(limit):
+    """Libraries raise the process's recursion limit (torch's compiler does), which decides how deep Python's parser
+    goes: the size limits are checked on the text first, so the answer does not depend on what ran before."""
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(limit)
+    try:
+        assert parse_device_mapping("[]+" * 255 + "[1]", role="actor_train") == [1]  # 256 terms: the most
+        assert parse_device_mapping("list(" * 31 + "[1]" + ")" * 31, role="actor_train") == [1]  # 32 deep
+        with pytest.raises(DeviceMappingError, match="3001 terms joined by"):
+            parse_device_mapping("[]+" * 3000 + "[1]", role="actor_train")
+        with pytest.raises(DeviceMappingError, match="nested 33 deep"):
+            parse_device_mapping("list(" * 32 + "[1]" + ")" * 32, role="actor_train")
+    finally:
+        sys.setrecursionlimit(old)
 
 
 def test_code_in_a_mapping_is_never_executed(tmp_path):

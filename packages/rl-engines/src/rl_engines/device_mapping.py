@@ -24,6 +24,10 @@ ACCEPTED_FORMS = "list(range(0,8)), list(range(0,16,2)), range(8,16), [0,1,2], '
 MAX_DEVICES = 1 << 16
 MAX_EXPRESSION_CHARS = 10_000
 MAX_ID_LITERAL = 1 << 31
+MAX_SUM_TERMS = 256
+MAX_NESTING = 32
+"""Checked on the text before ``ast.parse``: how deep Python's parser may go depends on the process's recursion limit
+(which libraries raise), so a long ``+`` chain or deep nesting would parse in one process and not in another."""
 
 
 class DeviceMappingError(ValueError):
@@ -72,11 +76,25 @@ def _parse_expression(text: str, key: str) -> list[int]:
         raise _form_error(key, text, f"longer than {MAX_EXPRESSION_CHARS} characters")
     if not text.strip():
         raise DeviceMappingError(f"{key} is empty; give at least one device id, e.g. list(range(0,8)).")
+    _check_size(text, key)
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
         raise _form_error(key, text, f"not a valid expression ({exc})") from None
     return _Interpreter(key, text).sequence(tree.body)
+
+
+def _check_size(text: str, key: str) -> None:
+    """Refuse more than MAX_SUM_TERMS terms joined by ``+`` or brackets nested deeper than MAX_NESTING."""
+    terms = text.count("+") + 1
+    if terms > MAX_SUM_TERMS:
+        raise _form_error(key, text, f"{terms} terms joined by '+', more than the supported {MAX_SUM_TERMS}")
+    depth = deepest = 0
+    for char in text:
+        depth += (char in "([{") - (char in ")]}")
+        deepest = max(deepest, depth)
+    if deepest > MAX_NESTING:
+        raise _form_error(key, text, f"brackets nested {deepest} deep, more than the supported {MAX_NESTING}")
 
 
 class _Interpreter:
