@@ -71,6 +71,16 @@ def _as_virtual_pipeline(layout, pp: int, vp: int, out) -> None:
     (out / "latest_checkpointed_iteration.txt").write_text("1")
 
 
+def _assert_vpp_reads_back_bitwise(src, folder, out) -> None:
+    """The TP=2 x PP=2 x 2-chunk files in ``folder`` convert back to the HF tensors of ``src`` bit for bit."""
+    ckpt = open_mcore_checkpoint(folder)
+    assert (ckpt.layout.tp, ckpt.layout.pp, ckpt.vp) == (2, 2, 2)
+    convert_mcore_to_hf(ckpt, out)
+    before, after = load_state(src), load_state(out)
+    assert sorted(before) == sorted(after)
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_ckpt_virtual_pipeline_rank_files_convert_bitwise(tiny_hf, tmp_path, tied):
     """Megatron-LM files saved with virtual_pipeline_model_parallel_size (model0, model1, ... in each stage's file):
@@ -79,12 +89,7 @@ def test_ckpt_virtual_pipeline_rank_files_convert_bitwise(tiny_hf, tmp_path, tie
     src = tiny_hf("qwen2", tied)
     layout = convert_hf_to_mcore(src, tmp_path / "pp4", 2, 4)
     _as_virtual_pipeline(layout, 2, 2, tmp_path / "vpp")
-    ckpt = open_mcore_checkpoint(tmp_path / "vpp")
-    assert (ckpt.layout.tp, ckpt.layout.pp, ckpt.vp) == (2, 2, 2)
-    convert_mcore_to_hf(ckpt, tmp_path / "hf")
-    before, after = load_state(src), load_state(tmp_path / "hf")
-    assert sorted(before) == sorted(after)
-    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+    _assert_vpp_reads_back_bitwise(src, tmp_path / "vpp", tmp_path / "hf")
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -112,12 +117,7 @@ def test_ckpt_writes_virtual_pipeline_files_as_megatron_lm_saves_them(tiny_hf, t
     for chunk in (*(first[c] for c in ("model0", "model1")), *(last[c] for c in ("model0", "model1"))):
         assert {key.split(".")[2] for key in chunk if key.startswith("decoder.layers.")} == {"0"}  # one layer each
     assert "embedding.word_embeddings.weight" in first["model0"] and "output_layer.weight" in last["model1"]
-    ckpt = open_mcore_checkpoint(tmp_path / "vpp")
-    assert (ckpt.layout.tp, ckpt.layout.pp, ckpt.vp) == (2, 2, 2)
-    convert_mcore_to_hf(ckpt, tmp_path / "hf")
-    before, after = load_state(src), load_state(tmp_path / "hf")
-    assert sorted(before) == sorted(after)
-    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+    _assert_vpp_reads_back_bitwise(src, tmp_path / "vpp", tmp_path / "hf")
 
 
 @pytest.mark.parametrize(
