@@ -108,7 +108,7 @@ def test_fused_correction_equals_eager_on_random_and_adversarial_inputs(options,
         assert torch.equal(eager[1], fused[1]), name  # the same tokens rejected
         close_metrics(eager[2], fused[2])
     assert len(eager[2]) > 40  # IS, per-option and overall rejection, off-policy metrics
-    assert set(used) == {"correction_tensors"}  # the fused calls did run compiled
+    assert set(used) == {"correction_stacked"}  # the fused calls did run compiled
 
 
 def loss_and_grad(x: dict[str, torch.Tensor], weights: torch.Tensor | None, **kwargs) -> tuple:
@@ -170,7 +170,7 @@ def test_a_training_size_batch_takes_the_fused_path_by_itself(monkeypatch):
     rollout_correction(small["old"], small["rollout"], small["mask"], **options)
     assert used == []
     auto = rollout_correction(large["old"], large["rollout"], large["mask"], **options)
-    assert used == ["correction_tensors"]
+    assert used == ["correction_stacked"]
     eager = rollout_correction(large["old"], large["rollout"], large["mask"], **options, fused=False)
     close(eager[0], auto[0])
     close_metrics(eager[2], auto[2])

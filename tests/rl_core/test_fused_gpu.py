@@ -39,7 +39,7 @@ def test_fused_correction_on_gpu_equals_eager(options, monkeypatch):
         close(eager[0], fused[0])
         assert torch.equal(eager[1], fused[1]), name
         close_metrics(eager[2], fused[2])
-    assert set(used) == {"correction_tensors"}
+    assert set(used) == {"correction_stacked"}
 
 
 def test_fused_vanilla_loss_on_gpu_equals_eager(monkeypatch):
@@ -63,4 +63,4 @@ def test_a_full_size_batch_takes_the_fused_path_by_itself(monkeypatch):
     used = record_compiled(monkeypatch)
     x = on_cuda(random_batch(128, 4096))
     rollout_correction(x["old"], x["rollout"], x["mask"], **CORRECTIONS["token_tis_with_token_and_seq_mean_rs"])
-    assert used == ["correction_tensors"]
+    assert used == ["correction_stacked"]

@@ -72,10 +72,10 @@ def _dynamic_shapes(args: tuple[Any, ...]) -> None:
 
 
 def _float_mask(arg: Any) -> Any:
-    """A bool tensor as float32 0 / 1 (read through a uint8 view: one fast eager pass). Inductor's CPU code reads
+    """A CPU bool tensor as float32 0 / 1 (read through a uint8 view: one fast eager pass). Inductor's CPU code reads
     bool tensors slowly (measured: 1.2 ms per 128 x 4096 mask read against 0.1 ms for this copy); a function called
     with ``float_masks`` treats any non-zero mask value as true, so it computes the same either way."""
-    if isinstance(arg, torch.Tensor) and arg.dtype == torch.bool:
+    if isinstance(arg, torch.Tensor) and arg.dtype == torch.bool and arg.device.type == "cpu":
         return arg.view(torch.uint8).to(torch.float32)
     return arg
 

@@ -40,7 +40,7 @@ from rl_core.rollout_corr_metrics import (
     rs_option_metrics,
     rs_overall_metrics,
 )
-from rl_core.rollout_is_metrics import to_floats
+from rl_core.rollout_is_metrics import named_floats, stacked, to_floats
 
 SAFETY_BOUND = 20.0
 """|log ratio| is clamped to this before ``exp`` (verl's ``SAFETY_BOUND``)."""
@@ -401,6 +401,15 @@ def correction_tensors(
     return weights, new_mask, metrics
 
 
+def correction_stacked(
+    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor, spec: CorrectionSpec
+) -> tuple[torch.Tensor | None, torch.Tensor, tuple[str, ...], torch.Tensor]:
+    """:func:`correction_tensors` with its metrics stacked into one float64 vector in the same graph (the unit
+    :mod:`rl_core.fused` compiles): the weights, the new mask, the metric names and their values."""
+    weights, new_mask, metrics = correction_tensors(old_log_prob, rollout_log_prob, response_mask, spec)
+    return (weights, new_mask, *stacked(metrics))
+
+
 def rollout_correction(
     old_log_prob: torch.Tensor,
     rollout_log_prob: torch.Tensor,
@@ -434,13 +443,13 @@ def rollout_correction(
     across = all_reduce is not None and spec.batch_normalize and spec.level is not None
     with torch.no_grad():
         inputs = (old_log_prob, rollout_log_prob, response_mask, _without_batch_normalize(spec) if across else spec)
-        weights, new_mask, metrics = fused_call(
-            correction_tensors, response_mask.numel(), fused, *inputs, float_masks=True
+        weights, new_mask, names, values = fused_call(
+            correction_stacked, response_mask.numel(), fused, *inputs, float_masks=True
         )
+        metrics = named_floats(names, values, METRIC_PREFIX)
         if across and weights is not None and all_reduce is not None and spec.level is not None:
             # after the graph: a collective inside it would break it
-            weights, metrics["rollout_is_batch_norm_factor"] = normalize_weights_across(
-                weights, response_mask, spec.level, all_reduce
-            )
-    # the fused path reads a bool mask as float (rl_core.fused): the caller gets its own dtype back
-    return weights, new_mask.to(response_mask.dtype), to_floats(metrics, METRIC_PREFIX)
+            weights, factor = normalize_weights_across(weights, response_mask, spec.level, all_reduce)
+            metrics[f"{METRIC_PREFIX}rollout_is_batch_norm_factor"] = float(factor)
+    # the fused path on CPU reads a bool mask as float (rl_core.fused): the caller gets its own dtype back
+    return weights, new_mask.to(response_mask.dtype), metrics
