@@ -26,10 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from rl_engines.video import VIDEO_PAD, VIDEO_PLACEHOLDER, VIDEO_TENSORS, encode_videos
+
 VISUAL_KEY = "multi_modal_inputs"
 """``non_tensor_batch`` key of the per-sample visual inputs."""
-VISUAL_TENSORS = ("pixel_values", "image_grid_thw")
-"""The visual inputs a sample may hold, in the model's keyword names."""
+VISUAL_TENSORS = ("pixel_values", "image_grid_thw", *VIDEO_TENSORS)
+"""The visual inputs a sample may hold, in the model's keyword names (images; videos: :mod:`rl_engines.video`)."""
 IMAGE_PLACEHOLDER = "<image>"
 """How ROLL's (and verl's) multimodal datasets mark an image in a prompt's text."""
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
@@ -131,24 +133,29 @@ def encode_images(processor: Any, images: Sequence[Any]) -> dict[str, torch.Tens
     return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"].long()}
 
 
-def expand_image_pads(text: str, grids: torch.Tensor, merge_size: int) -> str:
-    """``text`` with its k-th ``<|image_pad|>`` repeated ``prod(grids[k]) / merge_size**2`` times; the number of
-    pads must equal the number of images (a ValueError names both)."""
-    pieces = text.split(IMAGE_PAD)
+def expand_image_pads(text: str, grids: torch.Tensor, merge_size: int, pad: str = IMAGE_PAD) -> str:
+    """``text`` with its k-th ``pad`` (``<|image_pad|>``, or ``<|video_pad|>`` for videos) repeated
+    ``prod(grids[k]) / merge_size**2`` times; the number of pads must equal the number of images / videos (a
+    ValueError names both)."""
+    kind, placeholder = ("image", IMAGE_PLACEHOLDER) if pad == IMAGE_PAD else ("video", VIDEO_PLACEHOLDER)
+    pieces = text.split(pad)
     if len(pieces) - 1 != len(grids):
         raise ValueError(
-            f"the prompt has {len(pieces) - 1} image placeholder(s) and {len(grids)} image(s); each image needs one "
-            f"{IMAGE_PLACEHOLDER!r} in the prompt text (or {IMAGE_PAD!r} in a chat-templated one)."
+            f"the prompt has {len(pieces) - 1} {kind} placeholder(s) and {len(grids)} {kind}(s); each {kind} needs "
+            f"one {placeholder!r} in the prompt text (or {pad!r} in a chat-templated one)."
         )
     out = [pieces[0]]
     for grid, piece in zip(grids, pieces[1:], strict=True):
-        out.append(IMAGE_PAD * (int(grid.prod()) // merge_size**2) + piece)
+        out.append(pad * (int(grid.prod()) // merge_size**2) + piece)
     return "".join(out)
 
 
 def with_image_tokens(text: str) -> str:
-    """ROLL's ``<image>`` placeholders as the Qwen-VL vision block (``<|vision_start|><|image_pad|><|vision_end|>``)."""
-    return text.replace(IMAGE_PLACEHOLDER, f"{VISION_START}{IMAGE_PAD}{VISION_END}")
+    """ROLL's ``<image>`` / ``<video>`` placeholders as the Qwen-VL vision block
+    (``<|vision_start|><|image_pad|><|vision_end|>``, ``<|video_pad|>`` for a video)."""
+    for placeholder, pad in ((IMAGE_PLACEHOLDER, IMAGE_PAD), (VIDEO_PLACEHOLDER, VIDEO_PAD)):
+        text = text.replace(placeholder, f"{VISION_START}{pad}{VISION_END}")
+    return text
 
 
 def visual_column(samples: Iterable[dict[str, torch.Tensor]]) -> np.ndarray:
@@ -166,14 +173,20 @@ def merge_size(processor: Any) -> int:
 
 
 def encode_prompt(
-    text: str, images: Sequence[Any], tokenizer: Any, processor: Any
+    text: str,
+    images: Sequence[Any],
+    tokenizer: Any,
+    processor: Any,
+    videos: Sequence[Sequence[Any]] = (),
+    **video_options: Any,
 ) -> tuple[list[int], dict[str, torch.Tensor]]:
-    """A prompt's token ids (``text``, chat-templated already, with one ``<|image_pad|>`` per image, or ROLL's
-    ``<image>``) and its visual inputs (``{}`` without images)."""
-    visual = encode_images(processor, images)
+    """A prompt's token ids (``text``, chat-templated already, with one ``<|image_pad|>`` per image and one
+    ``<|video_pad|>`` per video, or ROLL's ``<image>`` / ``<video>``) and its visual inputs (``{}`` without any).
+    ``videos``: each a list of frames, encoded by :func:`rl_engines.video.encode_video` with ``video_options``
+    (``fps``, ``model_type``, ``min_pixels``, ``max_pixels``)."""
+    visual = {**encode_images(processor, images), **encode_videos(processor, videos, **video_options)}
     text = with_image_tokens(text)
-    if visual:
-        text = expand_image_pads(text, visual["image_grid_thw"], merge_size(processor))
-    elif IMAGE_PAD in text:
-        expand_image_pads(text, torch.zeros((0, 3)), merge_size(processor))  # raises: placeholders, no images
+    for pad, grids in ((IMAGE_PAD, "image_grid_thw"), (VIDEO_PAD, "video_grid_thw")):
+        if grids in visual or pad in text:  # pads without pictures raise here
+            text = expand_image_pads(text, visual.get(grids, torch.zeros((0, 3))), merge_size(processor), pad)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]), visual

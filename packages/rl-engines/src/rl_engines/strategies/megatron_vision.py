@@ -115,6 +115,11 @@ class MegatronVision:
         finally:
             words.reduce_scatter_embeddings = scatter
         visual = visual_inputs(batch, ids.device) if batch is not None else {}
+        if "pixel_values_videos" in visual:
+            raise ValueError(
+                "a batch with videos reached megatron_train / megatron_infer, whose vision path embeds images only: "
+                "train video prompts with fsdp2_train or deepspeed_train (hf_infer / fsdp2_infer for scoring)."
+            )
         if not visual:
             return _sequence_first(embeds, sequence_parallel), None
         features = self.hf.get_image_features(visual["pixel_values"], visual["image_grid_thw"], return_dict=True)

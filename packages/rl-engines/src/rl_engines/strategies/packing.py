@@ -101,15 +101,15 @@ def pack(batch: RolloutBatch, round_to: int = 1) -> PackedBatch:
 def packed_visual_inputs(
     model: nn.Module, batch: RolloutBatch, packed: PackedBatch, device: torch.device
 ) -> dict[str, torch.Tensor]:
-    """A vision-language micro-batch packed: its pictures' inputs in sample order (the packed row's image pads run
-    in the same order), the packed row's token types, and ``position_ids [4, 1, T]``: the packed text positions
+    """A vision-language micro-batch packed: its pictures' and videos' inputs in sample order (the packed row's pads
+    run in the same order), the packed row's token types, and ``position_ids [4, 1, T]``: the packed text positions
     (restarting for every sample: the block-diagonal mask) over the model's multimodal RoPE positions of each real
     token, computed by the model's own ``get_rope_index`` on the padded rows, as an unpacked forward computes them
     (the fill that rounds ``T`` up counts on from 0 in all four)."""
     hf = unwrapped(model)
     visual = visual_inputs(batch, device, hf)  # mm_token_type_ids of the padded rows, for their positions
     mask = batch.batch["attention_mask"].to(device).bool()
-    grids = {key: visual[key] for key in ("image_grid_thw",) if key in visual}
+    grids = {key: visual[key] for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if key in visual}
     rope, _ = hf.model.get_rope_index(batch.batch["input_ids"].to(device), visual["mm_token_type_ids"],
                                       attention_mask=mask.long(), **grids)  # fmt: skip
     fill = packed.tokens - int(mask.sum())
