@@ -9,7 +9,7 @@ import torch
 from engine_fixtures import CORPUS, worker_config
 from test_engines_micro_batches import PACKED
 from transformers import AutoTokenizer
-from vl_fixtures import alone, image
+from vl_fixtures import alone, ieee_fp32_convolutions, image
 
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
@@ -19,6 +19,7 @@ from rl_engines.tiny_model import build_tiny_vl_model
 from rl_engines.video import encode_video
 from rl_engines.vision import VISUAL_KEY, encode_images, encode_prompt, load_image_processor, visual_column
 
+__all__ = ["ieee_fp32_convolutions"]  # autouse: IEEE fp32 convolutions on CUDA
 FPS = 1.0  # Qwen2.5-VL: second_per_grid_ts = 2 / FPS = 2 s, not the model's default of 1 s per temporal patch
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_fixtures import CORPUS, worker_config
-from vl_fixtures import alone, teacher_forced, vl_prompts
+from vl_fixtures import alone, ieee_fp32_convolutions, teacher_forced, vl_prompts
 
 from rl_engines.config import GeneratingArgs
 from rl_engines.objectives import ActorObjective
@@ -16,17 +16,7 @@ from rl_engines.strategies import create_strategy
 from rl_engines.tiny_model import VL_MODEL_TYPES, build_tiny_vl_model
 from rl_engines.vision import VISUAL_KEY
 
-
-@pytest.fixture(autouse=True)
-def ieee_fp32_convolutions():
-    """On CUDA, cuDNN runs fp32 convolutions (the vision towers' patch embedding) in TF32 by default
-    (``torch.backends.cudnn.conv.fp32_precision == "tf32"``): a 10-bit mantissa, rounded differently for each batch
-    shape. These tests compare layouts and engines on the same samples in fp32, so their convolutions run in IEEE fp32
-    (no effect on CPU)."""
-    conv = torch.backends.cudnn.conv
-    before, conv.fp32_precision = conv.fp32_precision, "ieee"
-    yield
-    conv.fp32_precision = before
+__all__ = ["ieee_fp32_convolutions"]
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ reference log-probs of the HF model on each sample alone."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -62,3 +63,15 @@ def teacher_forced(rollout: RolloutBatch) -> RolloutBatch:
     rollout.batch["responses"] = rollout.batch["input_ids"][:, -3:]
     rollout.batch["response_mask"] = rollout.batch["attention_mask"][:, -3:].bool()
     return rollout
+
+
+@pytest.fixture(autouse=True)
+def ieee_fp32_convolutions():
+    """On CUDA, cuDNN runs fp32 convolutions (the vision towers' patch embedding) in TF32 by default
+    (``torch.backends.cudnn.conv.fp32_precision == "tf32"``): a 10-bit mantissa, rounded differently for each batch
+    shape. VL tests compare layouts and engines on the same samples in fp32, so their convolutions run in IEEE fp32
+    (no effect on CPU)."""
+    conv = torch.backends.cudnn.conv
+    before, conv.fp32_precision = conv.fp32_precision, "ieee"
+    yield
+    conv.fp32_precision = before
