@@ -9,7 +9,7 @@ import torch
 from engine_fixtures import CORPUS, worker_config
 from test_engines_micro_batches import PACKED
 from transformers import AutoTokenizer
-from vl_fixtures import alone, ieee_fp32_convolutions, image
+from vl_fixtures import alone, ieee_fp32_convolutions, image, prompt_batch
 
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
@@ -17,7 +17,7 @@ from rl_engines.objectives import ActorObjective
 from rl_engines.strategies import create_strategy
 from rl_engines.tiny_model import build_tiny_vl_model
 from rl_engines.video import encode_video
-from rl_engines.vision import VISUAL_KEY, encode_images, encode_prompt, load_image_processor, visual_column
+from rl_engines.vision import VISUAL_KEY, encode_images, encode_prompt, load_image_processor
 
 __all__ = ["ieee_fp32_convolutions"]  # autouse: IEEE fp32 convolutions on CUDA
 FPS = 1.0  # Qwen2.5-VL: second_per_grid_ts = 2 / FPS = 2 s, not the model's default of 1 s per temporal patch
@@ -82,13 +82,7 @@ def video_prompts(path, model_type) -> RolloutBatch:
              ("5+6=", [], [])]  # fmt: skip
     encoded = [encode_prompt(text, pictures, tokenizer, processor, videos, **options)
                for text, pictures, videos in items]  # fmt: skip
-    width = max(len(ids) for ids, _ in encoded)
-    ids = torch.zeros(len(encoded), width, dtype=torch.long)
-    mask = torch.zeros(len(encoded), width, dtype=torch.long)
-    for row, (tokens, _) in enumerate(encoded):
-        ids[row, width - len(tokens) :], mask[row, width - len(tokens) :] = torch.tensor(tokens), 1
-    return RolloutBatch({"input_ids": ids, "attention_mask": mask},
-                        {VISUAL_KEY: visual_column(visual for _, visual in encoded)})  # fmt: skip
+    return prompt_batch(encoded)
 
 
 def test_video_prompts_generate_score_and_train_as_the_hf_model(video_model):

@@ -28,6 +28,11 @@ def vl_prompts(model_dir, extra: int = 0) -> RolloutBatch:
     items = [("<image>1+2=", [image(*SIZES[0], 0)]), ("3+4=<image>", [image(*SIZES[1], 1)]), ("5+6=", [])]
     items += [(f"{k}+<image>{k}=", [image(*SIZES[2], 2 + k)]) for k in range(extra)]
     encoded = [encode_prompt(text, images, tokenizer, processor) for text, images in items]
+    return prompt_batch(encoded)
+
+
+def prompt_batch(encoded) -> RolloutBatch:
+    """Encoded prompts (``encode_prompt``'s ``(ids, visual inputs)`` pairs) as a left-padded batch."""
     width = max(len(ids) for ids, _ in encoded)
     ids = torch.zeros(len(encoded), width, dtype=torch.long)
     mask = torch.zeros(len(encoded), width, dtype=torch.long)
