@@ -2,8 +2,9 @@
 
 A realistic RL length mix: prompts of 50-400 tokens, responses log-normal (median ~1/8 of ``response_length``) with
 a long tail cut at ``response_length``, as when a few samples run to the limit. One fsdp2_train strategy in this
-process (a world of one, fp32, CPU) on a small Qwen2 built locally, once per mode, each mode in a fresh process so
-that its peak memory is its own:
+process (a world of one; fp32 and sdpa unless ``--dtype`` / ``--attn`` say otherwise; CPU, or CUDA when visible) on
+a small Qwen2 built locally (heads of 128 dimensions, two query heads per key/value head), once per mode, each mode
+in a fresh process so that its peak memory is its own:
 
 - ``padded``: fixed micro-batches of ``--micro`` samples, every one as wide as the batch (the baseline);
 - ``dynamic``: ``use_dynamic_batching_in_train`` / ``_in_infer`` with a budget of ``--micro`` x the median sample
@@ -82,7 +83,8 @@ def run_mode(mode: str, args: argparse.Namespace, model_dir: str, out: Any) -> N
     budget = max(64, int(args.micro * median) // 64 * 64)
     budget = max(budget, -(-max(p + r for p, r in lengths) // 64) * 64)
     values: dict[str, Any] = {
-        "model_args": {"model_name_or_path": model_dir, "disable_gradient_checkpointing": True},
+        "model_args": {"model_name_or_path": model_dir, "disable_gradient_checkpointing": True,
+                       "attn_implementation": args.attn, "dtype": args.dtype},
         "training_args": {"per_device_train_batch_size": args.micro, "learning_rate": 1e-5,
                           "gradient_accumulation_steps": args.samples // args.micro},
         "infer_batch_size": args.micro,
@@ -131,6 +133,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--attn", default="sdpa", help="model_args.attn_implementation (fa2: flash varlen on CUDA)")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="model_args.dtype")
     args = parser.parse_args()
 
     from rl_engines.tiny_model import build_tiny_causal_lm
@@ -138,6 +142,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_packing_") as folder:
         build_tiny_causal_lm(Path(folder), vocab_size=args.vocab, hidden_size=args.hidden,
                              intermediate_size=4 * args.hidden, num_hidden_layers=args.layers,
+                             num_attention_heads=max(2, args.hidden // 128),
+                             num_key_value_heads=max(1, args.hidden // 256),
                              max_position_embeddings=args.response_length + 512)  # fmt: skip
         context = multiprocessing.get_context("spawn")
         results = []
@@ -149,7 +155,7 @@ def main() -> None:
             process.join()
     base = results[0]
     print(f"{args.samples} samples, response_length {args.response_length}, {args.layers} layers x {args.hidden}, "
-          f"{os.environ['OMP_NUM_THREADS']} threads")  # fmt: skip
+          f"{os.environ['OMP_NUM_THREADS']} threads, attention {args.attn}, {args.dtype}")  # fmt: skip
     print(
         "| mode | train tok/s | log-prob tok/s | train speed-up | log-prob speed-up | padding | largest pass | "
         "passes | peak RSS MiB |"

@@ -1,8 +1,10 @@
 """GPU only (``gpu`` marker): the packed path on flash-attention's varlen kernel (issue 15).
 
-With ``attn_implementation: fa2`` on a CUDA worker that has the flash_attn package, a packed row runs through
-flash-attention-2's variable-length kernel (transformers finds the samples from the restarting position ids), and
-its log-probs and update equal the padded sdpa run's within bf16 rounding. Skipped without CUDA or flash_attn.
+With ``attn_implementation: fa2`` on a CUDA worker, a packed row runs through a variable-length flash-attention
+kernel: flash-attention-2's own when the flash_attn package is installed (transformers finds the samples from the
+restarting position ids), else PyTorch's (``torch.nn.attention.varlen``, rl_engines.strategies.varlen_attention).
+Its log-probs and update equal the padded sdpa run's within bf16 rounding, and PyTorch's kernel equals each sequence
+through sdpa alone, forward and backward. Skipped without CUDA or without either kernel.
 """
 
 from __future__ import annotations
@@ -13,25 +15,51 @@ import pytest
 import torch
 from engine_fixtures import tiny_model_dir
 from test_engines_micro_batches import PACKED, make, varied_batch
+from test_engines_varlen_attention import reference_kernel
 
 from rl_engines.objectives import ActorObjective
+from rl_engines.strategies import varlen_attention
 from rl_engines.strategies.model_io import attention_kernel
 
 __all__ = ["tiny_model_dir"]
 
+HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(importlib.util.find_spec("flash_attn") is None, reason="flash_attn is not installed"),
-]
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(not (HAS_FLASH_ATTN or varlen_attention.available()),
+                       reason="neither flash_attn nor torch.nn.attention.varlen is installed"),
+]  # fmt: skip
 FA2 = {"attn_implementation": "fa2", "dtype": "bf16"}
 
 
-def test_the_worker_runs_flash_attention_2(tiny_model_dir):
+def test_the_worker_runs_a_flash_attention_varlen_kernel(tiny_model_dir):
     from rl_engines.config import ModelArgs
 
-    assert attention_kernel(ModelArgs(model_name_or_path=str(tiny_model_dir), **FA2), "actor_train") == (
-        "flash_attention_2"
-    )
+    kernel = attention_kernel(ModelArgs(model_name_or_path=str(tiny_model_dir), **FA2), "actor_train")
+    assert kernel == ("flash_attention_2" if HAS_FLASH_ATTN else varlen_attention.TORCH_FLASH)
+
+
+@pytest.mark.skipif(not varlen_attention.available(), reason="needs CUDA and torch.nn.attention.varlen")
+@pytest.mark.parametrize(("heads", "kv_heads", "decode"), [(4, 4, False), (8, 2, False), (4, 2, True)])
+def test_torch_kernel_equals_each_sequence_through_sdpa(heads, kv_heads, decode):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k_lengths = torch.tensor([5, 1, 37, 128, 64], device="cuda")
+    q_lengths = torch.ones_like(k_lengths) if decode else k_lengths
+    cu_q, cu_k = (torch.nn.functional.pad(n.cumsum(0), (1, 0)).int() for n in (q_lengths, k_lengths))
+    make = lambda n, h: torch.randn(int(n), h, 64, device="cuda", dtype=torch.bfloat16, generator=gen)  # noqa: E731
+    q = make(q_lengths.sum(), heads).requires_grad_()
+    k, v = make(k_lengths.sum(), kv_heads).requires_grad_(), make(k_lengths.sum(), kv_heads).requires_grad_()
+    args = (cu_q, cu_k, int(q_lengths.max()), int(k_lengths.max()))
+    options = {"scale": 0.125, "causal": True, "window": None}
+    got = varlen_attention.torch_varlen_kernel(q, k, v, *args, **options)
+    expected = reference_kernel(q.float(), k.float(), v.float(), *args, **options)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=0)
+    if not decode:
+        grads = torch.autograd.grad(got.float().square().sum(), (q, k, v))
+        wanted = torch.autograd.grad(expected.square().sum(), (q, k, v))
+        for a, b in zip(grads, wanted, strict=True):
+            torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.parametrize("name", ["fsdp2_train", "hf_infer"])

@@ -51,8 +51,9 @@ class ModelArgs:
     """None for a causal LM; ``"critic"`` or ROLL's ``"trl"`` load a value head (the critic role always gets one)."""
     attn_implementation: str | None = None
     """HF attention kernel: ROLL's ``sdpa`` / ``fa2`` / ``auto`` or transformers' names (``eager``, ``sdpa``,
-    ``flash_attention_2``, ...); None or ``auto`` = transformers' default. Flash-attention on a worker without CUDA
-    or the flash_attn package runs sdpa, with a log line."""
+    ``flash_attention_2``, ...); None or ``auto`` = transformers' default. Flash-attention on a CUDA worker without
+    the flash_attn package runs PyTorch's own varlen flash-attention kernel (torch >= 2.10), without CUDA sdpa; each
+    with a log line."""
     flash_attn: str | None = None
     """ROLL's older spelling of the same choice: ``disabled`` (eager), ``sdpa``, ``fa2``, ``auto``."""
     ulysses_size: int = 1

@@ -20,6 +20,7 @@ from torch import nn
 from rl_core.batch import RolloutBatch
 from rl_core.losses import entropy_from_logits
 from rl_engines.config import ModelArgs
+from rl_engines.strategies import varlen_attention
 from rl_engines.vision import VISUAL_KEY, is_visual, is_vl_model, visual_inputs
 
 logger = logging.getLogger(__name__)
@@ -90,20 +91,34 @@ def freeze_modules(model: nn.Module, model_args: ModelArgs, role: str) -> set[st
 
 
 def attention_kernel(model_args: ModelArgs, role: str) -> str | None:
-    """The transformers attention kernel for ``model_args`` on this worker: flash-attention needs CUDA and its
-    package; without them the worker runs sdpa (the same attention, another kernel) and logs that it does."""
+    """The transformers attention kernel for ``model_args`` on this worker. Flash-attention needs a CUDA device: with
+    its package the worker runs it; without the package, PyTorch's own varlen flash-attention kernel where torch
+    ships it (:mod:`~rl_engines.strategies.varlen_attention`); otherwise sdpa (the same attention, another kernel).
+    Each substitute is logged."""
     wanted = model_args.attention(f"{role}.model_args")
     if wanted is None or not wanted.startswith("flash_attention"):
         return wanted
     package = "flash_attn_interface" if wanted == "flash_attention_3" else "flash_attn"
     if torch.cuda.is_available() and importlib.util.find_spec(package) is not None:
         return wanted
+    if varlen_attention.available():
+        logger.warning(
+            "[engines] %s.model_args asks for %s; this worker has no %s package, so it runs PyTorch's own "
+            "flash-attention varlen kernel (torch.nn.attention.varlen, attention implementation %s): padding and "
+            "packing removed as flash-attention does.", role, wanted, package, varlen_attention.TORCH_FLASH,
+        )  # fmt: skip
+        return varlen_attention.register()
     logger.warning(
         "[engines] %s.model_args asks for %s, which needs a CUDA device and the %s package; this worker has %s, "
         "so it runs sdpa: the same attention (packed rows still attend within their own sample), another kernel.",
         role, wanted, package, "no CUDA device" if not torch.cuda.is_available() else f"no {package}",
     )  # fmt: skip
     return "sdpa"
+
+
+def is_varlen(kernel: str | None) -> bool:
+    """True for the kernels that find packed sequences by their position ids (flash-attention's varlen kind)."""
+    return kernel is not None and (kernel.startswith("flash_attention") or kernel == varlen_attention.TORCH_FLASH)
 
 
 def enable_activation_checkpointing(model: Any) -> None:
