@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,31 @@ KNOWN_TEMPLATES = ("native", "qwen2_5", "qwen2", "qwen3", "chatml", "llama3", "d
 
 class DataError(ValueError):
     """A data file or record cannot be used; the message names the file, the row and the key."""
+
+
+Layout = Callable[[dict[str, Any], str, str], dict[str, Any]]
+"""A row, the prompt / messages column to fill and where the row is (for errors) -> the record."""
+
+
+def record_layout(data_args: dict[str, Any], section: str) -> Layout | None:
+    """The record encoding ``data_args.custom_data_kwargs_func`` names (None when unset): ROLL's Video-R1 function
+    (apps.rlvr.video_data); any other function is an error naming it."""
+    name = data_args.get("custom_data_kwargs_func")
+    if name is None:
+        return None
+    from apps.rlvr.video_data import VIDEO_R1, video_r1_record
+
+    if name != VIDEO_R1:
+        raise DataError(
+            f"{section}.data_args.custom_data_kwargs_func={name!r}: the RLVR pipeline reads ROLL's {VIDEO_R1!r} "
+            "layout only; give the records in the prompt / messages layout instead."
+        )
+    if data_args.get("prompt") is not None:
+        raise DataError(
+            f"{section}.data_args.custom_data_kwargs_func={name!r} writes the chat into the messages column (ROLL's "
+            "video_r1.yaml: messages: prompt); set data_args.messages, not prompt."
+        )
+    return video_r1_record
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
@@ -64,9 +89,10 @@ def _json_row(line: str, path: Path, number: int) -> dict[str, Any]:
 
 
 def load_records(
-    files: str | Sequence[str], *, prompt_key: str | None, messages_key: str | None
+    files: str | Sequence[str], *, prompt_key: str | None, messages_key: str | None, layout: Layout | None = None
 ) -> list[dict[str, Any]]:
-    """Records of every file, each checked to have the prompt column (``data_args.prompt`` xor ``.messages``)."""
+    """Records of every file, each checked to have the prompt column (``data_args.prompt`` xor ``.messages``) after
+    ``layout`` (a ROLL data function's encoding, :func:`record_layout`) made it."""
     if (prompt_key is None) == (messages_key is None):
         raise DataError(
             "set exactly one of data_args.prompt (a text column) and data_args.messages (a chat column); "
@@ -76,6 +102,8 @@ def load_records(
     records: list[dict[str, Any]] = []
     for file in [files] if isinstance(files, str) else files:
         for index, row in enumerate(read_records(file)):
+            if layout is not None:
+                row = layout(row, key, f"{file}: row {index}")
             if key not in row:
                 raise DataError(f"{file}: row {index} has no column {key!r} (data_args); columns: {sorted(row)}.")
             records.append(_answer_columns(row))

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from apps.common.preflight import PreflightError
+from apps.rlvr.data import DataError, record_layout
 
 READ = (
     "template",
@@ -16,9 +17,17 @@ READ = (
     "domain_interleave_probs",
     "image_min_pixels",
     "image_max_pixels",
+    "video_fps",
+    "video_max_frames",
+    "video_min_pixels",
+    "video_max_pixels",
+    "video_total_pixels",
+    "video_folder",
+    "custom_data_kwargs_func",
 )
 """Keys the pipeline reads (``domain_interleave_probs`` only on actor_train; the pixel bounds for a
-vision-language model's images, apps.rlvr.vl_data)."""
+vision-language model's images, apps.rlvr.vl_data; how videos are sampled, apps.rlvr.video_data; the Video-R1
+record layout, apps.rlvr.data.record_layout)."""
 DEFAULTS_ONLY = {"tag": "tag", "id": "id", "response": "solution", "dataset_type": "json"}
 """ROLL keys accepted at ROLL's default only: the pipeline reads the ``tag`` column and json / jsonl / csv files."""
 NOTES = {
@@ -26,6 +35,8 @@ NOTES = {
     "tokenized as batches are drawn, so it changes nothing",
     "dataset_dir": "not a field of ROLL's DataArguments, so ROLL's parser keeps no value for it (its get_dataset "
     "then joins file_name to '.'); file_name is read as written here too",
+    "video_resize_chunk_frames": "frames ROLL resizes at a time to bound its memory; here each sampled frame is "
+    "resized on its own, so it changes nothing",
     "interleave_probs": "not a field of ROLL's DataArguments (domain_interleave_probs mixes the domains); ROLL reads "
     "it nowhere, and neither does this pipeline",
 }
@@ -41,6 +52,11 @@ def check_data_args(data_args: dict[str, Any], section: str) -> list[str]:
         if key in READ:
             if key == "domain_interleave_probs" and section != "actor_train":
                 raise PreflightError(f"{name}: domains mix training batches only; set actor_train.data_args.{key}.")
+            if key == "custom_data_kwargs_func":
+                try:
+                    record_layout(data_args, section)
+                except DataError as err:
+                    raise PreflightError(str(err)) from None
         elif key in DEFAULTS_ONLY:
             if value != DEFAULTS_ONLY[key]:
                 raise PreflightError(
@@ -53,3 +69,17 @@ def check_data_args(data_args: dict[str, Any], section: str) -> list[str]:
             known = sorted([*READ, *DEFAULTS_ONLY, *NOTES])
             raise PreflightError(f"{name} is not a data_args key the RLVR pipeline knows; known: {known}.")
     return notes
+
+
+def check_video_model(data_args: dict[str, Any], section: str, model_type: str | None) -> None:
+    """Video data (a ``video_*`` key or the Video-R1 layout) needs a model whose videos are built here (Qwen2-VL,
+    Qwen2.5-VL); ``model_type`` None (no local config.json yet) is not checked."""
+    from rl_engines.video import VIDEO_MODEL_TYPES
+
+    keys = [key for key in data_args if key.startswith("video_") or key == "custom_data_kwargs_func"]
+    if keys and model_type is not None and model_type not in VIDEO_MODEL_TYPES:
+        raise PreflightError(
+            f"{section}.data_args.{keys[0]}: video inputs are built for {list(VIDEO_MODEL_TYPES)}, and the actor's "
+            f"model_type is {model_type!r} (Qwen3-VL numbers video frames by timestamps written into the prompt, "
+            "which is not built). Use a Qwen2-VL / Qwen2.5-VL model or drop the video data."
+        )

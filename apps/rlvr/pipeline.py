@@ -30,13 +30,14 @@ from apps.common.sampler_state import SamplerState
 from apps.common.timeline import Timeline
 from apps.common.training import checkpoint_dir, load_roles, save_checkpoint, score_with_roles, train_roles
 from apps.rlvr.config import RLVRConfig
-from apps.rlvr.data import PromptSampler, load_records
+from apps.rlvr.data import PromptSampler, load_records, record_layout
 from apps.rlvr.domains import DomainSampler, domain_probs, record_domain
 from apps.rlvr.dynamic_sampling import DynamicSampler
 from apps.rlvr.preflight import preflight
 from apps.rlvr.rewards import Grade, RewardRouter, part_metrics
 from apps.rlvr.rollout import PromptSource
 from apps.rlvr.validation import Validator
+from apps.rlvr.video_data import VideoOptions
 from apps.rlvr.vl_data import image_processor, model_type
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
@@ -74,10 +75,12 @@ class RLVRPipeline:
         files = data_args.get("file_name")
         if not files:
             raise ValueError("actor_train.data_args.file_name is not set; point it at the training prompts.")
-        records = load_records(files, prompt_key=self.prompt_key, messages_key=self.messages_key)
+        records = load_records(files, prompt_key=self.prompt_key, messages_key=self.messages_key,
+                               layout=record_layout(data_args, "actor_train"))  # fmt: skip
         template = str(config.global_template or data_args.get("template", "native"))
         self.prompts = PromptSource(records, self.tokenizer, template, self.prompt_key, self.messages_key,
-                                    config.prompt_length, image_processor(config), model_type(config))  # fmt: skip
+                                    config.prompt_length, image_processor(config), model_type(config),
+                                    VideoOptions.from_data_args(data_args))  # fmt: skip
         self.router = RewardRouter(config.rewards)
         probs = domain_probs(config)  # ROLL's domain_interleave_probs: each domain's share of every batch
         self.sampler: PromptSampler | DomainSampler = (

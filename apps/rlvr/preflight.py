@@ -22,9 +22,10 @@ from apps.common.preflight import (
     role_sections,
 )
 from apps.rlvr.config import RLVRConfig
-from apps.rlvr.data_args import check_data_args
+from apps.rlvr.data_args import check_data_args, check_video_model
 from apps.rlvr.domains import domain_probs
 from apps.rlvr.rewards import check_reward_sections
+from apps.rlvr.vl_data import model_type
 from rl_core.batch import BatchSizeError
 from rl_engines.config import WorkerConfig
 from rl_engines.placement import ClusterSpec, PlacementPlan
@@ -57,8 +58,10 @@ def preflight(config: RLVRConfig) -> PreflightReport:
     report = plan_training(config, placement, sections, config.num_return_sequences_in_group)
     report.notes.extend(notes)
     report.notes.extend(check_data_args(config.actor_train.data_args, "actor_train"))
+    check_video_model(config.actor_train.data_args, "actor_train", model_type(config))
     if config.validation is not None:
         report.notes.extend(check_data_args(config.validation.data_args, "validation"))
+        check_video_model(config.validation.data_args, "validation", model_type(config))
     return report
 
 

@@ -9,8 +9,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from apps.rlvr.data import chat_messages, encode_prompts, prompt_text
+from apps.rlvr.data import DataError, chat_messages, encode_prompts, prompt_text
 from apps.rlvr.rewards import RewardRouter
+from apps.rlvr.video_data import VIDEO_KEY, VideoOptions
 from apps.rlvr.vl_data import QUESTION_TEMPLATE, graded_records, vl_prompt_batch
 from rl_core.batch import RolloutBatch
 from rl_engines.vision import VISUAL_KEY
@@ -30,6 +31,8 @@ class PromptSource:
     """A vision-language model's image processor (:mod:`apps.rlvr.vl_data`); None for a text model."""
     model_type: str | None = None
     """The policy's model type (a vision-language model's rewards read it)."""
+    videos: VideoOptions | None = None
+    """How the records' videos are sampled (``data_args.video_*``)."""
 
     def batch(self, indices: Sequence[int], uids: Sequence[str]) -> RolloutBatch:
         """Left-padded prompts ``[B, P]`` with ``record_index`` and ``prompt_uid`` per sample (and, for a
@@ -39,8 +42,12 @@ class PromptSource:
         texts = [prompt_text(m, self.tokenizer, self.template) for m in messages]
         columns: dict[str, Any] = {"record_index": list(indices), "prompt_uid": list(uids)}
         if self.image_processor is None:
+            if any(record.get(VIDEO_KEY) for record in records):
+                raise DataError(f"a record has a {VIDEO_KEY!r} column and the policy is a text model; use a "
+                                "vision-language model (Qwen2-VL / Qwen2.5-VL) for video data.")  # fmt: skip
             return RolloutBatch.from_dict(encode_prompts(texts, self.tokenizer, self.prompt_length), columns)
-        prompts = vl_prompt_batch(texts, records, self.tokenizer, self.image_processor, self.prompt_length)
+        prompts = vl_prompt_batch(texts, records, self.tokenizer, self.image_processor, self.prompt_length,
+                                  self.videos, self.model_type)  # fmt: skip
         return RolloutBatch(prompts.batch, {**prompts.non_tensor_batch, **columns})
 
     def _messages(self, record: dict[str, Any]) -> list[dict[str, str]]:

@@ -14,9 +14,10 @@ from typing import Any
 
 from apps.common.padding import padded_indices
 from apps.rlvr.config import RLVRConfig
-from apps.rlvr.data import load_records
+from apps.rlvr.data import load_records, record_layout
 from apps.rlvr.rewards import RewardRouter
 from apps.rlvr.rollout import PromptSource
+from apps.rlvr.video_data import VIDEO_KEYS, VideoOptions
 from apps.rlvr.vl_data import image_processor
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
@@ -53,13 +54,17 @@ class Validator:
             )
         prompt_key = data_args.get("prompt", train_prompts.prompt_key if "messages" not in data_args else None)
         messages_key = data_args.get("messages", train_prompts.messages_key if prompt_key is None else None)
-        records = load_records(files, prompt_key=prompt_key, messages_key=messages_key)
+        records = load_records(files, prompt_key=prompt_key, messages_key=messages_key,
+                               layout=record_layout(data_args, "validation"))  # fmt: skip
         template = config.global_template or data_args.get("template", train_prompts.template)
         processor = train_prompts.image_processor
         if processor is not None and ("image_min_pixels" in data_args or "image_max_pixels" in data_args):
             processor = image_processor(config, data_args)  # its own pixel bounds
+        videos = train_prompts.videos
+        if any(key in data_args for key in VIDEO_KEYS):
+            videos = VideoOptions.from_data_args(data_args)  # its own sampling
         prompts = replace(train_prompts, records=records, prompt_key=prompt_key, messages_key=messages_key,
-                          template=str(template), image_processor=processor)  # fmt: skip
+                          template=str(template), image_processor=processor, videos=videos)  # fmt: skip
         batch_size = config.val_batch_size or len(records)
         return cls(prompts, router, config.validation.generating_args, batch_size, replay, config.max_steps)
 

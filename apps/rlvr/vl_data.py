@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from apps.rlvr.data import DataError, left_padded
+from apps.rlvr.video_data import VideoOptions, record_video
 from rl_core.batch import RolloutBatch
 from rl_engines.vision import VISUAL_KEY, encode_prompt, visual_column
 
@@ -58,21 +59,27 @@ def record_images(record: dict[str, Any], where: str) -> list[Any]:
 
 
 def vl_prompt_batch(
-    texts: Sequence[str], records: Sequence[dict[str, Any]], tokenizer: Any, processor: Any, prompt_length: int
-) -> RolloutBatch:
-    """Left-padded prompt ids ``[B, P]`` of chat-templated ``texts`` with their records' images, and each sample's
-    visual inputs. A prompt longer than ``prompt_length`` is an error (cutting it could cut an image's tokens)."""
+    texts: Sequence[str], records: Sequence[dict[str, Any]], tokenizer: Any, processor: Any, prompt_length: int,
+    videos: VideoOptions | None = None, model_type: str | None = None,
+) -> RolloutBatch:  # fmt: skip
+    """Left-padded prompt ids ``[B, P]`` of chat-templated ``texts`` with their records' images and video (sampled
+    by ``videos``, apps.rlvr.video_data, for a ``model_type`` that takes videos), and each sample's visual inputs.
+    A prompt longer than ``prompt_length`` is an error (cutting it could cut an image's tokens)."""
     encoded = []
     for text, record in zip(texts, records, strict=True):
         where = f"record {record.get('id', '?')}"
+        frames, rates = record_video(record, videos, int(getattr(processor, "patch_size", 14)), where)
+        pixels = frames[0][0].width * frames[0][0].height if frames else None  # sampled at their final size
         try:
-            ids, visual = encode_prompt(text, record_images(record, where), tokenizer, processor)
+            ids, visual = encode_prompt(text, record_images(record, where), tokenizer, processor, frames, fps=rates,
+                                        model_type=model_type, min_pixels=pixels, max_pixels=pixels)  # fmt: skip
         except ValueError as err:
             raise DataError(f"{where}: {err}") from None
         if len(ids) > prompt_length:
             raise DataError(
-                f"{where}: its prompt is {len(ids)} tokens with its images' tokens, more than prompt_length="
-                f"{prompt_length}; raise prompt_length or lower data_args.image_max_pixels."
+                f"{where}: its prompt is {len(ids)} tokens with its images' and video's tokens, more than "
+                f"prompt_length={prompt_length}; raise prompt_length or lower data_args.image_max_pixels / "
+                "video_max_pixels / video_total_pixels."
             )
         encoded.append((ids, visual))
     column = visual_column(visual for _, visual in encoded)

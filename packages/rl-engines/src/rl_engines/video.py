@@ -2,10 +2,12 @@
 ``second_per_grid_ts``) in the layout transformers' Qwen2-VL video processor gives, without that processor (it needs
 torchvision, which has no CPU build for this torch on the package registry).
 
-A video is a list of frames (PIL images of one size), sampled already (ROLL's ``video_fps`` / ``video_max_frames``
-choose them). Each frame goes through the model folder's own image processor: its resize (``smart_resize`` to the
-pixel bounds), rescale and normalisation are the image path's, so a frame's patches are exactly an image's. The image
-processor writes each image patch ``temporal_patch_size`` times (an image is a still video); a video instead puts
+A video is a list of frames (PIL images of one size), sampled already; :func:`frame_count`, :func:`frame_indices` and
+:func:`frame_size` are qwen-vl-utils' sampling rules (which frames, at what size) that ROLL's ``data_args.video_*``
+drive, for the data loader that decodes the file (apps.rlvr.video_data). Each frame goes through the model folder's
+own image processor: its resize (``smart_resize`` to the pixel bounds), rescale and normalisation are the image
+path's, so a frame's patches are exactly an image's. The image processor writes each image patch
+``temporal_patch_size`` times (an image is a still video); a video instead puts
 ``temporal_patch_size`` consecutive frames side by side in each patch: patch ``(g, i)`` holds patch ``i`` of frames
 ``g * T .. g * T + T - 1``, channel-major as ``[C, T, P, P]``, and a frame count that is not a multiple of ``T`` is
 padded by repeating the last frame, as the video processor does. So a video of ``T`` copies of one picture equals
@@ -18,6 +20,7 @@ the text (``<t seconds>``) and its RoPE numbers video frames by them, which this
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +32,14 @@ VIDEO_PAD = "<|video_pad|>"
 VIDEO_TENSORS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 """The video inputs a sample may hold, in the model's keyword names (``second_per_grid_ts``: Qwen2.5-VL only)."""
 VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+FRAME_FACTOR = 2
+"""Sampled frame counts are multiples of this (qwen-vl-utils', as ROLL uses it)."""
+MIN_FRAMES = 4
+MAX_FRAME_TOKENS = 768
+"""A sampled frame's size is bounded by this many merged tokens (qwen-vl-utils' ``VIDEO_MAX_TOKEN_NUM``) and by its
+share of ``total_pixels``."""
+FRAME_LIST_FPS = 2.0
+"""The sampling rate qwen-vl-utils (and so ROLL) assumes for a video given as a list of frame images."""
 
 
 def check_video_model(model_type: str | None) -> None:
@@ -91,6 +102,56 @@ def encode_video(
 
 
 def encode_videos(processor: Any, videos: Sequence[Sequence[Any]], **options: Any) -> dict[str, torch.Tensor]:
-    """:func:`encode_video` of each video, concatenated in order (``{}`` for none)."""
-    parts = [encode_video(processor, frames, **options) for frames in videos]
+    """:func:`encode_video` of each video, concatenated in order (``{}`` for none). ``fps`` may be one value per
+    video (each video's sampling rate, as ROLL passes them to the processor)."""
+    rates = options.pop("fps", None)
+    rates = list(rates) if isinstance(rates, (list, tuple)) else [rates] * len(videos)
+    if len(rates) != len(videos):
+        raise ValueError(f"{len(videos)} videos and {len(rates)} fps values; give one per video.")
+    parts = [encode_video(processor, frames, fps=rate, **options) for frames, rate in zip(videos, rates, strict=True)]
     return {key: torch.cat([part[key] for part in parts]) for key in (parts[0] if parts else {})}
+
+
+# ---- sampling a video file or a list of frames (qwen-vl-utils' fetch_video, as ROLL's data_args.video_* use it) ----
+def frame_count(total: int, video_fps: float, *, fps: float, max_frames: int, min_frames: int = MIN_FRAMES) -> int:
+    """How many of a video's ``total`` frames (recorded at ``video_fps``) to sample at ``fps``: ``total / video_fps *
+    fps`` kept within ``[min_frames, max_frames]`` (rounded up / down to :data:`FRAME_FACTOR`) and ``total``, then
+    rounded down to :data:`FRAME_FACTOR`. A video shorter than :data:`FRAME_FACTOR` frames is an error."""
+    low = math.ceil(min_frames / FRAME_FACTOR) * FRAME_FACTOR
+    high = math.floor(min(max_frames, total) / FRAME_FACTOR) * FRAME_FACTOR
+    wanted = min(max(total / video_fps * fps, low), high, total)
+    count = math.floor(wanted / FRAME_FACTOR) * FRAME_FACTOR
+    if not FRAME_FACTOR <= count <= total:
+        raise ValueError(f"a video of {total} frames yields {count} frames to sample; it needs at least "
+                         f"{FRAME_FACTOR} (and data_args.video_max_frames >= {FRAME_FACTOR}).")  # fmt: skip
+    return count
+
+
+def frame_indices(total: int, count: int) -> list[int]:
+    """``count`` frame indices spread evenly over ``0 .. total - 1`` (first and last included), rounded."""
+    return [int(i) for i in torch.linspace(0, total - 1, count).round().long().tolist()]
+
+
+def smart_size(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """qwen-vl-utils' ``smart_resize``: the nearest size in multiples of ``factor``, the aspect ratio kept, scaled
+    down to at most ``max_pixels`` or up to at least ``min_pixels``."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"a video frame of {width}x{height} is too elongated (aspect ratio above 200).")
+    h, w = max(factor, round(height / factor) * factor), max(factor, round(width / factor) * factor)
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h, w = math.floor(height / beta / factor) * factor, math.floor(width / beta / factor) * factor
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def frame_size(
+    height: int, width: int, frames: int, *, factor: int, min_pixels: int, max_pixels: int, total_pixels: int
+) -> tuple[int, int]:
+    """The size every sampled frame is resized to: :func:`smart_size` with at least ``min_pixels`` and at most the
+    smallest of ``max_pixels``, :data:`MAX_FRAME_TOKENS` tokens and the frame's share of ``total_pixels``
+    (``total_pixels / frames * FRAME_FACTOR``), that cap never below ``1.05 * min_pixels``."""
+    cap = max(min(MAX_FRAME_TOKENS * factor * factor, total_pixels / frames * FRAME_FACTOR), int(min_pixels * 1.05))
+    return smart_size(height, width, factor=factor, min_pixels=min_pixels, max_pixels=int(min(max_pixels, cap)))

@@ -1,0 +1,187 @@
+"""Video RLVR data as ROLL reads it: a record's ``video`` (a file path, or a list of frame image paths; relative ones
+under ``data_args.video_folder``) sampled by ``data_args.video_fps`` / ``video_max_frames`` / ``video_min_pixels`` /
+``video_max_pixels`` / ``video_total_pixels`` (ROLL's DataArguments defaults where unset), see
+:func:`rl_engines.video.sample_video`; and the Video-R1 record layout that ROLL's
+``custom_data_kwargs_func: roll.datasets.vlm_dataset_utils.video_r1_get_data_kwargs`` reads (``problem``,
+``problem_type``, ``modality_type``, ``solution``, ``video``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from apps.rlvr.data import DataError
+
+VIDEO_KEY = "video"
+VIDEO_KEYS = ("video_fps", "video_max_frames", "video_min_pixels", "video_max_pixels", "video_total_pixels",
+              "video_folder")  # fmt: skip
+"""The ``data_args`` keys read here."""
+VIDEO_R1 = "roll.datasets.vlm_dataset_utils.video_r1_get_data_kwargs"
+"""The ROLL data function whose record layout :func:`video_r1_record` reads."""
+
+
+@dataclass(frozen=True)
+class VideoOptions:
+    """How a record's video is sampled (ROLL's ``data_args.video_*``, its defaults where unset)."""
+
+    fps: float = 2.0
+    max_frames: int = 128
+    min_pixels: int = 4 * 28 * 28
+    max_pixels: int = 2048 * 2048
+    total_pixels: int = 16384 * 28 * 28
+    folder: str | None = None
+
+    @classmethod
+    def from_data_args(cls, data_args: dict[str, Any]) -> VideoOptions:
+        """From ``data_args`` (null values keep the defaults)."""
+        given = {key: data_args.get(f"video_{key}") for key in ("fps", "max_frames", "min_pixels", "max_pixels",
+                                                                 "total_pixels", "folder")}  # fmt: skip
+        return cls(**{key: value for key, value in given.items() if value is not None})
+
+    def sample(self, source: Any, patch_size: int, where: str) -> tuple[list[Any], float]:
+        """The record's frames and their sampling rate; ``where`` names the record in errors."""
+        source = self._located(source, where)
+        try:
+            return sample_video(source, patch_size=patch_size, fps=float(self.fps), max_frames=int(self.max_frames),
+                                min_pixels=int(self.min_pixels), max_pixels=int(self.max_pixels),
+                                total_pixels=int(self.total_pixels))  # fmt: skip
+        except (OSError, ValueError, ImportError) as err:
+            raise DataError(f"{where}: {err}") from None
+
+    def _located(self, source: Any, where: str) -> Any:
+        """Relative paths under ``folder``; a video is a path or a list of frame paths."""
+        if isinstance(source, str):
+            return self._path(source)
+        if isinstance(source, (list, tuple)) and source and all(isinstance(item, str) for item in source):
+            return [self._path(item) for item in source]
+        raise DataError(f"{where}: its {VIDEO_KEY!r} must be a video file path or a list of frame image paths, got "
+                        f"{str(source)[:80]!r}.")  # fmt: skip
+
+    def _path(self, name: str) -> Path:
+        path = Path(name)
+        return path if path.is_absolute() or not self.folder else Path(self.folder) / path
+
+
+def read_frames(path: str | Path, wanted: Any) -> tuple[list[Any], float]:
+    """The frames of a video file (PyAV, ``pip install av``) as RGB PIL images, and its frame rate. ``wanted(total,
+    fps)`` returns the indices to keep once the frame count is known."""
+    try:
+        import av
+    except ImportError:
+        raise ImportError(f"reading the video {path} needs PyAV: pip install av (or give the video as a list of "
+                          "frame images).") from None  # fmt: skip
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"video {path} does not exist; check data_args.video_folder and the record's video.")
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            rate = float(stream.average_rate or stream.guessed_rate or 0)
+            total = stream.frames or sum(1 for _ in container.decode(stream))
+        if rate <= 0 or total < 1:
+            raise ValueError(f"video {path}: cannot read its frame rate or frames (rate {rate}, {total} frames).")
+        keep = set(wanted(total, rate))
+        frames = []
+        with av.open(str(path)) as container:
+            for index, frame in enumerate(container.decode(container.streams.video[0])):
+                if index in keep:
+                    frames.append(frame.to_image().convert("RGB"))  # type: ignore[no-untyped-call]
+    except (av.FFmpegError, IndexError) as err:  # IndexError: no video stream
+        raise ValueError(f"video {path}: cannot decode it ({err}).") from None
+    if len(frames) != len(keep):
+        raise ValueError(f"video {path}: {total} frames announced, {len(frames)} of the {len(keep)} sampled decoded.")
+    return frames, rate
+
+
+def sample_video(
+    source: str | Path | Sequence[Any], *, patch_size: int, fps: float, max_frames: int, min_pixels: int,
+    max_pixels: int, total_pixels: int,
+) -> tuple[list[Any], float]:  # fmt: skip
+    """A video's frames as the model sees them and their sampling rate, as ROLL's ``data_args.video_*`` make them
+    (qwen-vl-utils' ``fetch_video``): a file (``source`` a path) sampled at ``fps``
+    (:func:`rl_engines.video.frame_count`, :func:`~rl_engines.video.frame_indices`; the rate is then
+    ``count / total * video_fps``); a list of frame images (paths or PIL images, each first resized to the pixel
+    bounds as an image is) kept whole, the last repeated to an even count, at :data:`FRAME_LIST_FPS`. Every frame is
+    then resized (bicubic) to :func:`~rl_engines.video.frame_size`."""
+    from PIL import Image
+
+    from rl_engines.video import FRAME_FACTOR, FRAME_LIST_FPS, frame_count, frame_indices, frame_size, smart_size
+
+    if isinstance(source, (str, Path)):
+        counted: dict[str, float] = {}
+
+        def wanted(total: int, rate: float) -> list[int]:
+            count = frame_count(total, rate, fps=fps, max_frames=max_frames)
+            counted["rate"] = count / total * rate
+            return frame_indices(total, count)
+
+        frames, _ = read_frames(source, wanted)
+        rate = counted["rate"]
+    else:
+        frames = [Image.open(f).convert("RGB") if isinstance(f, (str, Path)) else f.convert("RGB") for f in source]
+        if not frames:
+            raise ValueError("a video given as frames needs at least one frame.")
+        # each frame as qwen-vl-utils reads an image first (to the pixel bounds), then the video's resize below
+        sizes = [smart_size(f.height, f.width, factor=2 * patch_size, min_pixels=min_pixels, max_pixels=max_pixels)
+                 for f in frames]  # fmt: skip
+        frames = [f.resize((w, h), Image.Resampling.BICUBIC) for f, (h, w) in zip(frames, sizes, strict=True)]
+        frames += [frames[-1]] * (-len(frames) % FRAME_FACTOR)
+        rate = FRAME_LIST_FPS
+    width, height = frames[0].size
+    size = frame_size(height, width, len(frames), factor=2 * patch_size, min_pixels=min_pixels,
+                      max_pixels=max_pixels, total_pixels=total_pixels)  # fmt: skip
+    return [frame.resize((size[1], size[0]), Image.Resampling.BICUBIC) for frame in frames], rate
+
+
+def record_video(record: dict[str, Any], options: VideoOptions | None, patch_size: int, where: str) -> Any:
+    """``([frames], [rate])`` of the record's one video, or ``([], [])`` when it has none. A record with a video and
+    no video options (no ``video_*`` data key and no video layout) is read with ROLL's defaults."""
+    source = record.get(VIDEO_KEY)
+    if source is None or source == [] or source == "":
+        return [], []
+    frames, rate = (options or VideoOptions()).sample(source, patch_size, where)
+    return [frames], [rate]
+
+
+QUESTION = (
+    "{Question}\n"
+    "Please think about this question as if you were a human pondering deeply. "
+    "Engage in an internal dialogue using expressions such as 'let me think', 'wait', 'Hmm', 'oh, I see', "
+    "'let's break it down', etc, or other natural language thought expressions "
+    "It's encouraged to include self-reflection or verification in the reasoning process. "
+    "Provide your detailed reasoning between the <think> </think> tags, and then give your final answer between the "
+    "<answer> </answer> tags."
+)
+"""Video-R1's question template, as ROLL's ``video_r1_format_prompt`` writes it."""
+TYPE_INSTRUCTIONS = {
+    "multiple choice": " Please provide only the single option letter (e.g., A, B, C, D, etc.) within the <answer> "
+    "</answer> tags.",
+    "numerical": " Please provide the numerical value (e.g., 42 or 3.14) within the <answer> </answer> tags.",
+    "OCR": " Please transcribe text from the image/video clearly and provide your text answer within the <answer> "
+    "</answer> tags.",
+    "free-form": " Please provide your text answer within the <answer> </answer> tags.",
+    "regression": " Please provide the numerical value (e.g., 42 or 3.14) within the <answer> </answer> tags.",
+}
+"""The instruction appended for each ``problem_type``."""
+
+
+def video_r1_record(row: dict[str, Any], prompt_key: str, where: str) -> dict[str, Any]:
+    """A Video-R1 row as ROLL's ``video_r1_encode_function`` encodes it: ``prompt_key`` holds the chat (one user turn:
+    ``<video>``, the question template and the instruction for its ``problem_type``), ``ground_truth`` =
+    ``solution``, ``reward_model`` = ``problem_type`` (the Video-R1 reward grades by it) and ``tag`` =
+    ``modality_type`` (the reward section's ``tag_included``)."""
+    missing = [key for key in ("problem", "problem_type", "solution") if key not in row]
+    if missing:
+        raise DataError(f"{where}: the Video-R1 layout (data_args.custom_data_kwargs_func={VIDEO_R1}) needs the "
+                        f"columns {missing}; the row has {sorted(row)}.")  # fmt: skip
+    kind, modality = row["problem_type"], row.get("modality_type")
+    if kind not in TYPE_INSTRUCTIONS:
+        raise DataError(f"{where}: problem_type={kind!r} is not one of Video-R1's {list(TYPE_INSTRUCTIONS)}.")
+    if modality != "video":
+        raise DataError(f"{where}: modality_type={modality!r}; the Video-R1 layout is read for video records here. "
+                        "Give image questions in ROLL's VLM layout (an images column).")  # fmt: skip
+    content = "<video>" + QUESTION.format(Question=row["problem"]) + TYPE_INSTRUCTIONS[kind]
+    return {**row, prompt_key: [{"role": "user", "content": content}], "ground_truth": row["solution"],
+            "reward_model": kind, "tag": modality}  # fmt: skip

@@ -1,0 +1,141 @@
+"""Video RLVR data (issue 23): ROLL's Video-R1 records (``custom_data_kwargs_func: ...video_r1_get_data_kwargs``)
+with mp4 files under ``video_folder``, sampled by ``data_args.video_*`` into a Qwen2.5-VL prompt's video inputs, and
+two RLVR steps on the data and reward sections of ROLL's video_r1.yaml with a tiny Qwen2.5-VL (the file's own
+Qwen3-VL-MoE on Megatron is not built: see the note in docs)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from apps.rlvr.data import DataError, load_records, record_layout
+from apps.rlvr.video_data import VIDEO_R1, VideoOptions
+from rl_engines.tiny_model import build_tiny_vl_model
+
+av = pytest.importorskip("av")
+
+SMALL = {"video_min_pixels": 56 * 56, "video_max_pixels": 56 * 56, "video_total_pixels": 64 * 56 * 56,
+         "video_fps": 2.0, "video_max_frames": 8}  # fmt: skip
+"""Frames of 56 x 56 (4 merged tokens each pair of frames): the file's 128-token frames, shrunk for a CPU."""
+
+
+def write_mp4(path, seconds: float, fps: int = 8, size=(64, 64)) -> None:
+    """An mp4 of ``seconds`` whose frames brighten over time."""
+    count = int(seconds * fps)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        for index in range(count):
+            level = int(255 * index / max(count - 1, 1))
+            frame = av.VideoFrame.from_ndarray(np.full((size[1], size[0], 3), level, np.uint8), format="rgb24")
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+
+
+def video_r1_rows(count: int) -> list[dict]:
+    return [{"problem": f"Does clip {i} get brighter?\nOptions:\nA. yes\nB. no\n", "problem_type": "multiple choice",
+             "solution": "<answer>A</answer>", "video": f"clips/clip{i % 2}.mp4", "modality_type": "video"}
+            for i in range(count)]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def video_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("video")
+    (root / "clips").mkdir()
+    write_mp4(root / "clips" / "clip0.mp4", 3.0)  # 24 frames at 8 fps: 6 sampled at 2 fps
+    write_mp4(root / "clips" / "clip1.mp4", 1.0)  # 8 frames: 2 at 2 fps, raised to the minimum of 4
+    (root / "data.json").write_text(json.dumps(video_r1_rows(8)))
+    build_tiny_vl_model(
+        root / "vl", [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)], model_type="qwen2_5_vl"
+    )
+    return root
+
+
+def test_video_r1_rows_become_video_prompts_with_the_sampled_rate(video_setup):
+    from transformers import AutoTokenizer
+
+    from apps.rlvr.data import prompt_text
+    from apps.rlvr.vl_data import vl_prompt_batch
+    from rl_engines.vision import VISUAL_KEY, load_image_processor
+
+    root = video_setup
+    data_args = {"messages": "prompt", "custom_data_kwargs_func": VIDEO_R1, "video_folder": str(root), **SMALL}
+    records = load_records(str(root / "data.json"), prompt_key=None, messages_key="prompt",
+                           layout=record_layout(data_args, "actor_train"))  # fmt: skip
+    first = records[0]
+    assert first["ground_truth"] == "<answer>A</answer>" and first["reward_model"] == "multiple choice"
+    assert first["tag"] == "video" and first["prompt"][0]["content"].startswith("<video>Does clip 0 get brighter?")
+    assert first["prompt"][0]["content"].endswith("single option letter (e.g., A, B, C, D, etc.) within the <answer> "
+                                                  "</answer> tags.")  # fmt: skip
+    tokenizer, processor = AutoTokenizer.from_pretrained(root / "vl"), load_image_processor(root / "vl")
+    texts = [prompt_text(r["prompt"], tokenizer, "native") for r in records[:2]]
+    batch = vl_prompt_batch(texts, records[:2], tokenizer, processor, 1024, VideoOptions.from_data_args(data_args),
+                            "qwen2_5_vl")  # fmt: skip
+    pad = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    for row, (frames, seconds) in enumerate(((6, 3.0), (4, 1.0))):
+        inputs = batch.non_tensor_batch[VISUAL_KEY][row]
+        assert inputs["video_grid_thw"].tolist() == [[frames // 2, 4, 4]]  # 56 x 56 frames: 4 x 4 patches of 14
+        rate = frames / seconds  # frames sampled over the clip's length: 2 fps, 4 fps for the short clip
+        assert inputs["second_per_grid_ts"].tolist() == pytest.approx([2 / rate])
+        assert int((batch.batch["input_ids"][row] == pad).sum()) == frames // 2 * 4  # 2 x 2 patches per token
+    with pytest.raises(DataError, match=r"record \?: video .*nothing\.mp4 does not exist"):
+        vl_prompt_batch(texts[:1], [{**records[0], "video": "nothing.mp4"}], tokenizer, processor, 1024,
+                        VideoOptions.from_data_args(data_args), "qwen2_5_vl")  # fmt: skip
+
+
+def test_bad_video_data_keys_name_the_key(tmp_path):
+    from apps.common.preflight import PreflightError
+    from apps.rlvr.data_args import check_data_args, check_video_model
+
+    with pytest.raises(PreflightError, match=r"actor_train.data_args.custom_data_kwargs_func='my.func': the RLVR"):
+        check_data_args({"messages": "prompt", "custom_data_kwargs_func": "my.func"}, "actor_train")
+    with pytest.raises(PreflightError, match=r"set data_args\.messages, not prompt"):
+        check_data_args({"prompt": "problem", "custom_data_kwargs_func": VIDEO_R1}, "actor_train")
+    with pytest.raises(PreflightError, match=r"actor_train.data_args.video_fps: video inputs are built for"):
+        check_video_model({"video_fps": 2.0}, "actor_train", "qwen3_vl")
+    check_video_model({"video_fps": 2.0}, "actor_train", "qwen2_5_vl")
+    (tmp_path / "d.json").write_text(json.dumps([{**video_r1_rows(1)[0], "problem_type": "essay"}]))
+    with pytest.raises(DataError, match=r"row 0: problem_type='essay' is not one of Video-R1's"):
+        load_records(str(tmp_path / "d.json"), prompt_key=None, messages_key="prompt",
+                     layout=record_layout({"custom_data_kwargs_func": VIDEO_R1}, "actor_train"))  # fmt: skip
+
+
+def test_video_r1_data_and_rewards_run_two_steps(video_setup, tmp_path, ray_session):
+    """ROLL's video_r1.yaml data_args and rewards sections on the Qwen2.5-VL fsdp2 roll-target's engines."""
+    from test_apps_rlvr_roll_file_runs import on_cpu
+
+    from apps.common.yaml_config import load_config
+    from apps.rlvr.config import RLVRConfig
+    from apps.rlvr.pipeline import RLVRPipeline
+    from tests.shared_dir import require_shared, roll_target_files
+
+    root = video_setup
+    video = load_config(require_shared(roll_target_files("qwen3-vl-30BA3B-video-rlvr/video_r1.yaml")[0]))
+    base = load_config(require_shared(roll_target_files("qwen2_5-vl-3B-rlvr_fsdp2/rlvr_fsdp2_offload.yaml")[0]))
+    base["rewards"] = video["rewards"]
+    base["actor_train"]["data_args"] = dict(video["actor_train"]["data_args"])
+    out = tmp_path / "out"
+    config = on_cpu(base, str(root / "vl"), str(root / "data.json"), str(out), ulysses=False)
+    config["actor_train"]["data_args"].update(video_folder=str(root), **SMALL)
+    config.update(prompt_length=1024, rollout_batch_size=4)  # Video-R1's template: ~800 byte-level tokens
+    config["actor_train"]["training_args"].update(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    for role in ("actor_train", "actor_infer", "reference"):
+        config[role]["model_args"]["model_name_or_path"] = str(root / "vl")
+    RLVRPipeline(RLVRConfig.from_dict(config)).run()
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [step["step"] for step in steps] == [0, 1]
+    for step in steps:
+        assert {"videor1/acc_reward", "videor1/fmt_reward", "videor1/overall", "actor/pg_loss"} <= set(step)
+
+
+def test_a_text_model_refuses_a_record_with_a_video(video_setup):
+    from transformers import AutoTokenizer
+
+    from apps.rlvr.rollout import PromptSource
+
+    records = [{"prompt": "1+1=", "video": "clips/clip0.mp4"}]
+    source = PromptSource(records, AutoTokenizer.from_pretrained(video_setup / "vl"), "native", "prompt", None, 64)
+    with pytest.raises(DataError, match=r"a record has a 'video' column and the policy is a text model"):
+        source.batch([0], ["0:0"])
