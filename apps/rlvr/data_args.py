@@ -73,13 +73,12 @@ def check_data_args(data_args: dict[str, Any], section: str) -> list[str]:
 
 def check_video_model(data_args: dict[str, Any], section: str, model_type: str | None) -> None:
     """Video data (a ``video_*`` key or the Video-R1 layout) needs a model whose videos are built here (Qwen2-VL,
-    Qwen2.5-VL); ``model_type`` None (no local config.json yet) is not checked."""
+    Qwen2.5-VL, Qwen3-VL); ``model_type`` None (no local config.json yet) is not checked."""
     from rl_engines.video import VIDEO_MODEL_TYPES
 
     keys = [key for key in data_args if key.startswith("video_") or key == "custom_data_kwargs_func"]
     if keys and model_type is not None and model_type not in VIDEO_MODEL_TYPES:
         raise PreflightError(
             f"{section}.data_args.{keys[0]}: video inputs are built for {list(VIDEO_MODEL_TYPES)}, and the actor's "
-            f"model_type is {model_type!r} (Qwen3-VL numbers video frames by timestamps written into the prompt, "
-            "which is not built). Use a Qwen2-VL / Qwen2.5-VL model or drop the video data."
+            f"model_type is {model_type!r}. Use one of those models or drop the video data."
         )

@@ -41,8 +41,8 @@ class VideoOptions:
                                                                  "total_pixels", "folder")}  # fmt: skip
         return cls(**{key: value for key, value in given.items() if value is not None})
 
-    def sample(self, source: Any, patch_size: int, where: str) -> tuple[list[Any], float]:
-        """The record's frames and their sampling rate; ``where`` names the record in errors."""
+    def sample(self, source: Any, patch_size: int, where: str) -> SampledVideo:
+        """The record's video sampled; ``where`` names the record in errors."""
         source = self._located(source, where)
         try:
             return sample_video(source, patch_size=patch_size, fps=float(self.fps), max_frames=int(self.max_frames),
@@ -95,30 +95,42 @@ def read_frames(path: str | Path, wanted: Any) -> tuple[list[Any], float]:
     return frames, rate
 
 
+@dataclass(frozen=True)
+class SampledVideo:
+    """A video as the model sees it: ``frames`` (RGB PIL images of one size), the ``rate`` they were sampled at
+    (frames per second: Qwen2.5-VL's ``second_per_grid_ts``) and each frame's ``times`` in the clip (seconds:
+    Qwen3-VL's timestamps)."""
+
+    frames: list[Any]
+    rate: float
+    times: list[float]
+
+
 def sample_video(
     source: str | Path | Sequence[Any], *, patch_size: int, fps: float, max_frames: int, min_pixels: int,
     max_pixels: int, total_pixels: int,
-) -> tuple[list[Any], float]:  # fmt: skip
-    """A video's frames as the model sees them and their sampling rate, as ROLL's ``data_args.video_*`` make them
-    (qwen-vl-utils' ``fetch_video``): a file (``source`` a path) sampled at ``fps``
+) -> SampledVideo:  # fmt: skip
+    """A video's frames as the model sees them, their sampling rate and times, as ROLL's ``data_args.video_*`` make
+    them (qwen-vl-utils' ``fetch_video``): a file (``source`` a path) sampled at ``fps``
     (:func:`rl_engines.video.frame_count`, :func:`~rl_engines.video.frame_indices`; the rate is then
-    ``count / total * video_fps``); a list of frame images (paths or PIL images, each first resized to the pixel
-    bounds as an image is) kept whole, the last repeated to an even count, at :data:`FRAME_LIST_FPS`. Every frame is
-    then resized (bicubic) to :func:`~rl_engines.video.frame_size`."""
+    ``count / total * video_fps``, a frame's time its index / ``video_fps``); a list of frame images (paths or PIL
+    images, each first resized to the pixel bounds as an image is) kept whole, the last repeated to an even count,
+    at :data:`~rl_engines.video.FRAME_LIST_FPS` (frame ``i`` at ``i / FRAME_LIST_FPS`` s, as ROLL numbers them). Every
+    frame is then resized (bicubic) to :func:`~rl_engines.video.frame_size`."""
     from PIL import Image
 
     from rl_engines.video import FRAME_FACTOR, FRAME_LIST_FPS, frame_count, frame_indices, frame_size, smart_size
 
     if isinstance(source, (str, Path)):
-        counted: dict[str, float] = {}
+        picked: dict[str, Any] = {}
 
         def wanted(total: int, rate: float) -> list[int]:
             count = frame_count(total, rate, fps=fps, max_frames=max_frames)
-            counted["rate"] = count / total * rate
-            return frame_indices(total, count)
+            picked.update(rate=count / total * rate, indices=frame_indices(total, count))
+            return list(picked["indices"])
 
-        frames, _ = read_frames(source, wanted)
-        rate = counted["rate"]
+        frames, video_fps = read_frames(source, wanted)
+        rate, times = picked["rate"], [index / video_fps for index in picked["indices"]]
     else:
         frames = [Image.open(f).convert("RGB") if isinstance(f, (str, Path)) else f.convert("RGB") for f in source]
         if not frames:
@@ -128,21 +140,23 @@ def sample_video(
                  for f in frames]  # fmt: skip
         frames = [f.resize((w, h), Image.Resampling.BICUBIC) for f, (h, w) in zip(frames, sizes, strict=True)]
         frames += [frames[-1]] * (-len(frames) % FRAME_FACTOR)
-        rate = FRAME_LIST_FPS
+        rate, times = FRAME_LIST_FPS, [index / FRAME_LIST_FPS for index in range(len(frames))]
     width, height = frames[0].size
     size = frame_size(height, width, len(frames), factor=2 * patch_size, min_pixels=min_pixels,
                       max_pixels=max_pixels, total_pixels=total_pixels)  # fmt: skip
-    return [frame.resize((size[1], size[0]), Image.Resampling.BICUBIC) for frame in frames], rate
+    resized = [frame.resize((size[1], size[0]), Image.Resampling.BICUBIC) for frame in frames]
+    return SampledVideo(resized, rate, times)
 
 
-def record_video(record: dict[str, Any], options: VideoOptions | None, patch_size: int, where: str) -> Any:
-    """``([frames], [rate])`` of the record's one video, or ``([], [])`` when it has none. A record with a video and
-    no video options (no ``video_*`` data key and no video layout) is read with ROLL's defaults."""
+def record_video(
+    record: dict[str, Any], options: VideoOptions | None, patch_size: int, where: str
+) -> list[SampledVideo]:
+    """The record's one video, sampled (``[]`` when it has none). A record with a video and no video options (no
+    ``video_*`` data key and no video layout) is read with ROLL's defaults."""
     source = record.get(VIDEO_KEY)
     if source is None or source == [] or source == "":
-        return [], []
-    frames, rate = (options or VideoOptions()).sample(source, patch_size, where)
-    return [frames], [rate]
+        return []
+    return [(options or VideoOptions()).sample(source, patch_size, where)]
 
 
 QUESTION = (

@@ -68,11 +68,13 @@ def vl_prompt_batch(
     encoded = []
     for text, record in zip(texts, records, strict=True):
         where = f"record {record.get('id', '?')}"
-        frames, rates = record_video(record, videos, int(getattr(processor, "patch_size", 14)), where)
-        pixels = frames[0][0].width * frames[0][0].height if frames else None  # sampled at their final size
+        sampled = record_video(record, videos, int(getattr(processor, "patch_size", 14)), where)
+        pixels = sampled[0].frames[0].width * sampled[0].frames[0].height if sampled else None  # their final size
         try:
-            ids, visual = encode_prompt(text, record_images(record, where), tokenizer, processor, frames, fps=rates,
-                                        model_type=model_type, min_pixels=pixels, max_pixels=pixels)  # fmt: skip
+            ids, visual = encode_prompt(text, record_images(record, where), tokenizer, processor,
+                                        [video.frames for video in sampled], fps=[video.rate for video in sampled],
+                                        frame_times=[video.times for video in sampled], model_type=model_type,
+                                        min_pixels=pixels, max_pixels=pixels)  # fmt: skip
         except ValueError as err:
             raise DataError(f"{where}: {err}") from None
         if len(ids) > prompt_length:

@@ -85,6 +85,28 @@ def test_video_r1_rows_become_video_prompts_with_the_sampled_rate(video_setup):
                         VideoOptions.from_data_args(data_args), "qwen2_5_vl")  # fmt: skip
 
 
+def test_qwen3_vl_prompts_carry_the_sampled_frames_times(video_setup, tmp_path):
+    """Qwen3-VL: each pair of sampled frames gets its own vision block after its time in the clip."""
+    from transformers import AutoTokenizer
+
+    from apps.rlvr.data import prompt_text
+    from apps.rlvr.vl_data import vl_prompt_batch
+    from rl_engines.vision import VISUAL_KEY, load_image_processor
+
+    build_tiny_vl_model(tmp_path, ["1 2 3"], model_type="qwen3_vl")
+    tokenizer, processor = AutoTokenizer.from_pretrained(tmp_path), load_image_processor(tmp_path)
+    data_args = {"video_folder": str(video_setup), **SMALL}
+    record = {"prompt": [{"role": "user", "content": "<video>brighter?"}], "video": "clips/clip0.mp4"}
+    batch = vl_prompt_batch([prompt_text(record["prompt"], tokenizer, "native")], [record], tokenizer, processor, 256,
+                            VideoOptions.from_data_args(data_args), "qwen3_vl")  # fmt: skip
+    # 24 frames at 8 fps, 6 sampled: 0, 5, 9, 14, 18, 23 -> 0, 0.625, 1.125, 1.75, 2.25, 2.875 s; pairs' means
+    # 0.3125, 1.4375, 2.5625. 64 x 64 frames at 32-pixel factors under 3136 pixels: 32 x 32, one token per pair.
+    one = "<|vision_start|><|video_pad|><|vision_end|>"
+    text = tokenizer.decode(batch.batch["input_ids"][0])
+    assert f"<0.3 seconds>{one}<1.4 seconds>{one}<2.6 seconds>{one}brighter?" in text
+    assert batch.non_tensor_batch[VISUAL_KEY][0]["video_grid_thw"].tolist() == [[3, 2, 2]]
+
+
 def test_bad_video_data_keys_name_the_key(tmp_path):
     from apps.common.preflight import PreflightError
     from apps.rlvr.data_args import check_data_args, check_video_model
@@ -94,8 +116,8 @@ def test_bad_video_data_keys_name_the_key(tmp_path):
     with pytest.raises(PreflightError, match=r"set data_args\.messages, not prompt"):
         check_data_args({"prompt": "problem", "custom_data_kwargs_func": VIDEO_R1}, "actor_train")
     with pytest.raises(PreflightError, match=r"actor_train.data_args.video_fps: video inputs are built for"):
-        check_video_model({"video_fps": 2.0}, "actor_train", "qwen3_vl")
-    check_video_model({"video_fps": 2.0}, "actor_train", "qwen2_5_vl")
+        check_video_model({"video_fps": 2.0}, "actor_train", "qwen2")
+    check_video_model({"video_fps": 2.0}, "actor_train", "qwen3_vl")
     (tmp_path / "d.json").write_text(json.dumps([{**video_r1_rows(1)[0], "problem_type": "essay"}]))
     with pytest.raises(DataError, match=r"row 0: problem_type='essay' is not one of Video-R1's"):
         load_records(str(tmp_path / "d.json"), prompt_key=None, messages_key="prompt",

@@ -64,8 +64,10 @@ def grey(frame: Image.Image) -> float:
 def test_a_lossless_file_gives_the_sampled_frames_and_their_rate(tmp_path):
     path = tmp_path / "clip.mov"
     write_video(path, [8 * i for i in range(30)], fps=10, codec="png")  # 3 s at 10 fps
-    frames, rate = sample_video(path, patch_size=14, fps=2.0, max_frames=192, **BOUNDS)
+    video = sample_video(path, patch_size=14, fps=2.0, max_frames=192, **BOUNDS)
+    frames, rate = video.frames, video.rate
     assert len(frames) == 6 and rate == pytest.approx(6 / 30 * 10)  # 3 s x 2 fps
+    assert video.times == pytest.approx([i / 10 for i in (0, 6, 12, 17, 23, 29)])  # index / the clip's 10 fps
     assert [round(grey(f)) for f in frames] == [8 * i for i in frame_indices(30, 6)] == [0, 48, 96, 136, 184, 232]
     # 48 x 64 rounds to 56 x 56, below the 100,352-pixel floor: scaled up by sqrt(100352 / 3072) = 5.72, rounded up
     assert {f.size for f in frames} == {(392, 280)}
@@ -84,7 +86,9 @@ def test_a_list_of_frames_is_kept_whole_at_two_fps(tmp_path):
     for i in range(3):
         paths.append(tmp_path / f"{i}.png")
         Image.new("RGB", (64, 48), (40 * i,) * 3).save(paths[-1])
-    frames, rate = sample_video(paths, patch_size=14, fps=5.0, max_frames=2, **BOUNDS)
+    video = sample_video(paths, patch_size=14, fps=5.0, max_frames=2, **BOUNDS)
+    frames, rate = video.frames, video.rate
+    assert video.times == [0.0, 0.5, 1.0, 1.5]  # numbered as ROLL does, the repeated frame too
     assert rate == 2.0 and [round(grey(f)) for f in frames] == [0, 40, 80, 80]  # padded to even, not sampled
     # each frame first to the image bounds (280 x 392, as above), then the video's: 109,760 > 100,352 pixels
     assert {f.size for f in frames} == {(364, 252)}

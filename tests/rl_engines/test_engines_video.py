@@ -23,7 +23,7 @@ __all__ = ["ieee_fp32_convolutions"]  # autouse: IEEE fp32 convolutions on CUDA
 FPS = 1.0  # Qwen2.5-VL: second_per_grid_ts = 2 / FPS = 2 s, not the model's default of 1 s per temporal patch
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def video_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     build_tiny_vl_model(path, CORPUS, model_type=request.param)
@@ -34,11 +34,16 @@ def frames(count, seed, size=(56, 84)):
     return [image(*size, seed + k) for k in range(count)]
 
 
+def timing(*counts):
+    """Each video's frame times (seconds) at FPS: what Qwen3-VL's prompt timestamps come from."""
+    return [[k / FPS for k in range(count)] for count in counts]
+
+
 def test_a_still_video_equals_its_picture_through_the_image_path(video_model):
     path, model_type = video_model
     processor = load_image_processor(path)
     picture = image(56, 84, 0)
-    video = encode_video(processor, [picture, picture], fps=FPS, model_type=model_type)
+    video = encode_video(processor, [picture, picture], fps=FPS, model_type=model_type, frame_times=[0.0, 1.0])
     still = encode_images(processor, [picture])
     assert torch.equal(video["pixel_values_videos"], still["pixel_values"])
     assert video["video_grid_thw"].tolist() == still["image_grid_thw"].tolist() == [[1, 4, 6]]
@@ -49,7 +54,7 @@ def test_frames_pair_up_in_time_and_an_odd_count_repeats_the_last(video_model):
     path, model_type = video_model
     processor = load_image_processor(path)
     shots = frames(3, 10)
-    video = encode_video(processor, shots, fps=FPS, model_type=model_type)
+    video = encode_video(processor, shots, fps=FPS, model_type=model_type, frame_times=timing(3)[0])
     assert video["video_grid_thw"].tolist() == [[2, 4, 6]]
     temporal, patch = processor.temporal_patch_size, processor.patch_size
     groups = video["pixel_values_videos"].reshape(2, 24, 3, temporal, patch * patch)
@@ -63,15 +68,19 @@ def test_frames_pair_up_in_time_and_an_odd_count_repeats_the_last(video_model):
 def test_bad_videos_are_refused_naming_why(video_model):
     path, model_type = video_model
     processor = load_image_processor(path)
-    with pytest.raises(ValueError, match=r"not model_type 'qwen3_vl'.*timestamp"):
-        encode_video(processor, frames(2, 0), fps=FPS, model_type="qwen3_vl")
+    with pytest.raises(ValueError, match=r"video inputs are built for .*not model_type 'qwen2'"):
+        encode_video(processor, frames(2, 0), fps=FPS, model_type="qwen2")
     with pytest.raises(ValueError, match=r"frames must share one size"):
-        encode_video(processor, [image(56, 84, 0), image(28, 28, 1)], fps=FPS, model_type=model_type)
+        encode_video(processor, [image(56, 84, 0), image(28, 28, 1)], fps=FPS, model_type=model_type,
+                     frame_times=timing(2)[0])  # fmt: skip
     with pytest.raises(ValueError, match=r"at least one frame"):
         encode_video(processor, [], fps=FPS, model_type=model_type)
+    with pytest.raises(ValueError, match=r"a qwen3_vl video needs each frame's time \(frame_times, 2 values\)"):
+        encode_video(processor, frames(2, 0), fps=FPS, model_type="qwen3_vl")
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     with pytest.raises(ValueError, match=r"2 video placeholder\(s\) and 1 video\(s\).*'<video>'"):
-        encode_prompt("<video><video>what?", [], tokenizer, processor, [frames(2, 0)], fps=FPS, model_type=model_type)
+        encode_prompt("<video><video>what?", [], tokenizer, processor, [frames(2, 0)], fps=FPS, model_type=model_type,
+                      frame_times=timing(2))  # fmt: skip
 
 
 def video_prompts(path, model_type) -> RolloutBatch:
@@ -80,8 +89,8 @@ def video_prompts(path, model_type) -> RolloutBatch:
     options = {"fps": FPS, "model_type": model_type}
     items = [("<video>1+2=", [], [frames(3, 0)]), ("<image>3+<video>4=", [image(28, 56, 5)], [frames(2, 6, (28, 28))]),
              ("5+6=", [], [])]  # fmt: skip
-    encoded = [encode_prompt(text, pictures, tokenizer, processor, videos, **options)
-               for text, pictures, videos in items]  # fmt: skip
+    encoded = [encode_prompt(text, pictures, tokenizer, processor, videos, frame_times=timing(*map(len, videos)),
+                             **options) for text, pictures, videos in items]  # fmt: skip
     return prompt_batch(encoded)
 
 
@@ -118,3 +127,23 @@ def test_video_prompts_generate_score_and_train_as_the_hf_model(video_model):
     after = dict(train.named_weights())
     tower = "model.visual.patch_embed.proj.weight"  # the videos' gradients reach the vision tower
     assert not torch.equal(after[tower], before[tower])
+
+
+def test_qwen3_vl_prompts_give_each_temporal_patch_its_time_and_its_own_block(tmp_path):
+    """Qwen3-VL's layout as transformers 5.2 (ROLL's pin) and vLLM write it: per temporal patch ``<t seconds>``, then a
+    vision block of its pads; the times are the mean of the patch's first and last frame (the last repeated)."""
+    from rl_engines.video import timestamped_video_text
+
+    build_tiny_vl_model(tmp_path, CORPUS, model_type="qwen3_vl")
+    tokenizer, processor = AutoTokenizer.from_pretrained(str(tmp_path)), load_image_processor(tmp_path)
+    shots = frames(3, 0, (64, 64))  # 3 frames at 0, 0.5, 1 s: patches of (0, 0.5) and (1, 1): 0.25 s and 1.0 s
+    ids, visual = encode_prompt("<video>1+2=", [], tokenizer, processor, [shots], fps=2.0, model_type="qwen3_vl",
+                                frame_times=[[0.0, 0.5, 1.0]])  # fmt: skip
+    assert visual["video_grid_thw"].tolist() == [[2, 4, 4]] and set(visual) == {"pixel_values_videos",
+                                                                                  "video_grid_thw"}  # fmt: skip
+    block = "<|vision_start|>" + "<|video_pad|>" * 4 + "<|vision_end|>"  # 4 x 4 patches, 2 x 2 merged
+    assert tokenizer.decode(ids) == f"<0.2 seconds>{block}<1.0 seconds>{block}1+2="  # 0.25 s rounds half to even
+    grids, times = torch.tensor([[1, 2, 2], [2, 2, 2]]), torch.tensor([3.0, 4.25, 5.5])
+    text = timestamped_video_text("a<|video_pad|>b<|vision_start|><|video_pad|><|vision_end|>c", grids, times, 2)
+    one = "<|vision_start|><|video_pad|><|vision_end|>"
+    assert text == f"a<3.0 seconds>{one}b<4.2 seconds>{one}<5.5 seconds>{one}c"  # a bare pad (vLLM's) too

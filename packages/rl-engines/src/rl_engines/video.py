@@ -14,13 +14,15 @@ padded by repeating the last frame, as the video processor does. So a video of `
 that picture through the image path, grid ``(1, h, w)``.
 
 The prompt holds ROLL's ``<video>`` (or ``<|video_pad|>`` inside a vision block) once per video, expanded to
-``t * h * w / merge_size**2`` pads. Qwen3-VL is refused: its processor writes each temporal patch's timestamp into
-the text (``<t seconds>``) and its RoPE numbers video frames by them, which this module does not build.
+``t * h * w / merge_size**2`` pads. Qwen3-VL's prompt instead gives every temporal patch its own vision block after
+its time, ``<0.2 seconds><|vision_start|>...<|vision_end|><1.2 seconds>...`` (:func:`timestamped_video_text`, from
+each frame's time in the clip), and the model numbers each block's positions as a one-frame video.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,7 +33,12 @@ VIDEO_PLACEHOLDER = "<video>"
 VIDEO_PAD = "<|video_pad|>"
 VIDEO_TENSORS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 """The video inputs a sample may hold, in the model's keyword names (``second_per_grid_ts``: Qwen2.5-VL only)."""
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+TIMESTAMPED = ("qwen3_vl",)
+"""Models whose prompts carry each temporal patch's time (``<t seconds>``) before its own vision block."""
+TIMESTAMPS = "video_timestamps"
+"""Key of the temporal patches' times (seconds, every video's in order) that :func:`encode_video` returns for a
+timestamped model; :func:`timestamped_video_text` writes them into the prompt (it is not a model input)."""
 FRAME_FACTOR = 2
 """Sampled frame counts are multiples of this (qwen-vl-utils', as ROLL uses it)."""
 MIN_FRAMES = 4
@@ -43,13 +50,40 @@ FRAME_LIST_FPS = 2.0
 
 
 def check_video_model(model_type: str | None) -> None:
-    """Videos are built for Qwen2-VL and Qwen2.5-VL; any other model type is refused, naming it."""
+    """Videos are built for Qwen2-VL, Qwen2.5-VL and Qwen3-VL; any other model type is refused, naming it."""
     if model_type not in VIDEO_MODEL_TYPES:
         raise ValueError(
-            f"video inputs are built for {list(VIDEO_MODEL_TYPES)}, not model_type {model_type!r}: Qwen3-VL's "
-            "processor writes each frame group's timestamp into the prompt and numbers video positions by it, which "
-            "is not built here. Use images, or a Qwen2-VL / Qwen2.5-VL model."
+            f"video inputs are built for {list(VIDEO_MODEL_TYPES)}, not model_type {model_type!r}. Use images, or "
+            "one of those models."
         )
+
+
+def group_times(frame_times: Sequence[float], temporal: int) -> list[float]:
+    """Each temporal patch's time: the mean of its first and last frame's (the frame list padded with its last
+    frame's time to a multiple of ``temporal``), as Qwen3-VL's processor computes them."""
+    times = list(frame_times) + [frame_times[-1]] * (-len(frame_times) % temporal)
+    return [(times[i] + times[i + temporal - 1]) / 2 for i in range(0, len(times), temporal)]
+
+
+def timestamped_video_text(text: str, grids: torch.Tensor, times: torch.Tensor, merge_size: int) -> str:
+    """Qwen3-VL's video prompt (transformers 5.2's processor, the version ROLL pins, and vLLM's): the k-th video's
+    ``<|vision_start|><|video_pad|><|vision_end|>`` (or a bare ``<|video_pad|>``, vLLM's form; in text order) becomes,
+    for each temporal patch, ``<t seconds>`` (one decimal) and a vision block of that patch's ``h * w /
+    merge_size**2`` pads. ``times``: every video's patch times in order (``grids[k, 0]`` each)."""
+    start, end = "<|vision_start|>", "<|vision_end|>"
+    if text.count(VIDEO_PAD) != len(grids):
+        raise ValueError(f"the prompt has {text.count(VIDEO_PAD)} video placeholder(s) and {len(grids)} video(s); "
+                         f"each video needs one {VIDEO_PLACEHOLDER!r} in the prompt text.")  # fmt: skip
+    counts = grids[:, 0].tolist()
+    bounds = [sum(counts[:k]) for k in range(len(counts) + 1)]
+    blocks = []
+    for k, grid in enumerate(grids.tolist()):
+        pads = VIDEO_PAD * (grid[1] * grid[2] // merge_size**2)
+        own = times[bounds[k] : bounds[k + 1]].tolist()
+        blocks.append("".join(f"<{t:.1f} seconds>{start}{pads}{end}" for t in own))
+    placeholder = re.escape(f"{start}{VIDEO_PAD}{end}") + "|" + re.escape(VIDEO_PAD)
+    order = iter(blocks)
+    return re.sub(placeholder, lambda _: next(order), text)  # in text order, wrapped or bare
 
 
 def frame_patches(processor: Any, frame: Any, size: dict[str, int] | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,16 +104,21 @@ def encode_video(
     model_type: str | None,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    frame_times: Sequence[float] | None = None,
 ) -> dict[str, torch.Tensor]:
     """A video's model inputs: ``pixel_values_videos [t * h * w, C * T * P * P]``, ``video_grid_thw [1, 3]`` and, for
     Qwen2.5-VL, ``second_per_grid_ts [1]`` (``T / fps``: the seconds one temporal patch spans at the frames' sampling
-    rate ``fps``). ``min_pixels`` / ``max_pixels`` bound each frame's size (ROLL's ``video_min_pixels`` /
-    ``video_max_pixels``); unset, the processor's own bounds apply."""
+    rate ``fps``); for Qwen3-VL, :data:`TIMESTAMPS` ``[t]`` from ``frame_times`` (each frame's time in the clip,
+    seconds; :func:`group_times`). ``min_pixels`` / ``max_pixels`` bound each frame's size (ROLL's
+    ``video_min_pixels`` / ``video_max_pixels``); unset, the processor's own bounds apply."""
     check_video_model(model_type)
     if not frames:
         raise ValueError("a video needs at least one frame.")
     if fps <= 0:
         raise ValueError(f"video fps must be > 0, got {fps}.")
+    if model_type in TIMESTAMPED and (frame_times is None or len(frame_times) != len(frames)):
+        raise ValueError(f"a {model_type} video needs each frame's time (frame_times, {len(frames)} values): its "
+                         "prompt carries each temporal patch's timestamp.")  # fmt: skip
     size = None
     if min_pixels or max_pixels:
         size = {"shortest_edge": int(min_pixels or processor.min_pixels),
@@ -98,6 +137,8 @@ def encode_video(
            "video_grid_thw": grid.unsqueeze(0)}  # fmt: skip
     if model_type == "qwen2_5_vl":
         out["second_per_grid_ts"] = torch.tensor([temporal / fps], dtype=torch.float32)
+    if model_type in TIMESTAMPED:
+        out[TIMESTAMPS] = torch.tensor(group_times(list(frame_times or ()), temporal), dtype=torch.float64)
     return out
 
 
@@ -106,9 +147,12 @@ def encode_videos(processor: Any, videos: Sequence[Sequence[Any]], **options: An
     video (each video's sampling rate, as ROLL passes them to the processor)."""
     rates = options.pop("fps", None)
     rates = list(rates) if isinstance(rates, (list, tuple)) else [rates] * len(videos)
-    if len(rates) != len(videos):
-        raise ValueError(f"{len(videos)} videos and {len(rates)} fps values; give one per video.")
-    parts = [encode_video(processor, frames, fps=rate, **options) for frames, rate in zip(videos, rates, strict=True)]
+    times = options.pop("frame_times", None) or [None] * len(videos)
+    if len(rates) != len(videos) or len(times) != len(videos):
+        raise ValueError(f"{len(videos)} videos, {len(rates)} fps values and {len(times)} frame-time lists; give one "
+                         "per video.")  # fmt: skip
+    parts = [encode_video(processor, frames, fps=rate, frame_times=when, **options)
+             for frames, rate, when in zip(videos, rates, times, strict=True)]  # fmt: skip
     return {key: torch.cat([part[key] for part in parts]) for key in (parts[0] if parts else {})}
 
 

@@ -26,7 +26,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from rl_engines.video import VIDEO_PAD, VIDEO_PLACEHOLDER, VIDEO_TENSORS, encode_videos
+from rl_engines.video import (
+    TIMESTAMPS,
+    VIDEO_PAD,
+    VIDEO_PLACEHOLDER,
+    VIDEO_TENSORS,
+    encode_videos,
+    timestamped_video_text,
+)
 
 VISUAL_KEY = "multi_modal_inputs"
 """``non_tensor_batch`` key of the per-sample visual inputs."""
@@ -183,10 +190,16 @@ def encode_prompt(
     """A prompt's token ids (``text``, chat-templated already, with one ``<|image_pad|>`` per image and one
     ``<|video_pad|>`` per video, or ROLL's ``<image>`` / ``<video>``) and its visual inputs (``{}`` without any).
     ``videos``: each a list of frames, encoded by :func:`rl_engines.video.encode_video` with ``video_options``
-    (``fps``, ``model_type``, ``min_pixels``, ``max_pixels``)."""
+    (``fps``, ``model_type``, ``min_pixels``, ``max_pixels``, ``frame_times``; Qwen3-VL's timestamped blocks by
+    :func:`rl_engines.video.timestamped_video_text`)."""
     visual = {**encode_images(processor, images), **encode_videos(processor, videos, **video_options)}
+    times = visual.pop(TIMESTAMPS, None)  # Qwen3-VL: written into the text, not a model input
     text = with_image_tokens(text)
+    if times is not None:
+        text = timestamped_video_text(text, visual["video_grid_thw"], times, merge_size(processor))
     for pad, grids in ((IMAGE_PAD, "image_grid_thw"), (VIDEO_PAD, "video_grid_thw")):
-        if grids in visual or pad in text:  # pads without pictures raise here
+        if (grids in visual or pad in text) and not (
+            pad == VIDEO_PAD and times is not None
+        ):  # pads without pictures raise here
             text = expand_image_pads(text, visual.get(grids, torch.zeros((0, 3))), merge_size(processor), pad)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"]), visual
