@@ -11,8 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_fixtures import CORPUS, require_engine, worker_config
+from test_engines_video import video_prompts
 from vl_fixtures import alone, teacher_forced, vl_prompts
 
+from rl_core.batch import RolloutBatch
 from rl_engines.objectives import ActorObjective
 from rl_engines.placement import ClusterSpec
 from rl_engines.roles import Roles
@@ -55,6 +57,43 @@ def hf_state(path):
     from transformers import AutoModelForImageTextToText
 
     return AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).state_dict()
+
+
+def test_tp_scores_video_prompts_like_hf(roles, qwen3_vl):
+    """Videos (timestamped blocks, one-frame RoPE numbering, DeepStack features at the video pads) with a picture in
+    the same batch, before any update: log-probs equal the HF model on each sample alone."""
+    prompts = video_prompts(qwen3_vl, "qwen3_vl")
+    batch = teacher_forced(RolloutBatch.concat([prompts, prompts.slice(0, 1)]))  # 4: two data-parallel halves
+    mask = batch.batch["response_mask"]
+    train = roles["actor_train"].call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
+    torch.testing.assert_close(train[mask], alone(qwen3_vl, batch)[mask], atol=2e-6, rtol=0)
+
+
+def test_megatron_trains_qwen2_5_vl_videos_like_fsdp2(tmp_path):
+    """Qwen2.5-VL videos (``second_per_grid_ts`` in the positions) in megatron_train: log-probs of the HF model on each
+    sample alone, and the update of fsdp2_train (vision tower included)."""
+    require_engine("megatron_train")
+    build_tiny_vl_model(tmp_path, CORPUS, model_type="qwen2_5_vl", num_key_value_heads=2)
+    batch = teacher_forced(video_prompts(tmp_path, "qwen2_5_vl"))
+    mask = batch.batch["response_mask"]
+    training = {**TRAINING, "per_device_train_batch_size": 3, "gradient_accumulation_steps": 1}
+    config = worker_config(tmp_path, training_args=training, strategy_args={"strategy_name": "megatron_train"})
+    megatron = create_strategy(config, "actor_train")
+    megatron.initialize()
+    tower = "model.visual.patch_embed.proj.weight"  # the frames' gradients reach the tower
+    before = dict(megatron.named_weights())[tower].clone()
+    scored = megatron.compute_log_probs(batch).batch["log_probs"]
+    torch.testing.assert_close(scored[mask], alone(tmp_path, batch)[mask], atol=2e-6, rtol=0)
+    batch.batch["old_log_probs"] = scored
+    batch.batch["advantages"] = torch.linspace(-1.0, 1.0, mask.numel()).view(mask.shape) * mask
+    fsdp2 = create_strategy(worker_config(tmp_path, training_args=training), "actor_train")
+    fsdp2.initialize()
+    a, b = megatron.train_step(batch, ActorObjective()), fsdp2.train_step(batch, ActorObjective())
+    assert a["pg_loss"] == pytest.approx(b["pg_loss"], abs=1e-6)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    after, reference = dict(megatron.named_weights()), dict(fsdp2.named_weights())
+    torch.testing.assert_close(after[tower], reference[tower], atol=2e-6, rtol=0)
+    assert not torch.equal(after[tower], before)
 
 
 def test_tp_scores_trains_and_syncs_a_vl_model_like_hf_and_fsdp2(roles, qwen3_vl, tmp_path):

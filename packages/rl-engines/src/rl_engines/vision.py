@@ -39,6 +39,8 @@ VISUAL_KEY = "multi_modal_inputs"
 """``non_tensor_batch`` key of the per-sample visual inputs."""
 VISUAL_TENSORS = ("pixel_values", "image_grid_thw", *VIDEO_TENSORS)
 """The visual inputs a sample may hold, in the model's keyword names (images; videos: :mod:`rl_engines.video`)."""
+ROPE_INPUTS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
+"""The visual inputs the models' ``get_rope_index`` numbers multimodal positions by."""
 IMAGE_PLACEHOLDER = "<image>"
 """How ROLL's (and verl's) multimodal datasets mark an image in a prompt's text."""
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"

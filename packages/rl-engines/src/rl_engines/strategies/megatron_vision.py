@@ -94,19 +94,23 @@ class MegatronVision:
 
     def positions(self, ids: torch.Tensor, mask: torch.Tensor, batch: Any, device: torch.device) -> torch.Tensor:
         """``[3, B, S]`` multimodal RoPE positions of ``ids`` (``mask``: the real tokens) with ``batch``'s pictures
-        (None: text only), from the model's own ``get_rope_index`` (left padding aware)."""
+        and videos (None: text only), from the model's own ``get_rope_index`` (left padding aware)."""
         rows = ids.cpu()
-        grids = visual_inputs(batch, torch.device("cpu")).get("image_grid_thw") if batch is not None else None
-        rope, _ = self.hf.get_rope_index(rows, token_types(rows, self.config), image_grid_thw=grids,
-                                         attention_mask=mask.long().cpu())  # fmt: skip
+        visual = visual_inputs(batch, torch.device("cpu")) if batch is not None else {}
+        grids = {
+            key: visual[key] for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if key in visual
+        }
+        rope, _ = self.hf.get_rope_index(rows, token_types(rows, self.config), attention_mask=mask.long().cpu(),
+                                         **grids)  # fmt: skip
         return rope.to(device)  # type: ignore[no-any-return]
 
     def decoder_input(
         self, chunk: Any, ids: torch.Tensor, batch: Any, sequence_parallel: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The first layer's input ``[S, B, H]`` (this rank's sequence slice under sequence parallelism): word
-        embeddings (vocabulary-parallel, all-reduced) with the image pads' rows replaced by the tower's output; and
-        the DeepStack addends ``[layers, S, B, H]`` (zero away from the image tokens; None without them)."""
+        embeddings (vocabulary-parallel, all-reduced) with the image and video pads' rows replaced by the tower's
+        output; and the DeepStack addends ``[layers, S, B, H]`` (zero away from the visual tokens; None without
+        them)."""
         words = chunk.embedding.word_embeddings
         scatter = words.reduce_scatter_embeddings
         words.reduce_scatter_embeddings = False  # the whole sequence first: image rows go in before the scatter
@@ -115,27 +119,34 @@ class MegatronVision:
         finally:
             words.reduce_scatter_embeddings = scatter
         visual = visual_inputs(batch, ids.device) if batch is not None else {}
-        if "pixel_values_videos" in visual:
-            raise ValueError(
-                "a batch with videos reached megatron_train / megatron_infer, whose vision path embeds images only: "
-                "train video prompts with fsdp2_train or deepspeed_train (hf_infer / fsdp2_infer for scoring)."
-            )
-        if not visual:
+        parts = [self._features(ids, visual, kind) for kind in ("image", "video") if _PIXELS[kind] in visual]
+        if not parts:
             return _sequence_first(embeds, sequence_parallel), None
-        features = self.hf.get_image_features(visual["pixel_values"], visual["image_grid_thw"], return_dict=True)
-        image = ids == int(self.config.image_token_id)
-        rows = torch.cat(features.pooler_output).to(embeds.dtype)
-        if int(image.sum()) != rows.shape[0]:
-            raise ValueError(
-                f"Image features and image tokens do not match: {int(image.sum())} image pads, {rows.shape[0]} image "
-                "features"
-            )
-        embeds = embeds.masked_scatter(image[..., None].expand_as(embeds), rows)
+        for pads, features in parts:
+            rows = torch.cat(features.pooler_output).to(embeds.dtype)
+            embeds = embeds.masked_scatter(pads[..., None].expand_as(embeds), rows)
         if not self.deepstack:
             return _sequence_first(embeds, sequence_parallel), None
-        layers = features.deepstack_features
-        addends = torch.stack([_at(image, torch.cat(parts).to(embeds.dtype), embeds) for parts in layers])
+        addends = torch.stack([  # image and video pads never overlap: each layer's addend is their sum
+            torch.stack([_at(pads, torch.cat(features.deepstack_features[layer]).to(embeds.dtype), embeds)
+                         for pads, features in parts]).sum(0)
+            for layer in range(self.deepstack)
+        ])  # fmt: skip
         return _sequence_first(embeds, sequence_parallel), _sequence_first(addends, sequence_parallel, dim=1)
+
+    def _features(self, ids: torch.Tensor, visual: dict[str, torch.Tensor], kind: str) -> tuple[torch.Tensor, Any]:
+        """The ``kind`` (image / video) pads of ``ids`` and the tower's features of their pictures / frames."""
+        encode = self.hf.get_image_features if kind == "image" else self.hf.get_video_features
+        features = encode(visual[_PIXELS[kind]], visual[f"{kind}_grid_thw"], return_dict=True)
+        pads = ids == int(getattr(self.config, f"{kind}_token_id"))
+        count = sum(int(part.shape[0]) for part in features.pooler_output)
+        if int(pads.sum()) != count:
+            raise ValueError(f"{kind.capitalize()} features and {kind} tokens do not match: {int(pads.sum())} {kind} "
+                             f"pads, {count} {kind} features")  # fmt: skip
+        return pads, features
+
+
+_PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 
 
 def add_deepstack(layer: int, _module: Any, _args: Any, kwargs: dict[str, Any], output: Any) -> Any:

@@ -23,7 +23,7 @@ from torch import nn
 from rl_core.batch import RolloutBatch
 from rl_core.seqlen_balance import largest_differencing
 from rl_engines.strategies.model_io import position_ids_from_mask, response_length, response_log_probs, unwrapped
-from rl_engines.vision import is_visual, token_types, visual_inputs, vl_config
+from rl_engines.vision import ROPE_INPUTS, is_visual, token_types, visual_inputs, vl_config
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def packed_visual_inputs(
     hf = unwrapped(model)
     visual = visual_inputs(batch, device, hf)  # mm_token_type_ids of the padded rows, for their positions
     mask = batch.batch["attention_mask"].to(device).bool()
-    grids = {key: visual[key] for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if key in visual}
+    grids = {key: visual[key] for key in ROPE_INPUTS if key in visual}
     rope, _ = hf.model.get_rope_index(batch.batch["input_ids"].to(device), visual["mm_token_type_ids"],
                                       attention_mask=mask.long(), **grids)  # fmt: skip
     fill = packed.tokens - int(mask.sum())
