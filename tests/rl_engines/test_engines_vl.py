@@ -58,11 +58,14 @@ def test_vl_rollouts_score_train_and_sync_as_the_hf_model(any_vl_dir):
     rollout.batch["old_log_probs"] = scored
     rollout.batch["advantages"] = torch.randn(mask.shape, generator=torch.Generator().manual_seed(0)) * mask
     before = {name: value.clone() for name, value in train.named_weights()}
-    train.train_step(rollout, ActorObjective())
+    metrics = train.train_step(rollout, ActorObjective())
     after = dict(train.named_weights())
     changed = {name for name in after if not torch.equal(after[name], before[name])}
     assert any(name.startswith("visual.") or ".visual." in name for name in changed), sorted(changed)[:5]
     assert any("layers.0.self_attn" in name and "visual" not in name for name in changed)
+    moe = "layers.0.mlp.gate.weight" in " ".join(after)  # Qwen3-VL-MoE: its routers train, balanced by the aux loss
+    assert ("load_balancing_loss" in metrics) == moe
+    assert not moe or any(name.endswith("layers.0.mlp.gate.weight") for name in changed)
 
     infer.load_weights(train.named_weights())
     synced = infer.compute_log_probs(rollout).batch["log_probs"]
@@ -159,6 +162,29 @@ def test_deepspeed_freezes_the_vision_tower_and_updates_the_rest_like_fsdp2(vl_d
         assert visual and train.frozen == visual
         assert all(torch.equal(updated[name][key], before[key]) for key in visual)
         assert {key for key, _ in weights_to_send(train, "module", frozen=False)} == set(before) - visual
+    for key, value in updated["fsdp2"].items():
+        torch.testing.assert_close(updated["zero2"][key], value, atol=1e-6, rtol=0, msg=key)
+
+
+def test_deepspeed_trains_qwen3_vl_moe_like_fsdp2(tmp_path):
+    """Qwen3-VL-MoE on deepspeed_train (ZeRO-2): the update of fsdp2_train on the same VL batch, router load-balancing
+    loss included (its metric equal too)."""
+    pytest.importorskip("deepspeed")
+    build_tiny_vl_model(tmp_path, CORPUS, model_type="qwen3_vl_moe")
+    rollout = teacher_forced(vl_prompts(tmp_path))
+    mask = rollout.batch["response_mask"]
+    training = {"learning_rate": 1e-2, "adam_epsilon": 1e-3, "per_device_train_batch_size": 3}
+    updated, metrics = {}, {}
+    for name, strategy_args in (("fsdp2", {}), ("zero2", {"strategy_name": "deepspeed_train",
+                                                          "strategy_config": {"zero_stage": 2}})):  # fmt: skip
+        train = create_strategy(worker_config(tmp_path, training_args=training, strategy_args=strategy_args),
+                                "actor_train")  # fmt: skip
+        train.initialize()
+        rollout.batch["old_log_probs"] = train.compute_log_probs(rollout).batch["log_probs"]
+        rollout.batch["advantages"] = torch.linspace(-1.0, 1.0, mask.numel()).view(mask.shape) * mask
+        metrics[name] = train.train_step(rollout, ActorObjective())
+        updated[name] = dict(train.named_weights())
+    assert metrics["zero2"]["load_balancing_loss"] == pytest.approx(metrics["fsdp2"]["load_balancing_loss"], abs=1e-6)
     for key, value in updated["fsdp2"].items():
         torch.testing.assert_close(updated["zero2"][key], value, atol=1e-6, rtol=0, msg=key)
 

@@ -152,7 +152,7 @@ VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video
 """Qwen-VL's vision special tokens (ids 3 to 6 in :func:`build_tiny_vl_model`'s tokenizer)."""
 
 
-VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl")
+VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
 """The vision-language architectures :func:`build_tiny_vl_model` builds."""
 
 
@@ -170,7 +170,8 @@ def build_tiny_vl_model(
     max_pixels: int = 112 * 112,
     seed: int = 0,
 ) -> None:
-    """Save a randomly initialised Qwen2.5-VL, Qwen2-VL or Qwen3-VL (``model_type``; fp32 safetensors in HF's
+    """Save a randomly initialised Qwen2.5-VL, Qwen2-VL, Qwen3-VL or Qwen3-VL-MoE (``model_type``; Qwen3-VL with 4
+    experts, 2 per token, in every language layer; fp32 safetensors in HF's
     layout), its tokenizer (:func:`build_tiny_tokenizer` plus :data:`VISION_TOKENS`) and its image processor (the
     model's patches, 14 pixels, 16 for Qwen3-VL; 2 x 2 merged into one token; images resized to ``min_pixels`` ..
     ``max_pixels``) to ``path``. The vision tower has ``vision_depth`` blocks (Qwen2.5-VL: the last one full
@@ -217,8 +218,11 @@ def _tiny_vl_sections(
     if model_type == "qwen2_vl":
         return text, dict(depth=depth, embed_dim=32, mlp_ratio=2, num_heads=2, hidden_size=hidden, patch_size=14,
                           spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
-    if model_type == "qwen3_vl":
+    if model_type in ("qwen3_vl", "qwen3_vl_moe"):
         del text["rope_scaling"]
+        if model_type == "qwen3_vl_moe":  # 4 experts of which 2 route each token, in every layer
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden, decoder_sparse_step=1,
+                        norm_topk_prob=True, router_aux_loss_coef=0.001, mlp_only_layers=[])  # fmt: skip
         text.update(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                   "mrope_section": [6, 5, 5], "mrope_interleaved": True})  # fmt: skip
         return text, dict(depth=depth, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,

@@ -1,6 +1,6 @@
 """Mixture-of-experts HF models in the torch-native training strategies: the router's load-balancing loss.
 
-A transformers MoE model of :data:`SOFTMAX_TOP_K_ROUTERS` (Qwen3-MoE, Qwen2-MoE) routes every token to
+A transformers MoE model of :data:`SOFTMAX_TOP_K_ROUTERS` (Qwen3-MoE, Qwen2-MoE, Qwen3-VL-MoE) routes every token to
 ``k = num_experts_per_tok`` of its ``E = num_experts`` experts. Training adds the Switch-Transformer load-balancing
 loss of every MoE layer, as Megatron does (``moe_router_load_balancing_type: aux_loss``), so that the two engines
 train one model alike:
@@ -37,7 +37,7 @@ from rl_engines.strategies.train_utils import all_reduce_sum
 logger = logging.getLogger(__name__)
 EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 """HF config fields that hold the number of routed experts (the first one set counts)."""
-SOFTMAX_TOP_K_ROUTERS = frozenset({"qwen2_moe", "qwen3_moe"})
+SOFTMAX_TOP_K_ROUTERS = frozenset({"qwen2_moe", "qwen3_moe", "qwen3_vl_moe_text"})
 """Model types whose router is a softmax over the experts' logits followed by top-k (what the loss assumes; tested).
 Others (DeepSeek-V3's sigmoid scores with a correction bias and group-limited routing, ...) are refused."""
 
