@@ -3,8 +3,8 @@
 A realistic RL length mix: prompts of 50-400 tokens, responses log-normal (median ~1/8 of ``response_length``) with
 a long tail cut at ``response_length``, as when a few samples run to the limit. One fsdp2_train strategy in this
 process (a world of one; fp32 and sdpa unless ``--dtype`` / ``--attn`` say otherwise; CPU, or CUDA when visible) on
-a small Qwen2 built locally (heads of 128 dimensions, two query heads per key/value head), once per mode, each mode
-in a fresh process so that its peak memory is its own:
+a small Qwen2 built locally (heads of 128 dimensions; hidden / 256 key/value heads, at least one), once per mode,
+each mode in a fresh process so that its peak memory is its own:
 
 - ``padded``: fixed micro-batches of ``--micro`` samples, every one as wide as the batch (the baseline);
 - ``dynamic``: ``use_dynamic_batching_in_train`` / ``_in_infer`` with a budget of ``--micro`` x the median sample

@@ -8,6 +8,7 @@ from typing import Any
 
 from apps.common.preflight import PreflightError
 from apps.rlvr.data import DataError, record_layout
+from apps.rlvr.video_data import VideoOptions
 
 READ = (
     "template",
@@ -52,11 +53,13 @@ def check_data_args(data_args: dict[str, Any], section: str) -> list[str]:
         if key in READ:
             if key == "domain_interleave_probs" and section != "actor_train":
                 raise PreflightError(f"{name}: domains mix training batches only; set actor_train.data_args.{key}.")
-            if key == "custom_data_kwargs_func":
-                try:
+            try:
+                if key == "custom_data_kwargs_func":
                     record_layout(data_args, section)
-                except DataError as err:
-                    raise PreflightError(str(err)) from None
+                if key.startswith("video_"):
+                    VideoOptions.check(data_args, section)
+            except DataError as err:
+                raise PreflightError(str(err)) from None
         elif key in DEFAULTS_ONLY:
             if value != DEFAULTS_ONLY[key]:
                 raise PreflightError(

@@ -44,7 +44,7 @@ class PromptSource:
         if self.image_processor is None:
             if any(record.get(VIDEO_KEY) for record in records):
                 raise DataError(f"a record has a {VIDEO_KEY!r} column and the policy is a text model; use a "
-                                "vision-language model (Qwen2-VL / Qwen2.5-VL) for video data.")  # fmt: skip
+                                "vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL) for video data.")  # fmt: skip
             return RolloutBatch.from_dict(encode_prompts(texts, self.tokenizer, self.prompt_length), columns)
         prompts = vl_prompt_batch(texts, records, self.tokenizer, self.image_processor, self.prompt_length,
                                   self.videos, self.model_type)  # fmt: skip

@@ -34,6 +34,21 @@ class VideoOptions:
     total_pixels: int = 16384 * 28 * 28
     folder: str | None = None
 
+    @staticmethod
+    def check(data_args: dict[str, Any], section: str) -> None:
+        """Each ``video_*`` number is positive (the frame count and pixel bounds whole numbers) and
+        ``video_min_pixels`` <= ``video_max_pixels``; a DataError names ``<section>.data_args.<key>`` otherwise."""
+        for key, kind in (("fps", float), ("max_frames", int), ("min_pixels", int), ("max_pixels", int),
+                          ("total_pixels", int)):  # fmt: skip
+            value = data_args.get(f"video_{key}")
+            valid = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            if value is not None and not (valid and (kind is float or float(value).is_integer())):
+                raise DataError(f"{section}.data_args.video_{key}={value!r}: give a positive "
+                                f"{'number' if kind is float else 'whole number'}.")  # fmt: skip
+        low, high = data_args.get("video_min_pixels"), data_args.get("video_max_pixels")
+        if low is not None and high is not None and low > high:
+            raise DataError(f"{section}.data_args.video_min_pixels={low} exceeds video_max_pixels={high}.")
+
     @classmethod
     def from_data_args(cls, data_args: dict[str, Any]) -> VideoOptions:
         """From ``data_args`` (null values keep the defaults)."""
@@ -67,7 +82,8 @@ class VideoOptions:
 
 def read_frames(path: str | Path, wanted: Any) -> tuple[list[Any], float]:
     """The frames of a video file (PyAV, ``pip install av``) as RGB PIL images, and its frame rate. ``wanted(total,
-    fps)`` returns the indices to keep once the frame count is known."""
+    fps)`` returns the indices to keep once the frame count is known: the container's count, or, where it announces
+    none or more than it holds, the count of frames actually decoded (as ROLL's decoders count them)."""
     try:
         import av
     except ImportError:
@@ -78,21 +94,33 @@ def read_frames(path: str | Path, wanted: Any) -> tuple[list[Any], float]:
     try:
         with av.open(str(path)) as container:
             stream = container.streams.video[0]
-            rate = float(stream.average_rate or stream.guessed_rate or 0)
-            total = stream.frames or sum(1 for _ in container.decode(stream))
-        if rate <= 0 or total < 1:
-            raise ValueError(f"video {path}: cannot read its frame rate or frames (rate {rate}, {total} frames).")
-        keep = set(wanted(total, rate))
-        frames = []
-        with av.open(str(path)) as container:
-            for index, frame in enumerate(container.decode(container.streams.video[0])):
-                if index in keep:
-                    frames.append(frame.to_image().convert("RGB"))  # type: ignore[no-untyped-call]
+            rate, total = float(stream.average_rate or stream.guessed_rate or 0), int(stream.frames)
+        if rate <= 0:
+            raise ValueError(f"video {path}: cannot read its frame rate.")
+        keep = set(wanted(total, rate)) if total else set()
+        frames, decoded = _decode(av, path, keep)
+        if len(frames) != len(keep) or not total:  # no count, or fewer frames than announced: sample what is there
+            if decoded < 1:
+                raise ValueError(f"video {path}: no frame could be decoded.")
+            keep = set(wanted(decoded, rate))
+            frames, _ = _decode(av, path, keep)
     except (av.FFmpegError, IndexError) as err:  # IndexError: no video stream
         raise ValueError(f"video {path}: cannot decode it ({err}).") from None
-    if len(frames) != len(keep):
-        raise ValueError(f"video {path}: {total} frames announced, {len(frames)} of the {len(keep)} sampled decoded.")
     return frames, rate
+
+
+def _decode(av: Any, path: str | Path, keep: set[int]) -> tuple[list[Any], int]:
+    """The frames at ``keep`` in order and how many frames were decoded (all of them, unless every kept frame came
+    before the end: decoding stops after the last one)."""
+    frames, decoded = [], 0
+    with av.open(str(path)) as container:
+        for index, frame in enumerate(container.decode(container.streams.video[0])):
+            decoded = index + 1
+            if index in keep:
+                frames.append(frame.to_image().convert("RGB"))
+                if len(frames) == len(keep):
+                    break
+    return frames, decoded
 
 
 @dataclass(frozen=True)
@@ -114,9 +142,9 @@ def sample_video(
     them (qwen-vl-utils' ``fetch_video``): a file (``source`` a path) sampled at ``fps``
     (:func:`rl_engines.video.frame_count`, :func:`~rl_engines.video.frame_indices`; the rate is then
     ``count / total * video_fps``, a frame's time its index / ``video_fps``); a list of frame images (paths or PIL
-    images, each first resized to the pixel bounds as an image is) kept whole, the last repeated to an even count,
-    at :data:`~rl_engines.video.FRAME_LIST_FPS` (frame ``i`` at ``i / FRAME_LIST_FPS`` s, as ROLL numbers them). Every
-    frame is then resized (bicubic) to :func:`~rl_engines.video.frame_size`."""
+    images, each first resized to the pixel bounds in multiples of 4 x the patch, as ROLL does) kept whole, the last
+    repeated to an even count, at :data:`~rl_engines.video.FRAME_LIST_FPS` (frame ``i`` at ``i / FRAME_LIST_FPS`` s,
+    as ROLL numbers them). Every frame is then resized (bicubic) to :func:`~rl_engines.video.frame_size`."""
     from PIL import Image
 
     from rl_engines.video import FRAME_FACTOR, FRAME_LIST_FPS, frame_count, frame_indices, frame_size, smart_size
@@ -135,8 +163,9 @@ def sample_video(
         frames = [Image.open(f).convert("RGB") if isinstance(f, (str, Path)) else f.convert("RGB") for f in source]
         if not frames:
             raise ValueError("a video given as frames needs at least one frame.")
-        # each frame as qwen-vl-utils reads an image first (to the pixel bounds), then the video's resize below
-        sizes = [smart_size(f.height, f.width, factor=2 * patch_size, min_pixels=min_pixels, max_pixels=max_pixels)
+        # each frame first as ROLL's fetch_video reads it: fetch_image(..., image_factor) takes the factor as its patch
+        # size, so the frames are sized in multiples of 4 x the patch (56), then the video's resize below (28)
+        sizes = [smart_size(f.height, f.width, factor=4 * patch_size, min_pixels=min_pixels, max_pixels=max_pixels)
                  for f in frames]  # fmt: skip
         frames = [f.resize((w, h), Image.Resampling.BICUBIC) for f, (h, w) in zip(frames, sizes, strict=True)]
         frames += [frames[-1]] * (-len(frames) % FRAME_FACTOR)

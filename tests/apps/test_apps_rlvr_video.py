@@ -115,6 +115,12 @@ def test_bad_video_data_keys_name_the_key(tmp_path):
         check_data_args({"messages": "prompt", "custom_data_kwargs_func": "my.func"}, "actor_train")
     with pytest.raises(PreflightError, match=r"set data_args\.messages, not prompt"):
         check_data_args({"prompt": "problem", "custom_data_kwargs_func": VIDEO_R1}, "actor_train")
+    with pytest.raises(PreflightError, match=r"validation.data_args.video_fps=0: give a positive number"):
+        check_data_args({"video_fps": 0}, "validation")
+    with pytest.raises(PreflightError, match=r"actor_train.data_args.video_max_frames=2.5: give a positive whole"):
+        check_data_args({"video_max_frames": 2.5}, "actor_train")
+    with pytest.raises(PreflightError, match=r"video_min_pixels=200 exceeds video_max_pixels=100"):
+        check_data_args({"video_min_pixels": 200, "video_max_pixels": 100}, "actor_train")
     with pytest.raises(PreflightError, match=r"actor_train.data_args.video_fps: video inputs are built for"):
         check_video_model({"video_fps": 2.0}, "actor_train", "qwen2")
     check_video_model({"video_fps": 2.0}, "actor_train", "qwen3_vl")

@@ -81,6 +81,16 @@ def test_an_mp4_reads_with_its_rate(tmp_path):
     assert grey(frames[0]) == pytest.approx(0, abs=4) and grey(frames[1]) == pytest.approx(230, abs=4)
 
 
+def test_a_container_without_a_frame_count_is_counted_by_decoding(tmp_path):
+    path = tmp_path / "clip.mkv"  # Matroska announces no frame count
+    write_video(path, [10 * i for i in range(20)], fps=10, codec="mpeg4")
+    with av.open(str(path)) as container:
+        assert container.streams.video[0].frames == 0
+    video = sample_video(path, patch_size=14, fps=2.0, max_frames=192, **BOUNDS)
+    assert video.rate == pytest.approx(2.0) and video.times == pytest.approx([0.0, 0.6, 1.3, 1.9])  # 0, 6, 13, 19
+    assert [round(grey(f) / 10) for f in video.frames] == [0, 6, 13, 19]
+
+
 def test_a_list_of_frames_is_kept_whole_at_two_fps(tmp_path):
     paths = []
     for i in range(3):

@@ -61,6 +61,10 @@ def test_sequences_are_found_by_mask_by_restarting_positions_or_by_row():
     rows = torch.tensor([[3, 4], [5, 6]])  # no restart: each row is one sequence
     assert sequence_bounds(2, 2, 2, None, rows)[2].tolist() == [0, 2, 4]
     assert sequence_bounds(2, 2, 2, None, None)[3].tolist() == [0, 2, 4]
+    meta = torch.device("meta")  # built on the queries' device even with nothing to take it from (a vision tower)
+    assert {t.device for t in sequence_bounds(2, 2, 2, None, None, meta)} == {meta}
+    with pytest.raises(ValueError, match=r"a padding mask of 3 columns for 5 keys \(a static KV cache\)"):
+        sequence_bounds(1, 1, 5, torch.ones(1, 3), None)
 
 
 def test_padded_batch_equals_sdpa(models):

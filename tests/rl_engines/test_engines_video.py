@@ -23,7 +23,7 @@ __all__ = ["ieee_fp32_convolutions"]  # autouse: IEEE fp32 convolutions on CUDA
 FPS = 1.0  # Qwen2.5-VL: second_per_grid_ts = 2 / FPS = 2 s, not the model's default of 1 s per temporal patch
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe"])
 def video_model(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
     build_tiny_vl_model(path, CORPUS, model_type=request.param)

@@ -33,8 +33,8 @@ VIDEO_PLACEHOLDER = "<video>"
 VIDEO_PAD = "<|video_pad|>"
 VIDEO_TENSORS = ("pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 """The video inputs a sample may hold, in the model's keyword names (``second_per_grid_ts``: Qwen2.5-VL only)."""
-VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-TIMESTAMPED = ("qwen3_vl",)
+VIDEO_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
+TIMESTAMPED = ("qwen3_vl", "qwen3_vl_moe")
 """Models whose prompts carry each temporal patch's time (``<t seconds>``) before its own vision block."""
 TIMESTAMPS = "video_timestamps"
 """Key of the temporal patches' times (seconds, every video's in order) that :func:`encode_video` returns for a
@@ -50,7 +50,7 @@ FRAME_LIST_FPS = 2.0
 
 
 def check_video_model(model_type: str | None) -> None:
-    """Videos are built for Qwen2-VL, Qwen2.5-VL and Qwen3-VL; any other model type is refused, naming it."""
+    """Videos are built for Qwen2-VL, Qwen2.5-VL, Qwen3-VL and Qwen3-VL-MoE; any other model type is refused."""
     if model_type not in VIDEO_MODEL_TYPES:
         raise ValueError(
             f"video inputs are built for {list(VIDEO_MODEL_TYPES)}, not model_type {model_type!r}. Use images, or "

@@ -44,7 +44,7 @@ ROPE_INPUTS = ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")
 IMAGE_PLACEHOLDER = "<image>"
 """How ROLL's (and verl's) multimodal datasets mark an image in a prompt's text."""
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")
 
 
 def is_vl_config(config: dict[str, Any]) -> bool:

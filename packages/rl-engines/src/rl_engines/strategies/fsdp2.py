@@ -176,7 +176,7 @@ class Fsdp2TrainStrategy:
                       getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
                       f"{self.role}.model_args")  # fmt: skip
         wanted = attention_kernel(self.config.model_args, self.role)
-        self.ulysses_kernel = wanted if wanted is not None and is_varlen(wanted) else "sdpa"
+        self.ulysses_kernel = wanted if wanted and is_varlen(wanted) else "sdpa"
         register_attention()
         model.set_attn_implementation(ATTENTION)
         self.ulysses = new_groups(size)

@@ -36,7 +36,7 @@ from torch import nn
 
 from rl_ckpt.spec import VISION_MODULE, rope_parameters, vl_text_name
 from rl_engines.strategies.megatron_config import MegatronOptions
-from rl_engines.vision import token_types, visual_inputs
+from rl_engines.vision import ROPE_INPUTS, token_types, visual_inputs
 
 
 def mrope(config: dict[str, Any]) -> tuple[list[int], bool]:
@@ -97,9 +97,7 @@ class MegatronVision:
         and videos (None: text only), from the model's own ``get_rope_index`` (left padding aware)."""
         rows = ids.cpu()
         visual = visual_inputs(batch, torch.device("cpu")) if batch is not None else {}
-        grids = {
-            key: visual[key] for key in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts") if key in visual
-        }
+        grids = {key: visual[key] for key in ROPE_INPUTS if key in visual}
         rope, _ = self.hf.get_rope_index(rows, token_types(rows, self.config), attention_mask=mask.long().cpu(),
                                          **grids)  # fmt: skip
         return rope.to(device)  # type: ignore[no-any-return]

@@ -28,26 +28,28 @@ TORCH_FLASH = "torch_varlen"
 
 
 def available() -> bool:
-    """True when torch ships the varlen kernel and a CUDA device can run it."""
-    return torch.cuda.is_available() and importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    """True when torch ships the varlen kernel and the CUDA device can run it (flash-attention-2: Ampere or newer)."""
+    if not torch.cuda.is_available() or importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return False
+    return torch.cuda.get_device_capability() >= (8, 0)
 
 
 def sequence_bounds(
-    batch: int, queries: int, keys: int, mask: torch.Tensor | None, positions: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch: int, queries: int, keys: int, mask: torch.Tensor | None, positions: torch.Tensor | None,
+    device: torch.device | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """Where the sequences are: ``(query_index, key_index, cu_q, cu_k)``. The indices pick the real tokens out of the
     flattened ``[batch * queries]`` / ``[batch * keys]`` tokens in sequence order; ``cu_q`` / ``cu_k`` (int32,
     ``[N + 1]``) are the sequences' cumulative lengths. ``mask [batch, >= keys]`` (True = a real token; its last
     ``keys`` columns are the keys', its last ``queries`` the queries'), else ``positions [batch, queries]`` restarting
-    at 0 for every packed sequence (keys = queries), else one sequence per row."""
-    device = (mask if mask is not None else positions if positions is not None else torch.empty(0)).device
+    at 0 for every packed sequence (keys = queries), else one sequence per row. Everything is built on ``device``
+    (the queries'; default: the mask's or the positions')."""
+    given = mask if mask is not None else positions
+    device = device or (given.device if given is not None else torch.device("cpu"))
     if mask is not None:
-        mask = mask[:, -keys:].bool()
-        q_mask = mask[:, -queries:]
-        q_lengths, k_lengths = q_mask.sum(1), mask.sum(1)
-        q_index, k_index = q_mask.flatten().nonzero().flatten(), mask.flatten().nonzero().flatten()
+        q_lengths, k_lengths, q_index, k_index = _by_mask(mask, queries, keys, device)
     elif positions is not None and queries == keys:
-        starts = positions.flatten() == 0
+        starts = positions.flatten().to(device) == 0
         starts[:: positions.shape[1]] = True  # every row starts a sequence
         first = starts.nonzero().flatten()
         q_lengths = k_lengths = torch.diff(first, append=first.new_tensor([positions.numel()]))
@@ -58,6 +60,18 @@ def sequence_bounds(
         q_index = torch.arange(batch * queries, device=device)
         k_index = torch.arange(batch * keys, device=device)
     return q_index, k_index, _cumulative(q_lengths), _cumulative(k_lengths)
+
+
+def _by_mask(mask: torch.Tensor, queries: int, keys: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Lengths and token indices of the sequences a 2-D padding mask marks (see :func:`sequence_bounds`)."""
+    if mask.shape[1] < keys:
+        raise ValueError(
+            f"a padding mask of {mask.shape[1]} columns for {keys} keys (a static KV cache): torch_varlen runs with "
+            "transformers' dynamic cache only; use attn_implementation: sdpa."
+        )
+    mask = mask[:, -keys:].to(device=device, dtype=torch.bool)
+    q_mask = mask[:, -queries:]
+    return q_mask.sum(1), mask.sum(1), q_mask.flatten().nonzero().flatten(), mask.flatten().nonzero().flatten()
 
 
 def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
@@ -86,7 +100,12 @@ def torch_varlen_kernel(
         raise ValueError(f"flash-attention kernels take heads of at most 256 dimensions; this model's have "
                          f"{query.shape[-1]}. Use attn_implementation: sdpa for it.")  # fmt: skip
     options = _kernel_options()
-    kwargs: dict[str, Any] = {"scale": scale}
+    kwargs: dict[str, Any] = {}
+    if "scale" in options:
+        kwargs["scale"] = scale
+    elif scale is not None and abs(scale - query.shape[-1] ** -0.5) > 1e-12:
+        raise ValueError(f"this model scales attention by {scale}, and torch {torch.__version__}'s varlen_attn takes "
+                         "no scale (only 1/sqrt(head_dim)); use attn_implementation: sdpa.")  # fmt: skip
     if "window_size" in options:
         kwargs["window_size"] = (-1 if window is None else window - 1, 0) if causal else (-1, -1)
     elif window is not None:
@@ -123,10 +142,8 @@ def varlen_attention(
         raise ValueError(f"{TORCH_FLASH} has no logit soft-capping; use attn_implementation: sdpa for this model.")
     batch, heads, queries, dim = query.shape
     keys = key.shape[2]
-    positions = kwargs.get("position_ids")
-    if positions is not None and positions.dim() == 3:  # multimodal RoPE rows: the text row comes first
-        positions = positions[0]
-    q_index, k_index, cu_q, cu_k = sequence_bounds(batch, queries, keys, attention_mask, positions)
+    positions = kwargs.get("position_ids")  # 2-D (a VL model passes its text row), or None
+    q_index, k_index, cu_q, cu_k = sequence_bounds(batch, queries, keys, attention_mask, positions, query.device)
     q = query.transpose(1, 2).reshape(batch * queries, heads, dim)[q_index]
     k, v = (t.transpose(1, 2).reshape(batch * keys, t.shape[1], -1)[k_index] for t in (key, value))
     causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
