@@ -14,6 +14,7 @@ from apps.common.preflight import (
     check_async,
     check_token_budgets,
     device_only_notes,
+    dropped_key_notes,
     fill_model_paths,
     plan_training,
     role_sections,
@@ -43,6 +44,7 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
             f"max_tokens_per_step={longest} tokens; raise sequence_length or lower max_tokens_per_step."
         )
     notes = check_token_budgets(sections, config.sequence_length, "sequence_length") + device_only_notes(sections)
+    notes += dropped_key_notes(config.base)
     if config.reward_normalization.method == "asym_clip":
         notes.append("[preflight] reward_normalization.method: asym_clip normalises as mean_std, as ROLL does since "
                      "its agentic norm refactor (no clamp to [-1, 3]).")  # fmt: skip

@@ -44,6 +44,12 @@ class SharedConfig:
     """Tracker options (log_dir for tensorboard; project, tags, ... for wandb)."""
     checkpoint_config: dict[str, Any] = field(default_factory=dict)
     """Where checkpoints go (ROLL: type + output_dir); output_dir/checkpoints when empty."""
+    offload_nccl: bool | None = None
+    """ROLL's files set it at the top only to interpolate it into each role's ``offload_nccl`` (which is read). ROLL's
+    config has no top-level field of that name and its parser drops it; so does this one (a pre-flight note says so)."""
+    reward_system_config: dict[str, Any] | None = None
+    """Not a field of ROLL's pipeline configs: its parser drops it (only ROLL's remote reward-system worker reads a
+    ``reward_system_config``, from batch metadata its pipelines never set). Dropped here too, with a pre-flight note."""
     # ---- cluster ---------------------------------------------------------------------------------------------
     num_nodes: int = 1
     """Machines in the Ray cluster."""

@@ -199,6 +199,20 @@ def device_only_notes(sections: dict[str, WorkerConfig]) -> list[str]:
     ]
 
 
+def dropped_key_notes(config: SharedConfig) -> list[str]:
+    """A pre-flight line for each top-level key ROLL's own parser drops (accepted, changing nothing)."""
+    notes = []
+    if config.offload_nccl is not None:
+        notes.append("[preflight] offload_nccl (top level): ROLL's files interpolate it into each role's offload_nccl, "
+                     "which is what is read; ROLL's config has no top-level field of that name and drops it, so it "
+                     "changes nothing by itself.")  # fmt: skip
+    if config.reward_system_config is not None:
+        notes.append("[preflight] reward_system_config: not a field of ROLL's pipeline configs (its parser drops it; "
+                     "only its remote reward-system worker reads one, from batch metadata its pipelines never set), so "
+                     "it changes nothing here either.")  # fmt: skip
+    return notes
+
+
 def check_token_budgets(sections: dict[str, WorkerConfig], longest: int, what: str) -> list[str]:
     """Dynamic batching: the longest sample the pipeline can build (``longest`` tokens, ``what`` says whence),
     rounded up to ``sequence_length_round_in_*``, must fit in one pass of ``max_tokens_per_microbatch_in_*``; with

@@ -17,6 +17,7 @@ from apps.common.preflight import (
     check_async,
     check_token_budgets,
     device_only_notes,
+    dropped_key_notes,
     fill_model_paths,
     plan_training,
     role_sections,
@@ -55,6 +56,7 @@ def preflight(config: RLVRConfig) -> PreflightReport:
     _check_generation(config, placement)
     longest = config.prompt_length + config.response_length
     notes = check_token_budgets(sections, longest, "prompt_length + response_length") + device_only_notes(sections)
+    notes += dropped_key_notes(config)
     report = plan_training(config, placement, sections, config.num_return_sequences_in_group)
     report.notes.extend(notes)
     report.notes.extend(check_data_args(config.actor_train.data_args, "actor_train"))

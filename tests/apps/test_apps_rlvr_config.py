@@ -327,6 +327,17 @@ def test_offload_nccl_is_accepted_with_a_note_saying_it_changes_nothing_here():
     assert not any("offload_nccl" in note for note in preflight(RLVRConfig.from_dict(base())).notes)
 
 
+def test_top_level_keys_rolls_parser_drops_pass_with_a_note():
+    """video_r1.yaml's top-level offload_nccl (an interpolation anchor) and reward_system_config: not fields of ROLL's
+    config, so its parser drops them; accepted with a note each, and a wrong type still names the key."""
+    values = {**base(), "offload_nccl": False, "reward_system_config": {"skip_special_tokens": True}}
+    notes = preflight(RLVRConfig.from_dict(values)).notes
+    assert any(note.startswith("[preflight] offload_nccl (top level): ROLL's files interpolate") for note in notes)
+    assert any(note.startswith("[preflight] reward_system_config: not a field of ROLL's") for note in notes)
+    with pytest.raises(WorkerConfigError, match="reward_system_config"):
+        RLVRConfig.from_dict({**base(), "reward_system_config": "skip"})
+
+
 def test_data_args_that_change_nothing_here_pass_with_a_note():
     data_args = {"template": "qwen2_5", "preprocessing_num_workers": 16, "dataset_dir": "data",
                  "interleave_probs": "1.0", "tag": "tag"}  # fmt: skip

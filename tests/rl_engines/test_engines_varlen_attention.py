@@ -67,6 +67,20 @@ def test_sequences_are_found_by_mask_by_restarting_positions_or_by_row():
         sequence_bounds(1, 1, 5, torch.ones(1, 3), None)
 
 
+def test_causality_follows_the_module_unless_the_call_says(models):
+    """A vision tower's attention is bidirectional (its module says so); ``is_causal=None`` keeps the module's."""
+    from types import SimpleNamespace
+
+    q = k = v = torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(0))
+    causal = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+    attend = lambda module, **kw: varlen_attention.varlen_attention(module, q, k, v, None, kernel=reference_kernel,  # noqa: E731
+                                                                    **kw)[0]  # fmt: skip
+    torch.testing.assert_close(attend(SimpleNamespace(is_causal=True), is_causal=None), causal)
+    torch.testing.assert_close(attend(SimpleNamespace(is_causal=False)), full)
+    torch.testing.assert_close(attend(SimpleNamespace(is_causal=True), is_causal=False), full)
+
+
 def test_padded_batch_equals_sdpa(models):
     sdpa, varlen = models
     batch = varied_batch()

@@ -146,7 +146,8 @@ def varlen_attention(
     q_index, k_index, cu_q, cu_k = sequence_bounds(batch, queries, keys, attention_mask, positions, query.device)
     q = query.transpose(1, 2).reshape(batch * queries, heads, dim)[q_index]
     k, v = (t.transpose(1, 2).reshape(batch * keys, t.shape[1], -1)[k_index] for t in (key, value))
-    causal = bool(kwargs.get("is_causal", getattr(module, "is_causal", True)))
+    flag = kwargs.get("is_causal")  # transformers may pass None: the module's own setting then
+    causal = bool(getattr(module, "is_causal", True) if flag is None else flag)
     out = kernel(q, k, v, cu_q, cu_k, int(torch.diff(cu_q).max()), int(torch.diff(cu_k).max()),
                  scale=scaling, causal=causal, window=sliding_window)  # fmt: skip
     full = out.new_zeros(batch * queries, heads, out.shape[-1])
