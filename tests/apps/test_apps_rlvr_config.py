@@ -29,6 +29,7 @@ RLVR_FILES = roll_example_files("qwen2.5-7B-rlvr_megatron/*.yaml", "docs_example
     "qwen2_5-vl-3B-rlvr_fsdp2/rlvr_fsdp2_offload.yaml",  # Qwen2.5-VL on fsdp2: freeze_module_prefix, detection (23)
     "qwen2.5-vl-7B-rlvr/rlvr_megatron.yaml",  # Qwen2.5-VL on megatron_train TP 4 (x CP 2) and megatron_infer (23)
     "qwen3-vl-4B-rlvr_megatron/rlvr_megatron_80G.yaml",  # Qwen3-VL on megatron: freeze_module_prefix vision_model (23)
+    "qwen3-vl-30BA3B-video-rlvr/video_r1.yaml",  # video RLVR: Video-R1 data, vLLM's disable_mm_preprocessor_cache (23)
 )
 PG_WORKER = "roll.pipeline.rlvr.actor_pg_worker.ActorPGWorker"
 TORCH_NATIVE = {"megatron_train": "fsdp2_train", "deepspeed_train": "fsdp2_train", "vllm": "hf_infer",

@@ -67,9 +67,10 @@ def hf_scorer(tiny_model_dir):
         ({"load_format": "npz"}, r"actor_infer\.strategy_args\.strategy_config\.load_format='npz'"),
         ({"block_size": "16"}, r"actor_infer\.strategy_args\.strategy_config\.block_size must be int"),
         ({"sleep_level": 3}, r"actor_infer\.strategy_args\.strategy_config\.sleep_level must be 1 or 2"),
-        ({"tensor_parallel_size": 2}, r"tensor_parallel_size=2 but actor_infer\.num_gpus_per_worker=1"),
+        ({"tensor_parallel_size": 1}, r"tensor_parallel_size=1 but actor_infer\.num_gpus_per_worker=2"),
         ({"optimization_level": 4}, r"actor_infer\.strategy_args\.strategy_config\.optimization_level must be 0"),
         ({"limit_mm_per_prompt": {"image": -1}}, r"strategy_config\.limit_mm_per_prompt\.image must be an int >= 0"),
+        ({"disable_mm_preprocessor_cache": "yes"}, r"strategy_config\.disable_mm_preprocessor_cache must be bool"),
     ],
     ids=[
         "unknown",
@@ -80,10 +81,11 @@ def hf_scorer(tiny_model_dir):
         "tensor_parallel_size",
         "optimization_level",
         "limit_mm_per_prompt",
+        "disable_mm_preprocessor_cache",
     ],
 )
 def test_strategy_config_errors_name_the_key(tiny_model_dir, strategy_config, message):
-    config = worker_config(tiny_model_dir, "actor_infer",
+    config = worker_config(tiny_model_dir, "actor_infer", num_gpus_per_worker=2, device_mapping=[0, 1],
                            strategy_args={"strategy_name": "vllm", "strategy_config": strategy_config})  # fmt: skip
     with pytest.raises(WorkerConfigError, match=message):
         create_strategy(config, "actor_infer")
@@ -95,13 +97,25 @@ def test_rolls_pass_through_engine_options_reach_the_engine(tiny_model_dir):
     from rl_engines.strategies.vllm_config import engine_kwargs, parse_vllm_config
 
     options = {"tensor_parallel_size": 1, "disable_log_stats": False, "disable_custom_all_reduce": True,
-               "optimization_level": 1, "limit_mm_per_prompt": {"image": 10}}  # fmt: skip
+               "optimization_level": 1, "limit_mm_per_prompt": {"image": 10},
+               "disable_mm_preprocessor_cache": True}  # fmt: skip
     config = worker_config(tiny_model_dir, "actor_infer",
                            strategy_args={"strategy_name": "vllm", "strategy_config": options})  # fmt: skip
     kwargs = engine_kwargs(config, parse_vllm_config(config, "actor_infer"), on_cpu=True, seed=0)
     assert (kwargs["tensor_parallel_size"], kwargs["disable_log_stats"], kwargs["disable_custom_all_reduce"],
             kwargs["optimization_level"]) == (1, False, True, 1)  # fmt: skip
-    assert "limit_mm_per_prompt" not in kwargs  # vLLM refuses it on a text model; VL models are refused here
+    # vLLM refuses these on a text model; VL models are refused here
+    assert "limit_mm_per_prompt" not in kwargs and "disable_mm_preprocessor_cache" not in kwargs
+
+
+def test_a_tensor_parallel_engine_takes_its_devices_per_worker_from_the_size_as_in_roll(tiny_model_dir):
+    """ROLL's worker config sets a vllm role's num_gpus_per_worker to tensor_parallel_size (video_r1.yaml gives
+    only the latter); a num_gpus_per_worker given beside it stays (and must agree, above)."""
+    vllm = {"strategy_name": "vllm", "strategy_config": {"tensor_parallel_size": 2}}
+    derived = worker_config(tiny_model_dir, "actor_infer", device_mapping=[0, 1, 2, 3], strategy_args=vllm)
+    assert derived.num_gpus_per_worker == 2
+    hf = {"strategy_name": "hf_infer", "strategy_config": {"tensor_parallel_size": 2}}  # not vLLM's: not read
+    assert worker_config(tiny_model_dir, "actor_infer", strategy_args=hf).num_gpus_per_worker == 1
 
 
 # ---- agreement with hf_infer --------------------------------------------------------------------------------

@@ -321,7 +321,8 @@ class WorkerConfig:
     device_mapping: list[int] = field(default_factory=list)
     """Global device ids (ROLL's ``list(range(0,8))`` strings are parsed, never evaluated)."""
     num_gpus_per_worker: int = 1
-    """Devices per worker; inference roles only (tensor-parallel engines)."""
+    """Devices per worker; inference roles only (tensor-parallel engines). Unset on a ``vllm`` role, it is the
+    strategy_config's ``tensor_parallel_size`` (ROLL derives it so)."""
     infer_batch_size: int = 1
     """Samples per forward pass when computing log-probs / values or generating."""
     model_update_frequency: int = 1
@@ -371,7 +372,7 @@ class WorkerConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any], role: str) -> WorkerConfig:
         """Build and validate from a YAML mapping; every error names ``<role>.<key path>``."""
-        config = build_dataclass(cls, values, role)
+        config = build_dataclass(cls, _engine_devices(values), role)
         config.validate(role)
         return config
 
@@ -415,6 +416,20 @@ class WorkerConfig:
                 f"{role}.{budget_key}={budget} is smaller than {role}.{round_key}={round_to}: no sample fits a pass; "
                 f"raise it to a multiple of {round_to} that holds the longest sample."
             )
+
+
+def _engine_devices(values: Any) -> Any:
+    """``values`` with ``num_gpus_per_worker`` taken from vLLM's ``tensor_parallel_size`` when not given, as ROLL's
+    worker config sets it (one engine over that many devices); a given value must agree (the strategy checks)."""
+    if not isinstance(values, dict) or "num_gpus_per_worker" in values:
+        return values
+    strategy = values.get("strategy_args")
+    if not isinstance(strategy, dict) or strategy.get("strategy_name") != "vllm":
+        return values
+    size = (strategy.get("strategy_config") or {}).get("tensor_parallel_size")
+    if isinstance(size, int) and not isinstance(size, bool) and size > 1:
+        return {**values, "num_gpus_per_worker": size}
+    return values
 
 
 T = TypeVar("T")

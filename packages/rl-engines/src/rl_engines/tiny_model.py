@@ -202,7 +202,8 @@ def build_tiny_vl_model(
     model.generation_config.pad_token_id = 0
     model.save_pretrained(str(path))
     patch = vision.get("patch_size", 14)
-    Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch).save_pretrained(str(path))
+    bounds = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    Qwen2VLImageProcessorPil(size=bounds, patch_size=patch).save_pretrained(str(path))
 
 
 def _tiny_vl_sections(

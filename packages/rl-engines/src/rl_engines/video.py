@@ -121,8 +121,8 @@ def encode_video(
                          "prompt carries each temporal patch's timestamp.")  # fmt: skip
     size = None
     if min_pixels or max_pixels:
-        size = {"shortest_edge": int(min_pixels or processor.min_pixels),
-                "longest_edge": int(max_pixels or processor.max_pixels)}  # fmt: skip
+        least, most = pixel_bounds(processor)
+        size = {"shortest_edge": int(min_pixels or least), "longest_edge": int(max_pixels or most)}
     temporal = int(processor.temporal_patch_size)
     encoded = [frame_patches(processor, frame, size) for frame in frames]
     grids = {tuple(grid.tolist()) for _, grid in encoded}
@@ -174,6 +174,13 @@ def frame_count(total: int, video_fps: float, *, fps: float, max_frames: int, mi
 def frame_indices(total: int, count: int) -> list[int]:
     """``count`` frame indices spread evenly over ``0 .. total - 1`` (first and last included), rounded."""
     return [int(i) for i in torch.linspace(0, total - 1, count).round().long().tolist()]
+
+
+def pixel_bounds(processor: Any) -> tuple[int, int]:
+    """The image processor's resize bounds: least and most pixels of a resized image."""
+    size = processor.size
+    least, most = (size.get(edge) for edge in ("shortest_edge", "longest_edge"))
+    return int(least or processor.min_pixels), int(most or processor.max_pixels)
 
 
 def smart_size(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:

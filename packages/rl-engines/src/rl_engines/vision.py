@@ -124,12 +124,16 @@ def load_image_processor(path: str | Path, *, min_pixels: int | None = None, max
     ``image_max_pixels``) override its resize bounds."""
     from transformers import AutoImageProcessor
 
-    overrides = {key: value for key, value in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if value}
     processor = AutoImageProcessor.from_pretrained(str(path))  # type: ignore[no-untyped-call]
-    for key, value in overrides.items():  # the bounds live in both places in transformers' Qwen2-VL processors
-        setattr(processor, key, value)
-        if isinstance(getattr(processor, "size", None), dict):
-            processor.size["shortest_edge" if key == "min_pixels" else "longest_edge"] = value
+    for key, edge, value in (("min_pixels", "shortest_edge", min_pixels), ("max_pixels", "longest_edge", max_pixels)):
+        if not value:
+            continue
+        if isinstance(processor.size, dict):
+            processor.size[edge] = value
+        else:  # transformers' SizeDict
+            setattr(processor.size, edge, value)
+        if getattr(processor, key, None) is not None:  # older processors keep the bounds as attributes too
+            setattr(processor, key, value)
     return processor
 
 

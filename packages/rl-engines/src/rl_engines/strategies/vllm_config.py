@@ -62,6 +62,10 @@ class VllmStrategyConfig:
     """Most items of each modality in one prompt (``{image: 10}``: ROLL's VL agentic configs allow one picture per
     turn), which ROLL passes to vLLM for a multimodal model. The vLLM adapter here refuses vision-language models (it
     would drop the pictures) and vLLM rejects the key on a text model, so it is checked and not passed (logged)."""
+    disable_mm_preprocessor_cache: bool = False
+    """vLLM's cache of multimodal processor outputs off (ROLL's video config: each video is seen once, the cache
+    would only hold memory; vLLM >= 0.13 spells it ``mm_processor_cache_gb: 0``). A text model has no multimodal
+    processor and vLLM rejects the key on one; the adapter here serves text models, so it is not passed (logged)."""
     cache_dir: str | None = None
     """Where vLLM and torch inductor keep caches, compile artifacts and IPC sockets; null = a per-user folder in
     the system temp dir, shared by runs so later engines start warm."""

@@ -122,16 +122,24 @@ class VllmInferStrategy:
 
         seed = self.config.training_args.seed + _rank()
         kwargs = engine_kwargs(self.config, self.options, on_cpu=self.device.type == "cpu", seed=seed)
-        if self.options.limit_mm_per_prompt:
-            logger.info(
-                "[engines] %s.strategy_args.strategy_config.limit_mm_per_prompt=%s: not passed to vLLM, which takes "
-                "it for multimodal models only (this adapter serves text models).",
-                self.role, self.options.limit_mm_per_prompt,
-            )  # fmt: skip
+        self._log_multimodal_options()
         if self.config.model_args.lora:
             kwargs.update(self._lora_setup())
         self.model = EngineModel(LLM(**kwargs), load_generation_config(path))
         quiet_partial_reload_warnings()
+
+    def _log_multimodal_options(self) -> None:
+        """ROLL's multimodal vLLM options: vLLM takes them for multimodal models only and rejects them on a text
+        model, and this adapter serves text models (VL models are refused), so a log line says they change nothing."""
+        given = {"limit_mm_per_prompt": self.options.limit_mm_per_prompt,
+                 "disable_mm_preprocessor_cache": self.options.disable_mm_preprocessor_cache}  # fmt: skip
+        for key, value in given.items():
+            if value:
+                logger.info(
+                    "[engines] %s.strategy_args.strategy_config.%s=%s: not passed to vLLM, which takes it for "
+                    "multimodal models only (this adapter serves text models).",
+                    self.role, key, value,
+                )  # fmt: skip
 
     def _lora_setup(self) -> dict[str, Any]:
         """The adapter slot and engine arguments of LoRA; the base model must come from the checkpoint (ROLL sets
