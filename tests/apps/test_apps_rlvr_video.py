@@ -1,7 +1,7 @@
 """Video RLVR data (issue 23): ROLL's Video-R1 records (``custom_data_kwargs_func: ...video_r1_get_data_kwargs``)
 with mp4 files under ``video_folder``, sampled by ``data_args.video_*`` into a Qwen2.5-VL prompt's video inputs, and
-two RLVR steps of ROLL's video_r1.yaml itself after the usual swaps, with a tiny Qwen3-VL-MoE (the file's own
-architecture; Qwen3-VL-MoE under Megatron is not built, so its Megatron roles run on fsdp2 / hf_infer)."""
+two RLVR steps of ROLL's video_r1.yaml itself after the usual swaps, on its own Megatron engines with a tiny
+Qwen3-VL-MoE (the file's architecture, experts split over expert-parallel ranks)."""
 
 from __future__ import annotations
 
@@ -130,35 +130,49 @@ def test_bad_video_data_keys_name_the_key(tmp_path):
                      layout=record_layout({"custom_data_kwargs_func": VIDEO_R1}, "actor_train"))  # fmt: skip
 
 
-def test_rolls_video_r1_file_runs_two_steps_on_a_tiny_qwen3_vl_moe(video_setup, tmp_path, ray_session):
-    """ROLL's video_r1.yaml after the usual swaps (Megatron's roles and vLLM's on the torch-native engines, devices,
-    sizes, frame sizes shrunk for a CPU): a tiny model of the file's Qwen3-VL-MoE architecture learns from Video-R1
-    records with mp4 files, graded by the VideoR1 reward, its router's load-balancing loss reported."""
+def test_rolls_video_r1_file_runs_two_steps_on_its_megatron_engines(video_setup, tmp_path, ray_session):
+    """ROLL's video_r1.yaml after the usual swaps (vLLM's role on hf_infer; devices, sizes, frame sizes shrunk for a
+    CPU; expert_model_parallel_size 8 x pipeline 2 over 16 GPUs as expert parallel 2 over 2 CPU ranks): its own
+    megatron_train and megatron_infer (reference) run a tiny model of its Qwen3-VL-MoE architecture on Video-R1
+    records with mp4 files, graded by the VideoR1 reward. The router's load-balancing loss (coefficient from the
+    language model's config) gives gradients though no sample scores, so the policy moves off the reference by step 1;
+    each sync carries every weight (the vision tower trains: the file freezes nothing)."""
+    from test_apps_rlvr_config import ENGINES_HERE
     from test_apps_rlvr_roll_file_runs import on_cpu
 
     from apps.common.yaml_config import load_config
     from apps.rlvr.config import RLVRConfig
     from apps.rlvr.pipeline import RLVRPipeline
+    from rl_ckpt.hf_io import HFCheckpoint
     from tests.shared_dir import require_shared, roll_target_files
 
-    root = video_setup
-    build_tiny_vl_model(tmp_path / "vl", [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)],
-                        model_type="qwen3_vl_moe")  # fmt: skip
+    pytest.importorskip("megatron.core")
+    root, model = video_setup, tmp_path / "vl"
+    build_tiny_vl_model(model, [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)], model_type="qwen3_vl_moe",
+                        num_key_value_heads=2)  # fmt: skip
     raw = load_config(require_shared(roll_target_files("qwen3-vl-30BA3B-video-rlvr/video_r1.yaml")[0]))
     out = tmp_path / "out"
-    config = on_cpu(raw, str(tmp_path / "vl"), str(root / "data.json"), str(out), ulysses=False)
+    config = on_cpu(raw, str(model), str(root / "data.json"), str(out), ulysses=False, swaps=ENGINES_HERE)
     config["actor_train"]["data_args"].update(video_folder=str(root), **SMALL)
     config.update(prompt_length=1024, rollout_batch_size=4)  # Video-R1's template: ~800 byte-level tokens
-    config["actor_train"]["training_args"].update(per_device_train_batch_size=4, gradient_accumulation_steps=2)
+    config["actor_train"]["training_args"].update(per_device_train_batch_size=2, gradient_accumulation_steps=2)
     for role in ("actor_train", "actor_infer", "reference"):  # the file resolved ${pretrain} into each section
-        config[role]["model_args"]["model_name_or_path"] = str(tmp_path / "vl")
+        config[role]["model_args"]["model_name_or_path"] = str(model)
+    for role in ("actor_train", "reference"):
+        config[role]["strategy_args"]["strategy_config"].update(expert_model_parallel_size=2,
+                                                                pipeline_model_parallel_size=1)  # fmt: skip
+        config[role]["device_mapping"] = [0, 1]
+    assert config["actor_train"]["strategy_args"]["strategy_name"] == "megatron_train"
+    assert config["reference"]["strategy_args"]["strategy_name"] == "megatron_infer"
     RLVRPipeline(RLVRConfig.from_dict(config)).run()
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [step["step"] for step in steps] == [0, 1]
+    weights = len(HFCheckpoint(model).weight_map)
     for step in steps:
         assert {"videor1/acc_reward", "videor1/fmt_reward", "videor1/overall", "actor/pg_loss"} <= set(step)
-        assert step["actor_train/load_balancing_loss"] > 0  # ROLL's name for the router loss: the MoE layers ran
-        assert step["actor/kl_loss"] >= 0  # use_kl_loss: the reference scored the videos too
+        assert step["actor_train/load_balancing_loss"] > 0 and step["actor/grad_norm"] > 0  # ROLL's router-loss name
+        assert step["model_update/tensors"] == weights
+    assert steps[1]["actor/kl_loss"] > 0  # use_kl_loss: the reference scored the videos, the policy has moved
 
 
 def test_a_text_model_refuses_a_record_with_a_video(video_setup):

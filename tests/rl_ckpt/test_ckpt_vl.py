@@ -46,3 +46,68 @@ def test_vl_round_trip_is_bitwise_with_the_tower_on_the_first_stage_of_every_tp_
     # --verify: the model rebuilt from the rank files (every tensor must fit transformers' VL model) gives the
     # logits of the written folder as transformers loads it
     assert verify_mcore_to_hf(ckpt, tmp_path / "hf") == 0.0
+
+
+def test_qwen3_vl_moe_round_trip_over_expert_parallel_ranks_stacks_the_experts_as_its_files_do(tmp_path):
+    """Qwen3-VL-MoE's files stack each layer's experts (``experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``):
+    they go to Megatron as each EP rank's local experts and come back stacked, bitwise; the logits verify."""
+    from rl_engines.tiny_model import build_tiny_vl_model
+
+    src = tmp_path / "src"
+    build_tiny_vl_model(src, CORPUS, model_type="qwen3_vl_moe", num_key_value_heads=2)
+    layout = convert_hf_to_mcore(src, tmp_path / "mcore", 1, 2, ep=2)
+    before = load_state(src)
+    gate_up = before["model.language_model.layers.0.mlp.experts.gate_up_proj"]
+    down = before["model.language_model.layers.0.mlp.experts.down_proj"]
+    experts, size = gate_up.shape[0], gate_up.shape[1] // 2
+    for ep_rank in range(2):
+        local = torch.load(layout.path(0, 0, ep_rank), weights_only=False)["model"]
+        for j in range(experts // 2):  # rank r's local expert j is expert r * E / 2 + j
+            expert = ep_rank * experts // 2 + j
+            fc1 = local[f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc1.weight"]
+            assert torch.equal(fc1[:size], gate_up[expert, :size]) and torch.equal(fc1[size:], gate_up[expert, size:])
+            assert torch.equal(local[f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc2.weight"], down[expert])
+
+    ckpt = open_mcore_checkpoint(tmp_path / "mcore")
+    assert ckpt.spec.model_type == "qwen3_moe" and ckpt.spec.fused_experts and ckpt.spec.moe_norm_topk_prob
+    convert_mcore_to_hf(ckpt, tmp_path / "hf", tokenizer_path=src)
+    after = load_state(tmp_path / "hf")
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[name], before[name]) for name in before)
+    assert verify_mcore_to_hf(ckpt, tmp_path / "hf") == 0.0
+
+
+def test_qwen3_vl_moe_files_in_transformers_4_layout_convert_to_the_same_megatron_tensors(tmp_path):
+    """Qwen's released Qwen3-VL-MoE files store the stacked experts transposed (``[E, H, 2I]``, ``[E, I, H]``), which
+    transformers transposes on load: the conversion reads them as the same experts."""
+    from safetensors.torch import load_file, save_file
+
+    from rl_engines.tiny_model import build_tiny_vl_model
+
+    src, old = tmp_path / "src", tmp_path / "old"
+    build_tiny_vl_model(src, CORPUS, model_type="qwen3_vl_moe", num_key_value_heads=2)
+    config = json.loads((src / "config.json").read_text())
+    text = config["text_config"]
+    assert text["hidden_size"] not in (text["moe_intermediate_size"], 2 * text["moe_intermediate_size"])  # unambiguous
+    old.mkdir()
+    for path in src.iterdir():
+        if path.suffix != ".safetensors":
+            (old / path.name).write_bytes(path.read_bytes())
+    for path in src.glob("*.safetensors"):
+        tensors = load_file(path)
+        save_file({name: t.transpose(1, 2).contiguous() if ".experts." in name else t for name, t in tensors.items()},
+                  old / path.name, metadata={"format": "pt"})  # fmt: skip
+    ours, theirs = (convert_hf_to_mcore(folder, tmp_path / f"mcore_{folder.name}", 1, 1) for folder in (src, old))
+    new_state, old_state = (torch.load(layout.path(0, 0), weights_only=False)["model"] for layout in (ours, theirs))
+    experts = [key for key in new_state if ".experts." in key]
+    assert experts and all(torch.equal(new_state[key], old_state[key]) for key in new_state)
+
+
+def test_a_stacked_expert_tensor_of_another_shape_is_refused_naming_it():
+    from rl_ckpt.errors import CheckpointError
+    from rl_ckpt.experts import split_fused
+
+    name = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    with pytest.raises(CheckpointError, match=r"gate_up_proj has shape \(4, 96, 60\); .* is \[experts, 96, 64\]"):
+        split_fused(name, torch.zeros(4, 96, 60), hidden=64, inter=48)
+    assert split_fused("model.layers.0.mlp.gate.weight", torch.zeros(4, 64), hidden=64, inter=48) is None

@@ -172,3 +172,49 @@ def test_what_megatron_does_not_build_for_a_vl_model_is_refused_naming_the_key(q
     infer.initialize()
     with pytest.raises(ValueError, match=r"reference: megatron_infer generates from text prompts only"):
         infer.generate(vl_prompts(qwen3_vl))
+
+
+def test_qwen3_vl_moe_over_expert_parallel_ranks_scores_trains_and_syncs_like_hf_and_fsdp2(ray_session, tmp_path):
+    """Qwen3-VL-MoE (ROLL's video_r1.yaml architecture) in megatron_train with expert_model_parallel_size 2 on 2 Ray
+    ranks, each holding 2 of a layer's 4 experts (the files stack them: rl_ckpt.experts): log-probs of the HF model
+    on each sample alone; with the router loss on, the update of fsdp2_train on one rank over the same micro-batches;
+    the HF export (experts stacked again, vision tower included) loads into transformers as that update, and a sync
+    into hf_infer scores as the trained model."""
+    require_engine("megatron_train")
+    build_tiny_vl_model(tmp_path / "vl", CORPUS, model_type="qwen3_vl_moe", num_key_value_heads=2)
+    path = tmp_path / "vl"
+    batch = teacher_forced(vl_prompts(path, extra=1))  # 4 samples: one micro-batch of 2 per rank, one step
+    mask = batch.batch["response_mask"]
+    router = {"moe_aux_loss_coef": 0.5}
+    training = {**TRAINING, "gradient_accumulation_steps": 1}
+    options = {"expert_model_parallel_size": 2}
+    configs = {
+        "actor_train": worker_config(path, "actor_train", device_mapping=[0, 1], training_args=training,
+                                     model_args=router,
+                                     strategy_args={"strategy_name": "megatron_train", "strategy_config": options}),
+        "actor_infer": worker_config(path, "actor_infer", device_mapping=[0, 1],
+                                     strategy_args={"strategy_name": "hf_infer"}),
+    }  # fmt: skip
+    single = create_strategy(worker_config(path, training_args=TRAINING, model_args=router), "actor_train")
+    single.initialize()
+    with Roles(ClusterSpec(num_nodes=1, num_gpus_per_node=2), configs, rpc_timeout=120) as roles:
+        train = roles["actor_train"].call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
+        torch.testing.assert_close(train[mask], alone(path, batch)[mask], atol=2e-6, rtol=0)
+        batch.batch["old_log_probs"] = train
+        batch.batch["advantages"] = torch.linspace(-1.0, 1.0, mask.numel()).view(mask.shape) * mask
+        ours = roles["actor_train"].call("train_step", batch, ActorObjective(), dispatch="dp_split")[0]
+        theirs = single.train_step(batch, ActorObjective())
+        assert ours["actor/pg_loss"] == pytest.approx(theirs["pg_loss"], abs=1e-6)
+        assert ours["actor/grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+        assert ours["actor_train/load_balancing_loss"] == pytest.approx(theirs["load_balancing_loss"], rel=1e-5)
+        roles["actor_train"].call("save_hf", str(tmp_path / "hf"))
+        roles.model_updater("actor_train", "actor_infer").sync()
+        synced = roles["actor_infer"].call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
+    exported, updated = hf_state(tmp_path / "hf"), dict(single.named_weights())
+    assert exported.keys() == updated.keys()
+    assert "model.language_model.layers.0.mlp.experts.gate_up_proj" in updated
+    for name, value in updated.items():
+        torch.testing.assert_close(exported[name], value, atol=2e-6, rtol=0, msg=name)
+    trained = single.compute_log_probs(batch).batch["log_probs"]
+    torch.testing.assert_close(synced[mask], trained[mask], atol=2e-6, rtol=0)
+    assert not torch.allclose(trained[mask], train[mask], atol=1e-3)

@@ -13,6 +13,7 @@ import torch
 
 from rl_ckpt.disk_space import output_folder
 from rl_ckpt.errors import CheckpointError
+from rl_ckpt.experts import split_fused
 from rl_ckpt.families import FAMILIES
 from rl_ckpt.hf_io import HFCheckpoint
 from rl_ckpt.layout import fuse_qkv_parts, padded_vocab_size
@@ -136,11 +137,31 @@ def _moe_layer(src: HFCheckpoint, spec: ModelSpec, mlp: str, ep_rank: int, ep: i
     if spec.moe_shared_expert_ffn_hidden_size:
         parts.append(("mlp.shared_experts.", f"{mlp}shared_expert.", spec.moe_shared_expert_ffn_hidden_size))
         out["mlp.shared_experts.gate_weight"] = _get(src, f"{mlp}shared_expert_gate.weight", (1, h))
+    views = _fused_experts(src, spec, mlp) if spec.fused_experts else {}
+
+    def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return views[name] if name in views else _get(src, name, shape)
+
     for target, source, size in parts:
-        gate, up = (_get(src, f"{source}{p}_proj.weight", (size, h)) for p in ("gate", "up"))
+        gate, up = (read(f"{source}{p}_proj.weight", (size, h)) for p in ("gate", "up"))
         out[f"{target}linear_fc1.weight"] = cat([gate, up], 0)
-        out[f"{target}linear_fc2.weight"] = _get(src, f"{source}down_proj.weight", (h, size))
+        out[f"{target}linear_fc2.weight"] = read(f"{source}down_proj.weight", (h, size))
     return out
+
+
+def _fused_experts(src: HFCheckpoint, spec: ModelSpec, mlp: str) -> dict[str, torch.Tensor]:
+    """A layer's experts stored as two stacked tensors (:mod:`rl_ckpt.experts`), as per-expert views."""
+    views: dict[str, torch.Tensor] = {}
+    for proj in ("gate_up_proj", "down_proj"):
+        name = f"{mlp}experts.{proj}"
+        if name not in src:
+            raise CheckpointError(f"tensor {name} is missing from {src.path} (this model type stacks its experts)")
+        views.update(split_fused(name, src.lazy(name), spec.hidden_size, spec.moe_ffn_hidden_size) or ())
+    if len(views) != 3 * spec.num_experts:
+        raise CheckpointError(
+            f"{mlp}experts in {src.path}: {len(views) // 3} experts, config.json says {spec.num_experts}"
+        )
+    return views
 
 
 def vocab_block(src: HFCheckpoint, name: str, spec: ModelSpec, padded: int, tp: int, rank: int) -> Source:

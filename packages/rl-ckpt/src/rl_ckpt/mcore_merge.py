@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from rl_ckpt.errors import CheckpointError
+from rl_ckpt.experts import stack_experts
 from rl_ckpt.families import FAMILIES
 from rl_ckpt.hf_io import vocab_size_from_tokenizer
 from rl_ckpt.layout import fc1_parts, qkv_parts
@@ -143,12 +144,16 @@ def layer_sources(stage: StageShards, spec: ModelSpec, local: int, layer: int) -
 
 def _moe_sources(stage: StageShards, spec: ModelSpec, mc: str, layer: int) -> Iterator[tuple[str, Source]]:
     """A MoE layer (TP = 1, experts under their global index, see :func:`merge_expert_ranks`): the router, every
-    expert's gate / up / down projections in HF's per-expert names, and Qwen2-MoE's gated shared expert."""
+    expert's gate / up / down projections in HF's per-expert names (stacked into two tensors where the model's
+    files stack them, :mod:`rl_ckpt.experts`), and Qwen2-MoE's gated shared expert."""
     mlp, h = f"model.layers.{layer}.mlp.", spec.hidden_size
     key = f"{mc}mlp.router.weight"
     yield f"{mlp}gate.weight", stage.check(stage.shards(key)[0], (spec.num_experts, h), key)
     parts = [(f"{mc}mlp.experts.local_experts.{e}.", f"{mlp}experts.{e}.", spec.moe_ffn_hidden_size)
              for e in range(spec.num_experts)]  # fmt: skip
+    if spec.fused_experts:
+        yield from _stacked_experts(stage, spec, mlp, [source for source, _, _ in parts])
+        parts = []
     if spec.moe_shared_expert_ffn_hidden_size:
         parts.append((f"{mc}mlp.shared_experts.", f"{mlp}shared_expert.", spec.moe_shared_expert_ffn_hidden_size))
     for source, target, size in parts:
@@ -161,6 +166,21 @@ def _moe_sources(stage: StageShards, spec: ModelSpec, mc: str, layer: int) -> It
     if spec.moe_shared_expert_ffn_hidden_size:
         key = f"{mc}mlp.shared_experts.gate_weight"
         yield f"{mlp}shared_expert_gate.weight", stage.check(stage.shards(key)[0], (1, h), key)
+
+
+def _stacked_experts(stage: StageShards, spec: ModelSpec, mlp: str, experts: list[str]) -> Iterator[tuple[str, Source]]:
+    """``experts.gate_up_proj`` / ``experts.down_proj`` of a layer from its experts' ``linear_fc1`` / ``linear_fc2``
+    (keys under ``experts``, in order)."""
+    h, size = spec.hidden_size, spec.moe_ffn_hidden_size
+
+    def shard(key: str, shape: tuple[int, int]) -> Source:
+        return stage.check(stage.shards(key)[0], shape, key)
+
+    fc1 = [shard(f"{e}linear_fc1.weight", (2 * size, h)) for e in experts]
+    fc2 = [shard(f"{e}linear_fc2.weight", (h, size)) for e in experts]
+    gate_up, down = stack_experts(fc1, fc2)
+    yield f"{mlp}experts.gate_up_proj", gate_up
+    yield f"{mlp}experts.down_proj", down
 
 
 def check_moe_layout(spec: ModelSpec, tp: int, ep: int, where: str) -> None:

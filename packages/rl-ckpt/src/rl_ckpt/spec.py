@@ -66,6 +66,12 @@ class ModelSpec:
         """A vision-language model: the decoder is its language model, ``hf_config`` the whole model's config."""
         return self.hf_config is not None and "vision_config" in self.hf_config
 
+    @property
+    def fused_experts(self) -> bool:
+        """Whether the model's HF files hold each MoE layer's experts as two stacked tensors
+        (``mlp.experts.gate_up_proj`` / ``down_proj``, :mod:`rl_ckpt.experts`) rather than per-expert matrices."""
+        return self.moe and self.hf_config is not None and self.hf_config.get("model_type") in FUSED_EXPERT_FILES
+
     def file_name(self, name: str) -> str:
         """A tensor's name in the model's HF files from its text-model name (``model.*``, ``lm_head.weight``) or
         vision-tower name (``visual.*``): Qwen3-VL's files use transformers' module names (``model.language_model.``,
@@ -76,13 +82,17 @@ class ModelSpec:
         return name
 
 
-VL_TEXT_FAMILIES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3"}
+VL_TEXT_FAMILIES = {"qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
 """Vision-language model types rl-ckpt converts: their language model as its text family, the vision tower carried
 (Megatron: ``vision_model.*`` on the first pipeline stage, the same on every TP rank, as ROLL's mcore_adapter)."""
 VISION_MODULE = "vision_model"
 """Megatron's name of a VL model's vision tower (ROLL's mcore_adapter; rl_engines' Megatron strategies)."""
-VL_MODULE_NAMED_FILES = frozenset({"qwen3_vl"})
+VL_MODULE_NAMED_FILES = frozenset({"qwen3_vl", "qwen3_vl_moe"})
 """VL model types whose HF files name tensors as transformers 5's modules do (the others: ``model.*``, ``visual.*``)."""
+FUSED_EXPERT_FILES = frozenset({"qwen3_vl_moe"})
+"""Model types whose HF files stack each MoE layer's experts into two tensors (see :mod:`rl_ckpt.experts`)."""
+ALWAYS_RENORMALISED = frozenset({"qwen3_vl_moe"})
+"""MoE model types whose router always renormalises its top-k weights (no ``norm_topk_prob`` in their config)."""
 
 
 def vl_text_name(module_name: str) -> str:
@@ -120,6 +130,8 @@ def language_config(cfg: Mapping[str, Any]) -> dict[str, Any]:
     rope = rope_parameters(text)
     text = {key: value for key, value in text.items() if key not in ("rope_scaling", "rope_parameters")}
     text["rope_theta"] = float(rope.get("rope_theta") or text.get("rope_theta") or 10000.0)
+    if cfg.get("model_type") in ALWAYS_RENORMALISED:
+        text["norm_topk_prob"] = True
     text["model_type"] = family
     text["tie_word_embeddings"] = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
     return text

@@ -221,9 +221,11 @@ def _tiny_vl_sections(
                           spatial_merge_size=2, temporal_patch_size=2)  # fmt: skip
     if model_type in ("qwen3_vl", "qwen3_vl_moe"):
         del text["rope_scaling"]
-        if model_type == "qwen3_vl_moe":  # 4 experts of which 2 route each token, in every layer
-            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden, decoder_sparse_step=1,
-                        norm_topk_prob=True, router_aux_loss_coef=0.001, mlp_only_layers=[])  # fmt: skip
+        if model_type == "qwen3_vl_moe":  # 4 experts of which 2 route each token, in every layer; an expert's
+            # width and twice it differ from the hidden size: a stacked expert tensor's orientation shows in its shape
+            text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden * 3 // 4,
+                        decoder_sparse_step=1, norm_topk_prob=True, router_aux_loss_coef=0.001,
+                        mlp_only_layers=[])  # fmt: skip
         text.update(head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                   "mrope_section": [6, 5, 5], "mrope_interleaved": True})  # fmt: skip
         return text, dict(depth=depth, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=16,

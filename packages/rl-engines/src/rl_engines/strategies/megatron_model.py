@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rl_ckpt.experts import router_name
 from rl_ckpt.hf_io import HFCheckpoint
 from rl_ckpt.layout import padded_vocab_size
 from rl_ckpt.spec import ModelSpec, language_config, spec_from_hf_config
@@ -539,5 +540,5 @@ def load_folder(model: MegatronModel, model_path: str, seed: int) -> None:
 
 def _on_stage(layout: RankLayout, name: str) -> bool:
     """Whether HF tensor ``name`` has a home on this stage (others are not read from disk)."""
-    target = hf_target(layout, name)
+    target = hf_target(layout, router_name(name))  # a stacked expert tensor: on its layer's stage, every EP rank
     return target is None or target.kind != ELSEWHERE

@@ -44,7 +44,9 @@ def router_loss_coef(config: WorkerConfig, role: str, spec: Any, megatron_key: f
     if megatron_key is not None:
         key, source = megatron_key, "strategy_config.moe_aux_loss_coeff"
     elif key is None:
-        key = float((spec.hf_config or {}).get("router_aux_loss_coef") or 0.0)
+        hf_config = spec.hf_config or {}
+        text = hf_config.get("text_config") or hf_config  # a VL model's language model has the router
+        key = float(text.get("router_aux_loss_coef") or 0.0)
         source = "the model config's router_aux_loss_coef; model_args.moe_aux_loss_coef overrides it"
     if megatron_key is not None and config.model_args.moe_aux_loss_coef not in (None, megatron_key):
         source += f", which wins over model_args.moe_aux_loss_coef={config.model_args.moe_aux_loss_coef} as in ROLL"

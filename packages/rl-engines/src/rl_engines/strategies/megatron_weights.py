@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rl_ckpt.experts import per_expert
 from rl_ckpt.families import FAMILIES
 from rl_ckpt.layout import fuse_fc1, fuse_qkv, pad_rows, split
 from rl_ckpt.mcore_to_hf import StageShards, layer_to_hf
@@ -238,6 +239,9 @@ class WeightLoader:
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Check and place every tensor; returns how many HF tensors were taken."""
         count = 0
+        spec = self.layout.spec
+        if spec.fused_experts:  # a layer's experts stacked in two tensors (rl_ckpt.experts): taken expert by expert
+            weights = per_expert(weights, spec.hidden_size, spec.moe_ffn_hidden_size)
         for name, tensor in weights:
             target = self.target(name, tensor)
             if target.kind == ELSEWHERE:
