@@ -7,8 +7,6 @@ workers apply the test-harness shims (megatron_shims) through the session's star
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 from engine_fixtures import CORPUS, prompt_batch, reference_log_probs, rollout_batch, worker_config
@@ -156,22 +154,13 @@ def test_tp2_update_equals_fsdp2_and_resume_equals_uninterrupted(roles, tiny_mod
         ),
         (
             "megatron_train",
-            {"recompute_granularity": "selective", "recompute_modules": "moe,layernorm"},
-            r"recompute_modules names \['moe'\]; a dense decoder layer",
-        ),
-        pytest.param(
-            "megatron_train",
-            {"recompute_granularity": "selective", "recompute_modules": ["layernorm"]},
-            r"names layernorm: megatron-core's norm recompute .* Transformer Engine is not installed",
-            marks=pytest.mark.skipif(
-                importlib.util.find_spec("transformer_engine") is not None,
-                reason="Transformer Engine is installed: layernorm recompute runs",
-            ),
+            {"recompute_granularity": "selective", "recompute_modules": "moe,mla_up_proj"},
+            r"recompute_modules names \['mla_up_proj'\]; a decoder layer recomputes",
         ),
         (
             "megatron_train",
-            {"additional_configs": {"moe_permute_fusion": True}},
-            r"strategy_config\.additional_configs\.moe_permute_fusion",
+            {"additional_configs": {"moe_permute_fusions": True}},
+            r"strategy_config\.additional_configs\.moe_permute_fusions",
         ),
         ("megatron_infer", {"additional_configs": [1]}, r"additional_configs must be a mapping"),
     ],

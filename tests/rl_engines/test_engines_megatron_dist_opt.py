@@ -293,3 +293,16 @@ def test_sequence_parallel_without_fused_norms_runs_with_it_off_and_says_so():
         assert "sequence_parallel: megatron-core's sequence-parallel layer norms need Apex" in (
             describe_unused_switches(options, "actor_train")
         )
+
+
+def test_training_keys_rolls_files_repeat_on_a_log_prob_role_are_accepted_and_reported_as_unused():
+    """ROLL's Qwen3-Next files give the megatron_infer reference the train role's use_distributed_optimizer and
+    moe_shared_expert_overlap: nothing to act on there (no optimizer; a CUDA-stream overlap), so logged as unused."""
+    from rl_engines.strategies.megatron_config import describe_unused_switches, parse_megatron_options
+
+    options = parse_megatron_options({"use_distributed_optimizer": True, "moe_shared_expert_overlap": True},
+                                     "reference", train=False, dtype="fp32")  # fmt: skip
+    assert not options.use_distributed_optimizer
+    line = describe_unused_switches(options, "reference")
+    assert "use_distributed_optimizer: a log-prob role has no optimizer" in line
+    assert "moe_shared_expert_overlap: overlapping the shared expert" in line

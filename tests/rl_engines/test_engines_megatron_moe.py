@@ -6,6 +6,7 @@ shims stand in for Transformer Engine's names (megatron_shims)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -138,18 +139,27 @@ def test_the_router_loss_coefficient_is_picked_as_roll_picks_it(moe_dir, options
 
 
 def test_moe_layer_recompute_recomputes_the_moe_layers_with_the_same_update(moe_dir):
-    """ROLL's moe_layer_recompute reaches Megatron (selective recompute of the MoE layers, as megatron-core maps the
-    deprecated switch) and changes memory, not the update; with full recompute it is refused naming both keys."""
+    """ROLL's moe_layer_recompute, and recompute_modules naming moe (its Qwen3-VL-30B-A3B / Qwen3.5 files: "moe,
+    layernorm"), reach Megatron (selective recompute of the MoE layers, as megatron-core maps the deprecated switch)
+    and change memory, not the update. The norms' recompute needs Transformer Engine: without it, it is left out and
+    reported. With full recompute moe_layer_recompute is refused naming both keys."""
+    from rl_engines.strategies.megatron_config import describe_unused_switches
+
     batch = rollout_batch(batch_size=4, seed=9)
     results = []
-    for options in ({}, {"moe_layer_recompute": True}):
+    rolls = {"recompute_granularity": "selective", "recompute_modules": "moe,layernorm"}
+    for options in ({}, {"moe_layer_recompute": True}, rolls):
         strategy = make(moe_dir, options=options)
         config = strategy.model.module.config
         assert ("moe" in config.recompute_modules) == bool(options)
         assert config.recompute_granularity == ("selective" if options else None)
+        if options is rolls and importlib.util.find_spec("transformer_engine") is None:
+            assert "layernorm" not in config.recompute_modules
+            assert "recompute_modules.layernorm: megatron-core's norm recompute" in describe_unused_switches(
+                strategy.options, "actor_train")  # fmt: skip
         batch.batch["old_log_probs"] = strategy.compute_log_probs(batch).batch["log_probs"]
         results.append(strategy.train_step(batch, ActorObjective()))
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
     with pytest.raises(ValueError, match=r"moe_layer_recompute=true with recompute_granularity: full"):
         make(moe_dir, options={"moe_layer_recompute": True, "recompute_granularity": "full"})
 
@@ -162,6 +172,8 @@ def test_moe_keys_on_a_dense_model_are_refused_naming_them(tmp_path):
     with pytest.raises(ValueError, match=r"strategy_config\.expert_model_parallel_size', .*moe_grouped_gemm'\] apply "
                                          r"to MoE models; actor_train's model is a dense qwen2"):  # fmt: skip
         make(tmp_path, options={"expert_model_parallel_size": 2, "moe_grouped_gemm": True})
+    with pytest.raises(ValueError, match=r"strategy_config\.recompute_modules'\] apply to MoE models"):
+        make(tmp_path, options={"recompute_granularity": "selective", "recompute_modules": "core_attn,moe"})
     with pytest.raises(WorkerConfigError, match=r"actor_train\.model_args\.moe_aux_loss_coef=0\.1 .* dense model"):
         make(tmp_path, model_args={"moe_aux_loss_coef": 0.1})
 

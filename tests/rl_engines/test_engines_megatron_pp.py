@@ -466,3 +466,46 @@ def test_virtual_pipeline_chunks_must_divide_the_layers(tiny_model_dir):
         _check_divisors(spec, options, "actor_train", str(tiny_model_dir))
     _check_divisors(spec, parse_megatron_options(VPP2, "actor_train", train=True, dtype="fp32"), "actor_train",
                     str(tiny_model_dir))  # fmt: skip
+
+
+def test_rolls_embedding_and_loss_counted_in_the_pipeline_split_fail_naming_the_keys(tiny_model_dir):
+    from rl_engines.strategies.megatron_config import parse_megatron_options
+    from rl_engines.strategies.megatron_model import _check_divisors, read_spec
+
+    options = parse_megatron_options({**PP2, "account_for_embedding_in_pipeline_split": True}, "actor_train",
+                                     train=True, dtype="fp32")  # fmt: skip
+    match = (r"pipeline_model_parallel_size=2 does not divide the model's num_hidden_layers=4 \+ 1 "
+             r"\(actor_train\.strategy_args\.strategy_config\.account_for_embedding_in_pipeline_split\)")  # fmt: skip
+    with pytest.raises(ValueError, match=match):
+        _check_divisors(read_spec(str(tiny_model_dir), "actor_train"), options, "actor_train", str(tiny_model_dir))
+
+
+def test_the_embedding_counted_as_a_layer_gives_the_first_stage_one_fewer_and_trains_as_pp1(ray_session, tmp_path):
+    """ROLL's Qwen3-235B files count the embedding (and the loss) as a layer in the pipeline split
+    (account_for_*_in_pipeline_split): a 5-layer model over 2 stages with the embedding counted holds layers 0-1 on
+    the first stage and 2-4 on the second; it scores as the HF model and one update equals fsdp2_train's."""
+    from transformers import AutoTokenizer
+
+    build_tiny_tokenizer(tmp_path, CORPUS, vocab_size=256)
+    build_tiny_causal_lm(tmp_path, vocab_size=len(AutoTokenizer.from_pretrained(str(tmp_path))), num_hidden_layers=5,
+                         num_attention_heads=4, num_key_value_heads=2, seed=5)  # fmt: skip
+    split = {**PP2, "account_for_embedding_in_pipeline_split": True}
+    configs = {"actor_train": worker_config(tmp_path, "actor_train", training_args=TRAIN_ARGS, device_mapping=[0, 1],
+                                            infer_batch_size=4, **megatron("megatron_train", split))}  # fmt: skip
+    batch = rollout_batch(batch_size=8, seed=6)
+    mask = batch.batch["response_mask"]
+    with Roles(ClusterSpec(num_nodes=1, num_gpus_per_node=2), configs, rpc_timeout=180) as roles:
+        actor = roles["actor_train"]
+        assert on_ranks(actor, lambda w: w.strategy.model.layout.local_layers) == [(0, 1), (2, 3, 4)]
+        scored = with_old_log_probs(actor, batch).batch["old_log_probs"]
+        torch.testing.assert_close(scored[mask].double(), reference_log_probs(tmp_path, batch)[mask], atol=2e-6,
+                                   rtol=0)  # fmt: skip
+        metrics = actor.call("train_step", batch, ActorObjective(), dispatch="dp_split")[0]
+        actor.call("save_hf", str(tmp_path / "hf"))
+    single = fsdp2(tmp_path)
+    expected = single.train_step(batch, ActorObjective())
+    assert metrics["actor/pg_loss"] == pytest.approx(expected["pg_loss"], abs=1e-6)
+    assert metrics["actor/grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    saved = hf_state(tmp_path / "hf")
+    for name, value in single.named_weights():
+        torch.testing.assert_close(saved[name], value, atol=2e-6, rtol=0, msg=name)

@@ -67,10 +67,10 @@ def hf_scorer(tiny_model_dir):
         ({"load_format": "npz"}, r"actor_infer\.strategy_args\.strategy_config\.load_format='npz'"),
         ({"block_size": "16"}, r"actor_infer\.strategy_args\.strategy_config\.block_size must be int"),
         ({"sleep_level": 3}, r"actor_infer\.strategy_args\.strategy_config\.sleep_level must be 1 or 2"),
-        ({"tensor_parallel_size": 1}, r"tensor_parallel_size=1 but actor_infer\.num_gpus_per_worker=2"),
         ({"optimization_level": 4}, r"actor_infer\.strategy_args\.strategy_config\.optimization_level must be 0"),
         ({"limit_mm_per_prompt": {"image": -1}}, r"strategy_config\.limit_mm_per_prompt\.image must be an int >= 0"),
         ({"disable_mm_preprocessor_cache": "yes"}, r"strategy_config\.disable_mm_preprocessor_cache must be bool"),
+        ({"cudagraph_capture_sizes": [1, 0]}, r"strategy_config\.cudagraph_capture_sizes must be batch sizes >= 1"),
     ],
     ids=[
         "unknown",
@@ -78,14 +78,14 @@ def hf_scorer(tiny_model_dir):
         "load_format",
         "type",
         "sleep_level",
-        "tensor_parallel_size",
         "optimization_level",
         "limit_mm_per_prompt",
         "disable_mm_preprocessor_cache",
+        "cudagraph_capture_sizes",
     ],
 )
 def test_strategy_config_errors_name_the_key(tiny_model_dir, strategy_config, message):
-    config = worker_config(tiny_model_dir, "actor_infer", num_gpus_per_worker=2, device_mapping=[0, 1],
+    config = worker_config(tiny_model_dir, "actor_infer",
                            strategy_args={"strategy_name": "vllm", "strategy_config": strategy_config})  # fmt: skip
     with pytest.raises(WorkerConfigError, match=message):
         create_strategy(config, "actor_infer")
@@ -108,12 +108,34 @@ def test_rolls_pass_through_engine_options_reach_the_engine(tiny_model_dir):
     assert "limit_mm_per_prompt" not in kwargs and "disable_mm_preprocessor_cache" not in kwargs
 
 
-def test_a_tensor_parallel_engine_takes_its_devices_per_worker_from_the_size_as_in_roll(tiny_model_dir):
-    """ROLL's worker config sets a vllm role's num_gpus_per_worker to tensor_parallel_size (video_r1.yaml gives
-    only the latter); a num_gpus_per_worker given beside it stays (and must agree, above)."""
+def test_cuda_graph_sizes_reach_a_gpu_engine_that_captures_graphs(tiny_model_dir):
+    """ROLL's Qwen3.5 files give vLLM cudagraph_capture_sizes: its compilation config on a GPU engine that is not
+    eager; a CPU or eager engine captures no graphs and gets none."""
+    from rl_engines.strategies.vllm_config import engine_kwargs, parse_vllm_config
+
+    def kwargs(on_cpu: bool, **options):
+        strategy = {"strategy_name": "vllm", "strategy_config": {"cudagraph_capture_sizes": [8, 1, 4], **options}}
+        config = worker_config(tiny_model_dir, "actor_infer", strategy_args=strategy)
+        return engine_kwargs(config, parse_vllm_config(config, "actor_infer"), on_cpu=on_cpu, seed=0)
+
+    assert kwargs(False)["compilation_config"] == {"cudagraph_capture_sizes": [1, 4, 8]}
+    assert kwargs(False, cuda_graph_sizes=[8, 1, 4])["compilation_config"] == {"cudagraph_capture_sizes": [1, 4, 8]}
+    with pytest.raises(WorkerConfigError, match=r"cuda_graph_sizes and .*cudagraph_capture_sizes are two names"):
+        kwargs(False, cuda_graph_sizes=[2])
+    assert "compilation_config" not in kwargs(True) and "compilation_config" not in kwargs(False, enforce_eager=True)
+
+
+def test_a_tensor_parallel_engine_takes_its_devices_per_worker_from_the_size_as_in_roll(tiny_model_dir, caplog):
+    """ROLL's worker config sets a vllm role's num_gpus_per_worker to tensor_parallel_size: video_r1.yaml gives only
+    the latter, ROLL's Qwen3.5-27B file a different num_gpus_per_worker (replaced, with a warning naming both)."""
     vllm = {"strategy_name": "vllm", "strategy_config": {"tensor_parallel_size": 2}}
     derived = worker_config(tiny_model_dir, "actor_infer", device_mapping=[0, 1, 2, 3], strategy_args=vllm)
-    assert derived.num_gpus_per_worker == 2
+    assert derived.num_gpus_per_worker == 2 and not caplog.records
+    replaced = worker_config(tiny_model_dir, "actor_infer", device_mapping=[0, 1, 2, 3], num_gpus_per_worker=4,
+                             strategy_args=vllm)  # fmt: skip
+    assert replaced.num_gpus_per_worker == 2
+    assert "actor_infer.num_gpus_per_worker=4 is replaced by strategy_args.strategy_config.tensor_parallel_size=2" in (
+        caplog.text)  # fmt: skip
     hf = {"strategy_name": "hf_infer", "strategy_config": {"tensor_parallel_size": 2}}  # not vLLM's: not read
     assert worker_config(tiny_model_dir, "actor_infer", strategy_args=hf).num_gpus_per_worker == 1
 

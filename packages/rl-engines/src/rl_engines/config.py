@@ -8,6 +8,7 @@ Pure Python: importing this module pulls no torch or Ray.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import re
 import types
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from rl_engines.device_mapping import parse_device_mapping
+
+logger = logging.getLogger(__name__)
 
 ROLES = ("actor_train", "actor_infer", "reference", "critic", "reward")
 DTYPES = ("fp32", "bf16", "fp16")
@@ -321,8 +324,8 @@ class WorkerConfig:
     device_mapping: list[int] = field(default_factory=list)
     """Global device ids (ROLL's ``list(range(0,8))`` strings are parsed, never evaluated)."""
     num_gpus_per_worker: int = 1
-    """Devices per worker; inference roles only (tensor-parallel engines). Unset on a ``vllm`` role, it is the
-    strategy_config's ``tensor_parallel_size`` (ROLL derives it so)."""
+    """Devices per worker; inference roles only (tensor-parallel engines). On a ``vllm`` role with
+    ``strategy_config.tensor_parallel_size``, that size (ROLL's worker config sets it so)."""
     infer_batch_size: int = 1
     """Samples per forward pass when computing log-probs / values or generating."""
     model_update_frequency: int = 1
@@ -372,7 +375,7 @@ class WorkerConfig:
     @classmethod
     def from_dict(cls, values: dict[str, Any], role: str) -> WorkerConfig:
         """Build and validate from a YAML mapping; every error names ``<role>.<key path>``."""
-        config = build_dataclass(cls, _engine_devices(values), role)
+        config = build_dataclass(cls, _engine_devices(values, role), role)
         config.validate(role)
         return config
 
@@ -418,18 +421,22 @@ class WorkerConfig:
             )
 
 
-def _engine_devices(values: Any) -> Any:
-    """``values`` with ``num_gpus_per_worker`` taken from vLLM's ``tensor_parallel_size`` when not given, as ROLL's
-    worker config sets it (one engine over that many devices); a given value must agree (the strategy checks)."""
-    if not isinstance(values, dict) or "num_gpus_per_worker" in values:
-        return values
-    strategy = values.get("strategy_args")
+def _engine_devices(values: Any, role: str) -> Any:
+    """``values`` with a ``vllm`` role's ``num_gpus_per_worker`` set to its ``tensor_parallel_size``, as ROLL's worker
+    config sets it (one engine over that many devices; a different value given is replaced, with a warning)."""
+    strategy = values.get("strategy_args") if isinstance(values, dict) else None
     if not isinstance(strategy, dict) or strategy.get("strategy_name") != "vllm":
         return values
     size = (strategy.get("strategy_config") or {}).get("tensor_parallel_size")
-    if isinstance(size, int) and not isinstance(size, bool) and size > 1:
-        return {**values, "num_gpus_per_worker": size}
-    return values
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        return values  # the strategy names the bad value
+    given = values.get("num_gpus_per_worker")
+    if given is not None and given != size:
+        logger.warning(
+            "%s.num_gpus_per_worker=%s is replaced by strategy_args.strategy_config.tensor_parallel_size=%d: a vllm "
+            "worker runs one engine over that many devices (ROLL's worker config sets it so).", role, given, size,
+        )  # fmt: skip
+    return {**values, "num_gpus_per_worker": size}
 
 
 T = TypeVar("T")

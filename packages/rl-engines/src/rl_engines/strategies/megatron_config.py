@@ -49,11 +49,14 @@ LAYOUT_KEYS: dict[str, tuple[type, ...]] = {
     "expert_model_parallel_size": (int,),
     "virtual_pipeline_model_parallel_size": (int, NoneType),
     "sequence_parallel": (bool,),
+    "account_for_embedding_in_pipeline_split": (bool,),
+    "account_for_loss_in_pipeline_split": (bool,),
 }
 # Mixture-of-experts settings (a MoE model only); the kernel choices among them are logged when not acted on.
 MOE_KEYS: dict[str, tuple[type, ...]] = {
     "moe_token_dispatcher_type": (str,),
     "moe_grouped_gemm": (bool,),
+    "moe_permute_fusion": (bool,),
     "moe_aux_loss_coeff": (float, int),
 }
 COEFFICIENT_KEYS = frozenset({"moe_aux_loss_coeff"})
@@ -66,12 +69,21 @@ MOE_SWITCHES: dict[str, str] = {
     "shared expert runs after the routed experts here, the same math; Qwen3-MoE has none)",
     "moe_token_dispatcher_type": "the alltoall dispatcher (megatron-core's needs CUDA streams: the allgather "
     "dispatcher runs here, the same routing and results)",
+    "moe_permute_fusion": "Transformer Engine's fused token permutation before and after the experts (not installed: "
+    "torch's gather / scatter permute the tokens, the same order)",
 }
+INFER_OPTIMIZER_SWITCHES: dict[str, str] = {
+    "use_distributed_optimizer": "a log-prob role has no optimizer (ROLL's files repeat the train role's setting; "
+    "its Megatron inference strategy does not read it either)",
+}
+"""Training keys that ROLL's files also give megatron_infer roles, where they select nothing."""
 INFER_KEYS: dict[str, tuple[type, ...]] = {
     **LAYOUT_KEYS,
     **PRECISION_KEYS,
     **dict.fromkeys(KERNEL_FUSION_SWITCHES, (bool,)),
     **MOE_KEYS,
+    **dict.fromkeys(INFER_OPTIMIZER_SWITCHES, (bool,)),
+    "moe_shared_expert_overlap": (bool,),
 }
 TRAIN_KEYS: dict[str, tuple[type, ...]] = {
     **INFER_KEYS,
@@ -88,11 +100,18 @@ RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 RECOMPUTE_METHODS = (None, "uniform", "block")
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 """Megatron's selective recompute modules of a dense decoder layer: the attention core, the MLP, the input and
-pre-MLP norms (``moe``, ``moe_act``, ``shared_experts`` and ``mla_up_proj`` are parts of MoE / MLA layers)."""
-LAYERNORM_RECOMPUTE_REASON = (
-    "megatron-core's norm recompute (CheckpointWithoutOutput) reads Transformer Engine's FP8 state even without FP8, "
-    "and Transformer Engine is not installed"
-)
+pre-MLP norms (``mla_up_proj`` is MLA attention's, which no model here has)."""
+MOE_RECOMPUTE_MODULES = ("moe", "moe_act", "shared_experts")
+"""Those of a MoE layer: the whole layer, its experts' activation function, Qwen2-MoE's shared expert (MoE models
+only, like the ``moe_*`` keys)."""
+RECOMPUTE_MODULE_SWITCHES: dict[str, str] = {
+    "layernorm": "megatron-core's norm recompute (CheckpointWithoutOutput) reads Transformer Engine's FP8 state even "
+    "without FP8, and Transformer Engine is not installed: the norms' outputs are kept (the same results, more "
+    "activation memory)",
+    "moe_act": "megatron-core recomputes the experts' activation inside grouped GEMM only (Transformer Engine, not "
+    "installed: the experts run one after another, SequentialMLP): their activations are kept (the same results)",
+}
+"""Selective recompute modules this build cannot act on (memory, not results): accepted, logged, not passed on."""
 ADDITIONAL_CONFIGS = "additional_configs"
 """ROLL's (mcore_adapter) mapping of extra TransformerConfig settings; here: more strategy_config keys."""
 
@@ -107,6 +126,11 @@ class MegatronOptions:
     """Pipeline stages the decoder layers are split over (Megatron PP, an even split); TP x PP divides the world."""
     virtual_pipeline_model_parallel_size: int = 1
     """Model chunks per pipeline stage (Megatron's virtual pipeline, the interleaved 1F1B schedule; 1: off)."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as a layer when splitting the layers over pipeline stages: the first stage holds one
+    decoder layer fewer (Megatron's key; ``num_hidden_layers`` + 1 must divide evenly)."""
+    account_for_loss_in_pipeline_split: bool = False
+    """The same for the output layer and loss: the last stage holds one decoder layer fewer."""
     sequence_parallel: bool = False
     """Split layer norms / dropout activations along the sequence over the TP ranks (no effect at TP = 1)."""
     recompute_granularity: str | None = None
@@ -212,17 +236,22 @@ def _check_recompute(config: dict[str, Any], prefix: str) -> None:
             f"{prefix}.recompute_modules applies to recompute_granularity: selective only (as in Megatron); "
             f"recompute_granularity is {granularity!r}. Remove it or set recompute_granularity: selective."
         )
-    wrong = sorted(set(modules or ()) - set(RECOMPUTE_MODULES))
+    wrong = sorted(set(modules or ()) - set(RECOMPUTE_MODULES) - set(MOE_RECOMPUTE_MODULES))
     if wrong:
         raise ValueError(
-            f"{prefix}.recompute_modules names {wrong}; a dense decoder layer recomputes {list(RECOMPUTE_MODULES)} "
-            "(moe / moe_act / shared_experts are MoE layers', mla_up_proj MLA attention's)."
+            f"{prefix}.recompute_modules names {wrong}; a decoder layer recomputes {list(RECOMPUTE_MODULES)}, a MoE "
+            f"layer also {list(MOE_RECOMPUTE_MODULES)} (mla_up_proj is MLA attention's, which no model here has)."
         )
-    if "layernorm" in (modules or ()) and importlib.util.find_spec("transformer_engine") is None:
-        raise ValueError(
-            f"{prefix}.recompute_modules names layernorm: {LAYERNORM_RECOMPUTE_REASON}. Recompute core_attn / mlp, or "
-            "use recompute_granularity: full."
-        )
+
+
+def _recompute_modules_here(modules: tuple[str, ...] | None) -> tuple[tuple[str, ...] | None, tuple[str, ...]]:
+    """The selective recompute modules passed to Megatron, and those it cannot act on in this build (logged as
+    ``recompute_modules.<module>``, :data:`RECOMPUTE_MODULE_SWITCHES`)."""
+    if modules is None:
+        return None, ()
+    te = importlib.util.find_spec("transformer_engine") is not None
+    skipped = tuple(m for m in modules if m in RECOMPUTE_MODULE_SWITCHES and not (m == "layernorm" and te))
+    return tuple(m for m in modules if m not in skipped), tuple(f"recompute_modules.{m}" for m in skipped)
 
 
 def recompute_modules(value: str | list[Any] | None) -> tuple[str, ...] | None:
@@ -277,32 +306,41 @@ def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dt
     if sequence_parallel and not fused_norms_available():
         sequence_parallel, unused = False, (*unused, "sequence_parallel")
     dispatcher = str(config.get("moe_token_dispatcher_type", "allgather"))
-    unused += tuple(key for key in ("moe_grouped_gemm", "moe_shared_expert_overlap") if config.get(key))
+    unused += tuple(key for key in ("moe_grouped_gemm", "moe_shared_expert_overlap", "moe_permute_fusion")
+                    if config.get(key))  # fmt: skip
+    modules, skipped = _recompute_modules_here(recompute_modules(config.get("recompute_modules")))
+    unused += skipped
+    if not train:
+        unused += tuple(key for key in INFER_OPTIMIZER_SWITCHES if config.get(key))
     if dispatcher == "alltoall" and not _cuda():
         dispatcher, unused = "allgather", (*unused, "moe_token_dispatcher_type")
     return MegatronOptions(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=int(config.get("pipeline_model_parallel_size", 1)),
         virtual_pipeline_model_parallel_size=int(config.get("virtual_pipeline_model_parallel_size") or 1),
+        account_for_embedding_in_pipeline_split=bool(config.get("account_for_embedding_in_pipeline_split", False)),
+        account_for_loss_in_pipeline_split=bool(config.get("account_for_loss_in_pipeline_split", False)),
         sequence_parallel=sequence_parallel,
         recompute_granularity=granularity,
         recompute_method=(config.get("recompute_method") or "uniform") if full else None,
         recompute_num_layers=(config.get("recompute_num_layers") or 1) if full else None,
-        recompute_modules=recompute_modules(config.get("recompute_modules")),
-        use_distributed_optimizer=bool(config.get("use_distributed_optimizer", False)),
+        recompute_modules=modules,
+        use_distributed_optimizer=train and bool(config.get("use_distributed_optimizer", False)),
         unused_switches=unused,
         expert_model_parallel_size=int(config.get("expert_model_parallel_size", 1)),
         moe_token_dispatcher_type=dispatcher,
         moe_layer_recompute=bool(config.get("moe_layer_recompute", False)),
         moe_aux_loss_coeff=None if config.get("moe_aux_loss_coeff") is None else float(config["moe_aux_loss_coeff"]),
-        moe_keys=tuple(
-            sorted(
-                key
-                for key in config
-                if key.startswith("moe_") or (key == "expert_model_parallel_size" and config[key] > 1)
-            )
-        ),
+        moe_keys=_moe_keys(config),
     )
+
+
+def _moe_keys(config: dict[str, Any]) -> tuple[str, ...]:
+    """The keys that only a MoE model takes: ``moe_*``, expert parallelism, MoE layers' recompute modules."""
+    moe_modules = set(recompute_modules(config.get("recompute_modules")) or ()) & set(MOE_RECOMPUTE_MODULES)
+    return tuple(sorted(key for key in config if key.startswith("moe_")
+                        or (key == "expert_model_parallel_size" and config[key] > 1)
+                        or (key == "recompute_modules" and moe_modules)))  # fmt: skip
 
 
 def _cuda() -> bool:
@@ -341,7 +379,8 @@ def describe_unused_switches(options: MegatronOptions, role: str) -> str:
     if not options.unused_switches:
         return ""
     switches = (KERNEL_FUSION_SWITCHES | TRAIN_PERFORMANCE_SWITCHES | MOE_SWITCHES
-                | {"sequence_parallel": SEQUENCE_PARALLEL_REASON})  # fmt: skip
+                | {"sequence_parallel": SEQUENCE_PARALLEL_REASON} | INFER_OPTIMIZER_SWITCHES
+                | {f"recompute_modules.{m}": reason for m, reason in RECOMPUTE_MODULE_SWITCHES.items()})  # fmt: skip
     reasons = "; ".join(f"{key}: {switches[key]}" for key in options.unused_switches)
     return (
         f"{role}.strategy_args.strategy_config: performance-only switches accepted but not used by this build "

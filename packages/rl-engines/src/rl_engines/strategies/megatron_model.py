@@ -138,6 +138,8 @@ def transformer_config(
         tensor_model_parallel_size=options.tensor_model_parallel_size,
         pipeline_model_parallel_size=options.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=_virtual(options),
+        account_for_embedding_in_pipeline_split=options.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=options.account_for_loss_in_pipeline_split,
         pipeline_dtype=params_dtype,  # of the hidden states sent between stages
         sequence_parallel=options.sequence_parallel,
         recompute_granularity=options.recompute_granularity,
@@ -419,17 +421,21 @@ def _check_divisors(spec: ModelSpec, options: MegatronOptions, role: str, model_
                 f"{prefix}.tensor_model_parallel_size={tp} does not divide the model's {key}={value} "
                 f"({model_path}/config.json); Megatron splits them over TP ranks. Pick a divisor."
             )
-    if spec.num_layers % pp:
+    extra = [key for key in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+             if getattr(options, key)]  # fmt: skip
+    counted = spec.num_layers + len(extra)  # the embedding / the loss each count as a layer in the split
+    what = f"num_hidden_layers={spec.num_layers}" + "".join(f" + 1 ({prefix}.{key})" for key in extra)
+    if counted % pp:
         raise ValueError(
-            f"{prefix}.pipeline_model_parallel_size={pp} does not divide the model's num_hidden_layers="
-            f"{spec.num_layers} ({model_path}/config.json); the stages get equal numbers of layers. Pick a divisor."
+            f"{prefix}.pipeline_model_parallel_size={pp} does not divide the model's {what} "
+            f"({model_path}/config.json); the stages get equal numbers of layers. Pick a divisor."
         )
     vp = options.virtual_pipeline_model_parallel_size
-    if spec.num_layers % (pp * vp):
+    if counted % (pp * vp):
         raise ValueError(
             f"{prefix}.pipeline_model_parallel_size={pp} x {prefix}.virtual_pipeline_model_parallel_size={vp} does not "
-            f"divide the model's num_hidden_layers={spec.num_layers} ({model_path}/config.json); every model chunk "
-            "gets the same number of layers. Pick divisors."
+            f"divide the model's {what} ({model_path}/config.json); every model chunk gets the same number of layers. "
+            "Pick divisors."
         )
 
 

@@ -66,6 +66,12 @@ class VllmStrategyConfig:
     """vLLM's cache of multimodal processor outputs off (ROLL's video config: each video is seen once, the cache
     would only hold memory; vLLM >= 0.13 spells it ``mm_processor_cache_gb: 0``). A text model has no multimodal
     processor and vLLM rejects the key on one; the adapter here serves text models, so it is not passed (logged)."""
+    cudagraph_capture_sizes: list[int] | None = None
+    """Decode batch sizes vLLM captures a CUDA graph for (ROLL's Qwen3.5 files), passed to vLLM as its
+    ``compilation_config.cudagraph_capture_sizes`` on a GPU engine that is not eager; null = vLLM's sizes. A CPU
+    engine captures no CUDA graphs: it is checked and logged there."""
+    cuda_graph_sizes: list[int] | None = None
+    """vLLM 0.10's name of ``cudagraph_capture_sizes`` (ROLL's Qwen3-235B file): the same sizes; give one of the two."""
     cache_dir: str | None = None
     """Where vLLM and torch inductor keep caches, compile artifacts and IPC sockets; null = a per-user folder in
     the system temp dir, shared by runs so later engines start warm."""
@@ -86,6 +92,18 @@ class VllmStrategyConfig:
             raise WorkerConfigError(f"{prefix}.optimization_level must be 0, 1, 2 or 3, got {self.optimization_level}.")
         if self.sleep_level not in (1, 2):
             raise WorkerConfigError(f"{prefix}.sleep_level must be 1 or 2, got {self.sleep_level}.")
+        if self.cuda_graph_sizes is not None:
+            if self.cudagraph_capture_sizes is not None and self.cudagraph_capture_sizes != self.cuda_graph_sizes:
+                raise WorkerConfigError(
+                    f"{prefix}.cuda_graph_sizes and {prefix}.cudagraph_capture_sizes are two names of vLLM's "
+                    "CUDA-graph batch sizes and disagree; keep one."
+                )
+            self.cudagraph_capture_sizes = self.cuda_graph_sizes
+        if any(not isinstance(size, int) or isinstance(size, bool) or size < 1
+               for size in self.cudagraph_capture_sizes or ()):  # fmt: skip
+            raise WorkerConfigError(
+                f"{prefix}.cudagraph_capture_sizes must be batch sizes >= 1, got {self.cudagraph_capture_sizes!r}."
+            )
         for modality, count in (self.limit_mm_per_prompt or {}).items():
             if not isinstance(count, int) or count < 0:
                 raise WorkerConfigError(f"{prefix}.limit_mm_per_prompt.{modality} must be an int >= 0, got {count!r}.")
@@ -150,4 +168,6 @@ def engine_kwargs(config: WorkerConfig, options: VllmStrategyConfig, *, on_cpu: 
     }
     optional = ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "optimization_level")
     kwargs.update({name: getattr(options, name) for name in optional if getattr(options, name) is not None})
+    if options.cudagraph_capture_sizes and not kwargs["enforce_eager"] and not on_cpu:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(set(options.cudagraph_capture_sizes))}
     return {key: value for key, value in kwargs.items() if value is not None}

@@ -123,6 +123,12 @@ class VllmInferStrategy:
         seed = self.config.training_args.seed + _rank()
         kwargs = engine_kwargs(self.config, self.options, on_cpu=self.device.type == "cpu", seed=seed)
         self._log_multimodal_options()
+        if self.options.cudagraph_capture_sizes and "compilation_config" not in kwargs:
+            logger.info(
+                "[engines] %s.strategy_args.strategy_config.cudagraph_capture_sizes: no CUDA graphs are captured by "
+                "this engine (%s), so the sizes change nothing here.",
+                self.role, "a CPU engine" if self.device.type == "cpu" else "enforce_eager",
+            )  # fmt: skip
         if self.config.model_args.lora:
             kwargs.update(self._lora_setup())
         self.model = EngineModel(LLM(**kwargs), load_generation_config(path))
