@@ -76,12 +76,13 @@ def check_data_args(data_args: dict[str, Any], section: str) -> list[str]:
 
 def check_video_model(data_args: dict[str, Any], section: str, model_type: str | None) -> None:
     """Video data (a ``video_*`` key or the Video-R1 layout) needs a model whose videos are built here (Qwen2-VL,
-    Qwen2.5-VL, Qwen3-VL); ``model_type`` None (no local config.json yet) is not checked."""
-    from rl_engines.video import VIDEO_MODEL_TYPES
+    Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE); ``model_type`` None (no local config.json yet) is not checked."""
+    from rl_engines.video import check_video_model as check_model
 
     keys = [key for key in data_args if key.startswith("video_") or key == "custom_data_kwargs_func"]
-    if keys and model_type is not None and model_type not in VIDEO_MODEL_TYPES:
-        raise PreflightError(
-            f"{section}.data_args.{keys[0]}: video inputs are built for {list(VIDEO_MODEL_TYPES)}, and the actor's "
-            f"model_type is {model_type!r}. Use one of those models or drop the video data."
-        )
+    if not keys or model_type is None:
+        return
+    try:
+        check_model(model_type)
+    except ValueError as err:
+        raise PreflightError(f"{section}.data_args.{keys[0]} (video data) with the actor's model: {err}") from None

@@ -121,7 +121,10 @@ def test_bad_video_data_keys_name_the_key(tmp_path):
         check_data_args({"video_max_frames": 2.5}, "actor_train")
     with pytest.raises(PreflightError, match=r"video_min_pixels=200 exceeds video_max_pixels=100"):
         check_data_args({"video_min_pixels": 200, "video_max_pixels": 100}, "actor_train")
-    with pytest.raises(PreflightError, match=r"actor_train.data_args.video_fps: video inputs are built for"):
+    with pytest.raises(
+        PreflightError,
+        match=r"actor_train.data_args.video_fps \(video data\) with the actor's model: video inputs are built for",
+    ):
         check_video_model({"video_fps": 2.0}, "actor_train", "qwen2")
     check_video_model({"video_fps": 2.0}, "actor_train", "qwen3_vl")
     (tmp_path / "d.json").write_text(json.dumps([{**video_r1_rows(1)[0], "problem_type": "essay"}]))

@@ -10,6 +10,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from rl_engines.vision import VL_MODEL_TYPES  # the vision-language architectures build_tiny_vl_model builds
+
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
@@ -150,10 +152,6 @@ def build_tiny_moe_lm(
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 """Qwen-VL's vision special tokens (ids 3 to 6 in :func:`build_tiny_vl_model`'s tokenizer)."""
-
-
-VL_MODEL_TYPES = ("qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe")
-"""The vision-language architectures :func:`build_tiny_vl_model` builds."""
 
 
 def build_tiny_vl_model(
