@@ -130,3 +130,37 @@ def test_fa2_without_its_package_picks_the_torch_kernel_only_on_cuda(tiny_model_
     with caplog.at_level(logging.WARNING, logger="rl_engines.strategies.model_io"):
         assert attention_kernel(args, "actor_train") == "torch_varlen"
     assert "runs PyTorch's own flash-attention varlen kernel" in caplog.text
+
+
+def test_the_sequences_are_found_once_per_forward_not_once_per_layer(models, monkeypatch):
+    """Every layer gets the same mask / position tensors: the bounds (and the host read of their longest lengths, a
+    device synchronisation on GPU) are found once per forward, not once per layer; the logits stay sdpa's. A tensor
+    changed in place since, or another tensor, is read again."""
+    sdpa, varlen = models
+    found = []
+    monkeypatch.setattr(varlen_attention, "sequence_bounds",
+                        lambda *args: found.append(args) or sequence_bounds(*args))  # fmt: skip
+    batch = varied_batch()
+    mask = batch.batch["attention_mask"]
+    inputs = {
+        "input_ids": batch.batch["input_ids"],
+        "attention_mask": mask,
+        "position_ids": position_ids_from_mask(mask),
+    }
+    assert varlen.config.num_hidden_layers > 1
+    with torch.no_grad():
+        for forwards in (1, 2):
+            got, expected = varlen(**inputs).logits, sdpa(**inputs).logits
+            assert len(found) == forwards  # the mask function gives each forward a mask of its own
+    real = mask.bool()
+    torch.testing.assert_close(got[real], expected[real], atol=1e-5, rtol=1e-5)
+
+    cache, row = varlen_attention._LastBounds(), mask.bool().clone()
+    shape = (row.shape[0], row.shape[1], row.shape[1])
+    first = cache.get(shape, row, None, row.device)
+    assert cache.get(shape, row, None, row.device) is first and len(found) == 3
+    row[0, int(row[0].int().argmax())] = False  # in place: the version counter moves
+    again = cache.get(shape, row, None, row.device)
+    assert len(found) == 4 and int(again.cu_q[1]) == int(first.cu_q[1]) - 1
+    cache.get(shape, row.clone(), None, row.device)  # equal contents, another tensor
+    assert len(found) == 5

@@ -17,7 +17,9 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,6 +78,56 @@ def _by_mask(mask: torch.Tensor, queries: int, keys: int, device: torch.device) 
 
 def _cumulative(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """:func:`sequence_bounds` and the longest query / key sequence, as one attention call uses them."""
+
+    q_index: torch.Tensor
+    k_index: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+
+
+class _LastBounds:
+    """The bounds of the last (mask, positions) seen: every layer of a forward passes the same two tensors, so the
+    sequences are found (and their longest lengths read back to the host, a device synchronisation) once per forward
+    instead of once per layer. A hit needs the very tensor objects (held by weak reference: a new tensor is never
+    mistaken for a dead one at the same address) unchanged since (their version counters), and the same shapes and
+    device."""
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] | None = None
+        self.refs: tuple[Callable[[], Any], ...] = ()
+        self.bounds: Bounds | None = None
+
+    def get(self, shape: tuple[int, int, int], mask: torch.Tensor | None, positions: torch.Tensor | None,
+            device: torch.device) -> Bounds:  # fmt: skip
+        tensors = (mask, positions)
+        # inference-mode tensors keep no version counter: their bounds are found every time
+        cacheable = not any(t is not None and t.is_inference() for t in tensors)
+        key = (
+            (shape, device, *((None, None) if t is None else (id(t), t._version) for t in tensors))
+            if cacheable
+            else None
+        )
+        if key is not None and key == self.key and all(ref() is t for ref, t in zip(self.refs, tensors, strict=True)):
+            assert self.bounds is not None
+            return self.bounds
+        q_index, k_index, cu_q, cu_k = sequence_bounds(*shape, mask, positions, device)
+        self.bounds = Bounds(q_index, k_index, cu_q, cu_k, int(torch.diff(cu_q).max()), int(torch.diff(cu_k).max()))
+        self.key, self.refs = key, tuple(_weak(t) for t in tensors)
+        return self.bounds
+
+
+def _weak(tensor: torch.Tensor | None) -> Callable[[], Any]:
+    return (lambda: None) if tensor is None else weakref.ref(tensor)
+
+
+LAST_BOUNDS = _LastBounds()
 
 
 @functools.cache
@@ -143,15 +195,15 @@ def varlen_attention(
     batch, heads, queries, dim = query.shape
     keys = key.shape[2]
     positions = kwargs.get("position_ids")  # 2-D (a VL model passes its text row), or None
-    q_index, k_index, cu_q, cu_k = sequence_bounds(batch, queries, keys, attention_mask, positions, query.device)
-    q = query.transpose(1, 2).reshape(batch * queries, heads, dim)[q_index]
-    k, v = (t.transpose(1, 2).reshape(batch * keys, t.shape[1], -1)[k_index] for t in (key, value))
+    bounds = LAST_BOUNDS.get((batch, queries, keys), attention_mask, positions, query.device)
+    q = query.transpose(1, 2).reshape(batch * queries, heads, dim)[bounds.q_index]
+    k, v = (t.transpose(1, 2).reshape(batch * keys, t.shape[1], -1)[bounds.k_index] for t in (key, value))
     flag = kwargs.get("is_causal")  # transformers may pass None: the module's own setting then
     causal = bool(getattr(module, "is_causal", True) if flag is None else flag)
-    out = kernel(q, k, v, cu_q, cu_k, int(torch.diff(cu_q).max()), int(torch.diff(cu_k).max()),
-                 scale=scaling, causal=causal, window=sliding_window)  # fmt: skip
+    out = kernel(q, k, v, bounds.cu_q, bounds.cu_k, bounds.max_q, bounds.max_k, scale=scaling, causal=causal,
+                 window=sliding_window)  # fmt: skip
     full = out.new_zeros(batch * queries, heads, out.shape[-1])
-    full[q_index] = out
+    full[bounds.q_index] = out
     return full.reshape(batch, queries, heads, -1), None
 
 
