@@ -12,6 +12,7 @@ from apps.common.preflight import (
     PreflightReport,
     check_algorithm_roles,
     check_async,
+    check_old_log_prob_switches,
     check_token_budgets,
     device_only_notes,
     dropped_key_notes,
@@ -55,5 +56,6 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
         divisor = size_divisor(config, sections)
         samples = -(-base.rollout_batch_size // divisor) * divisor
     report = plan_training(base, placement, sections, samples=samples)
+    check_old_log_prob_switches(base, report)
     report.notes.extend(notes)
     return report

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,10 @@ from rl_core.rewards import RewardConfig, RunningMoments, build_token_level_rewa
 from rl_core.rollout_corr import rollout_correction
 from rl_core.rollout_corr_config import RolloutCorrectionConfig
 from rl_core.rollout_is import RolloutISConfig, compute_rollout_is_weights
+from rl_core.train_infer_correction import TrainInferCorrectionConfig, compute_train_infer_correction
 from rl_engines.objectives import ActorObjective, CriticObjective
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +40,8 @@ class AlgorithmSettings:
     critic: CriticObjective
     correction: RolloutCorrectionConfig | None = None
     """verl 0.9.1's rollout correction (``rollout_correction``), applied before the advantages."""
+    train_infer: TrainInferCorrectionConfig | None = None
+    """ROLL's train-infer correction (``train_infer_correction``), applied after the advantages as ROLL does."""
 
     @classmethod
     def from_config(cls, config: Any, temperature: float = 1.0, ratio_type: str = "token") -> AlgorithmSettings:
@@ -67,7 +73,16 @@ class AlgorithmSettings:
                                policy_loss_config=policy, coefficients=coefficients, use_kl_loss=config.use_kl_loss,
                                kl_loss_type=config.kl_loss_type, temperature=temperature)  # fmt: skip
         critic = CriticObjective(value_clip=config.value_clip, loss_agg_mode=config.loss_agg_mode)
-        return cls(config.adv_estimator, advantage, reward, rollout_is, actor, critic, config.rollout_correction)
+        return cls(
+            config.adv_estimator,
+            advantage,
+            reward,
+            rollout_is,
+            actor,
+            critic,
+            config.rollout_correction,
+            config.train_infer_correction,
+        )
 
 
 class TargetBuilder:
@@ -104,6 +119,8 @@ class TargetBuilder:
             rewards, metrics = self._by_domain(tensors, sequence_rewards, scores, group_index, domains)
         if correction is not None:
             metrics.update(_apply_correction(tensors, *correction))
+        if self.settings.train_infer is not None:
+            metrics.update(_train_infer_correction(tensors, self.settings.train_infer))
         metrics.update(_is_weights(batch, self.settings.rollout_is))
         metrics.update(_summary(tensors, scores, rewards))
         return metrics
@@ -235,6 +252,21 @@ def _apply_correction(
     if not bool(kept.bool().any()):
         return {**metrics, "mask/final_mask_sum_eq_0": 1.0}
     return metrics
+
+
+def _train_infer_correction(tensors: dict[str, torch.Tensor], config: TrainInferCorrectionConfig) -> dict[str, float]:
+    """ROLL's ``apply_train_infer_correction_to_batch``: from the old (training engine) and rollout (inference engine)
+    log-probs, the IS weights into the batch when enabled and the filters out of ``response_mask``; its metrics.
+    Without rollout log-probs (an engine or replay that recorded none) ROLL skips it with a warning; so does this."""
+    if "rollout_log_probs" not in tensors:
+        logger.warning("train_infer_correction: the rollout has no rollout_log_probs (the inference engine's), so "
+                       "it is skipped for this step, as ROLL skips it.")  # fmt: skip
+        return {}
+    mask = tensors["response_mask"]
+    weights, keep, metrics = compute_train_infer_correction(config, mask, tensors["old_log_probs"],
+                                                            tensors["rollout_log_probs"])  # fmt: skip
+    kept = mask * keep.to(mask.dtype)
+    return _apply_correction(tensors, weights if config.is_weight.enabled else None, kept, metrics)
 
 
 def _is_weights(batch: RolloutBatch, config: RolloutISConfig) -> dict[str, float]:

@@ -16,6 +16,11 @@ from typing import Any
 
 from apps.common.policy_args import ActorPolicyArgs, pop_policy_args
 from rl_core.rollout_corr_config import RolloutCorrectionConfig
+from rl_core.train_infer_correction import (
+    TrainInferCorrectionConfig,
+    TrainInferFilterConfig,
+    TrainInferISWeightConfig,
+)
 from rl_engines.config import WorkerConfig, WorkerConfigError, build_dataclass
 
 ROLE_KEYS = ("actor_train", "actor_infer", "reference", "critic")
@@ -185,6 +190,18 @@ class SharedConfig:
     rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold, bypass_mode, loss_type; see
     docs/rollout-importance-sampling.md): weights and rejections applied before the advantages, ``rollout_corr/``
     metrics. Instead of the rollout_is_* keys above, not with them."""
+    train_infer_correction: TrainInferCorrectionConfig | None = None
+    """ROLL's train-infer correction (``is_weight``: an IS weight on each token's policy loss from the training and
+    inference engines' log-probs, at token / geometric / sequence / segment level, clamped; ``filters``: tokens whose
+    ratio or probability difference leaves a band drop out of the loss), applied after the advantages;
+    ``actor/train_infer_*`` metrics (rl_core.train_infer_correction). Not with verl's rollout_correction / rollout_is_*
+    keys (two corrections of the same gap)."""
+    enable_old_logprobs_recompute: bool | None = None
+    """ROLL: compute the old log-probs in a pass of actor_train before training (ROLL turns it on itself when a
+    step takes several backward passes per rank or init_kl_coef > 0). Off, ROLL's train step uses its own log-probs of
+    the same weights instead, the same values; here that pass always runs (given, a pre-flight note says so)."""
+    force_disable_old_logprobs_recompute: bool | None = None
+    """ROLL: keep that pass off even where ROLL would turn it on; the same note applies."""
     # ---- sections --------------------------------------------------------------------------------------------
     actor_train: WorkerConfig = field(default_factory=WorkerConfig)
     """Policy training role."""
@@ -277,7 +294,35 @@ def pop_shared_sections(values: dict[str, Any]) -> dict[str, Any]:
             sections[role] = None if section is None else WorkerConfig.from_dict(section, role)
     if "rollout_mock" in values:
         sections["rollout_mock"] = _rollout_mock(values.pop("rollout_mock"))
+    if "train_infer_correction" in values:
+        sections["train_infer_correction"] = _train_infer_correction(values.pop("train_infer_correction"))
     return sections
+
+
+def _train_infer_correction(section: Any) -> TrainInferCorrectionConfig | None:
+    """ROLL's ``train_infer_correction`` mapping: ``is_weight`` and the list of ``filters``, every key checked."""
+    if section is None:
+        return None
+    key = "train_infer_correction"
+    if not isinstance(section, dict):
+        raise WorkerConfigError(f"{key} must be a mapping with is_weight and filters, got {section!r}.")
+    rest = sorted(set(section) - {"is_weight", "filters"})
+    if rest:
+        raise WorkerConfigError(f"unknown key(s) {[f'{key}.{name}' for name in rest]}; valid keys of {key}: "
+                                "['filters', 'is_weight']. Fix the spelling or remove the key.")  # fmt: skip
+    filters = section.get("filters") or []
+    if not isinstance(filters, list):
+        raise WorkerConfigError(f"{key}.filters must be a list of filter rules, got {filters!r}.")
+    config = TrainInferCorrectionConfig(
+        is_weight=build_dataclass(TrainInferISWeightConfig, section.get("is_weight"), f"{key}.is_weight"),
+        filters=[build_dataclass(TrainInferFilterConfig, rule, f"{key}.filters[{i}]")
+                 for i, rule in enumerate(filters)],
+    )  # fmt: skip
+    try:
+        config.validate(key)
+    except ValueError as err:
+        raise WorkerConfigError(str(err)) from None
+    return config
 
 
 def _rollout_mock(section: Any) -> dict[str, Any] | None:

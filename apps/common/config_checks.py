@@ -71,6 +71,21 @@ def _check_registry(registry: Any, key: str, value: str | None, allow_none: bool
         )
 
 
+def check_train_infer_correction(config: Any) -> None:
+    """ROLL's ``train_infer_correction`` weights / filters the same gap (training vs inference log-probs) as verl's
+    rollout correction: one of them at a time."""
+    if config.train_infer_correction is None:
+        return
+    given = {"rollout_correction": config.rollout_correction, "rollout_is_threshold": config.rollout_is_threshold}
+    other = [key for key, value in given.items() if value is not None]
+    if other:
+        fail(
+            f"train_infer_correction and {other[0]} are both set: both correct the gap between the training and "
+            "inference engines' log-probs (ROLL's and verl's keys), and applied together they would weight and filter "
+            "it twice; keep one."
+        )
+
+
 def check_rollout_correction(config: Any) -> None:
     """``rollout_correction`` (verl 0.9.1's keys) is valid, not combined with the older rollout_is_* keys, and in
     bypass mode not combined with another policy loss (verl's bypass mode replaces the loss), nor its batch
@@ -141,6 +156,7 @@ def check_choices(config: Any) -> None:
     _check_registry(IS_LEVELS, "rollout_is_level", config.rollout_is_level)
     _check_registry(IS_MODES, "rollout_is_mode", config.rollout_is_mode)
     check_rollout_correction(config)
+    check_train_infer_correction(config)
     _check_registry(TRACKERS, "track_with", config.track_with)
     for key in ("norm_mean_type", "norm_std_type"):
         if getattr(config, key) not in NORM_TYPES:

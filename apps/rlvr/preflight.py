@@ -15,6 +15,7 @@ from apps.common.preflight import (
     PreflightReport,
     check_algorithm_roles,
     check_async,
+    check_old_log_prob_switches,
     check_token_budgets,
     device_only_notes,
     dropped_key_notes,
@@ -58,6 +59,7 @@ def preflight(config: RLVRConfig) -> PreflightReport:
     notes = check_token_budgets(sections, longest, "prompt_length + response_length") + device_only_notes(sections)
     notes += dropped_key_notes(config)
     report = plan_training(config, placement, sections, config.num_return_sequences_in_group)
+    check_old_log_prob_switches(config, report)
     report.notes.extend(notes)
     report.notes.extend(check_data_args(config.actor_train.data_args, "actor_train"))
     check_video_model(config.actor_train.data_args, "actor_train", model_type(config))
