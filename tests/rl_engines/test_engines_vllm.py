@@ -327,22 +327,9 @@ def trained_moe(folder):
 
 
 @needs_vllm
-def test_a_moe_sync_into_vllm_on_cpu_is_refused_naming_why(tmp_path):
-    """vLLM 0.32's layer-wise reload leaves its CPU expert kernels with untransformed weights (measured: reloading
-    the engine's own checkpoint changes its log-probs), so a sync would serve wrong weights: refused."""
-    *_, state = trained_moe(tmp_path)
-    engine = make_vllm(tmp_path, temperature=0.0, num_return_sequences=1)
-    assert "mixture-of-experts" in engine.sync_refusal()  # what Roles.model_updater asks before any sync
-    with pytest.raises(RuntimeError, match=r"actor_infer: weight syncs into vLLM on CPU are refused for the "
-                                           r"mixture-of-experts model"):  # fmt: skip
-        push(engine, state, bucket_bytes=20_000)
-    engine.close()
-
-
-@needs_vllm
-@pytest.mark.gpu
 def test_a_moe_actor_syncs_into_vllm_under_checkpoint_names(tmp_path):
-    """On GPU: the per-expert weights load into vLLM, which then scores as the trained model."""
+    """The per-expert weights load into vLLM, which then scores as the trained model. On CPU the reloaded expert
+    weights are repacked for vLLM's grouped-GEMM kernel (vLLM's own reload leaves them in checkpoint layout)."""
     train, batch, state = trained_moe(tmp_path)
     engine = make_vllm(tmp_path, temperature=0.0, num_return_sequences=1)
     mask = batch.batch["response_mask"]
@@ -468,3 +455,41 @@ def test_a_lora_actor_syncs_its_adapters_alone_into_vllm_on_ray(tiny_model_dir):
             assert float((new_train - old)[mask].abs().max()) > 1e-3  # the step moved the adapters
     finally:
         stop_ray(remove_temp_dir=True)
+
+
+def test_reloaded_expert_layers_are_repacked_for_the_cpu_kernel_and_unknown_ones_refused():
+    """Without vLLM: the layers a reload's expert names touch (vLLM nests the kernel's module under the checkpoint's
+    ``...mlp.experts``) get their kernel's after-load step again, the others not; expert names without such a layer
+    are refused rather than served in checkpoint layout."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from rl_engines.strategies.vllm_weights import repack_reloaded_experts
+
+    class CPUUnquantizedExperts:  # the name vLLM's CPU grouped-GEMM experts carry
+        def __init__(self):
+            self.repacked = []
+
+        def process_weights_after_loading(self, layer):
+            self.repacked.append(layer)
+
+    experts = CPUUnquantizedExperts()
+
+    def moe_layer():
+        layer = nn.Module()
+        layer.w13_weight = nn.Parameter(torch.zeros(1))
+        layer.quant_method = SimpleNamespace(moe_kernel=SimpleNamespace(fused_experts=experts))
+        return layer
+
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Module(), nn.Module()])
+    for block in model.layers:
+        block.experts = nn.Module()
+        block.experts.routed_experts = moe_layer()
+    names = ["layers.1.experts.0.gate_proj.weight", "layers.1.experts.3.down_proj.weight", "layers.1.norm.weight"]
+    assert repack_reloaded_experts(model, names) == 1 and experts.repacked == [model.layers[1].experts.routed_experts]
+    assert repack_reloaded_experts(model, ["layers.0.norm.weight"]) == 0
+    with pytest.raises(RuntimeError, match=r"expert weights of \['layers\.7\.experts'\] reloaded, but vLLM's CPU MoE"):
+        repack_reloaded_experts(model, ["layers.7.experts.0.up_proj.weight"])
+    assert repack_reloaded_experts(nn.Linear(2, 2), names) == 0  # no CPU expert kernel: nothing to redo

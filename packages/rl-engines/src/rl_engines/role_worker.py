@@ -158,11 +158,6 @@ class RoleWorker(WorkerBase):
         discards = getattr(self.strategy, "discards_weights", None)
         return not getattr(self.strategy, "loads_any_subset", False) or (discards is not None and bool(discards()))
 
-    def sync_refusal(self) -> str | None:
-        """Why this inference worker's engine cannot take weight syncs, or None (most engines take them)."""
-        refusal = getattr(self.strategy, "sync_refusal", None)
-        return None if refusal is None else refusal()
-
     # ---- weight sync: sender side (train roles) ------------------------------------------------------------
     def _sync_dtype(self, dtype: str | None) -> torch.dtype | None:
         return None if dtype is None else SYNC_DTYPES[dtype]

@@ -207,9 +207,6 @@ class Roles:
         alone; any other gets the weights (merged with the adapters)."""
         colocated = self.plan.is_colocated(train, infer)
         check_lora_pair(self.configs[train], self.configs[infer])
-        refusals = [r for r in self[infer].call("sync_refusal") if r]
-        if refusals:  # before any sync starts (a refused broadcast would leave the sender waiting)
-            raise ValueError(refusals[0])
         updater = ModelUpdater(self[train], self[infer], colocated=colocated, bucket_bytes=bucket_bytes, dtype=dtype,
                                timeout_s=self.rpc_timeout, names=sync_names(self.configs[infer]))  # fmt: skip
         self._updaters.append(updater)

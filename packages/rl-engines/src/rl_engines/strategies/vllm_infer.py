@@ -62,12 +62,6 @@ from rl_engines.strategies.vllm_weights import (
 from rl_engines.strategies.weight_table import WeightTable, checkpoint_weights
 
 logger = logging.getLogger(__name__)
-MOE_CPU_RELOAD = (
-    "{role}: weight syncs into vLLM on CPU are refused for the mixture-of-experts model {model}: vLLM 0.32's "
-    "layer-wise reload leaves its CPU expert kernels (CPUUnquantizedExperts) with the weights in checkpoint layout "
-    "instead of the layout they compute with (reloading the engine's own checkpoint changes its log-probs by 0.03), "
-    "so it would generate from wrong weights. Use hf_infer for {role} on CPU."
-)
 
 
 @STRATEGIES.register("vllm")
@@ -282,18 +276,6 @@ class VllmInferStrategy:
         path = resolve_model_path(self.config.model_args, self.role)
         return checkpoint_weights(path, TORCH_DTYPES[self.config.model_args.dtype])
 
-    def sync_refusal(self) -> str | None:
-        """Why this engine cannot take weight syncs (checked by ``Roles.model_updater`` before any sync starts),
-        or None: a mixture-of-experts model on CPU (:data:`MOE_CPU_RELOAD`)."""
-        if (
-            self.table is not None
-            and self.table.has_experts
-            and self.device.type == "cpu"
-            and not self.config.model_args.lora
-        ):
-            return MOE_CPU_RELOAD.format(role=self.role, model=self.config.model_args.model_name_or_path)
-        return None
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Check named HF tensors and reload every decoder layer they complete; returns how many were given.
 
@@ -303,9 +285,6 @@ class VllmInferStrategy:
         """
         if self.table is None or self._buffer is None:
             raise RuntimeError(f"{self.role}: the vllm strategy is not initialised; call initialize() first")
-        refusal = self.sync_refusal()
-        if refusal is not None:
-            raise RuntimeError(refusal)
         self.reload()
         given = 0
         for name, tensor in weights:

@@ -79,8 +79,48 @@ def quiet_partial_reload_warnings() -> None:
 
 
 def reload_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
-    """Run on the engine's worker (``LLM.collective_rpc``): reload checkpoint-format weights in place."""
+    """Run on the engine's worker (``LLM.collective_rpc``): reload checkpoint-format weights in place, then repack
+    the mixture-of-experts layers the reload touched for their expert kernels (:func:`repack_reloaded_experts`)."""
     worker.reload_weights(weights_iterator=iter(weights))
+    repack_reloaded_experts(worker.model_runner.get_model(), [name for name, _ in weights])
+
+
+EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.\d+\.")
+"""A per-expert checkpoint weight; group 1 is its MoE layer's module name."""
+
+
+def repack_reloaded_experts(model: Any, names: list[str]) -> int:
+    """vLLM 0.32 prepacks CPU expert weights for its grouped-GEMM kernel when the engine loads, but a reload leaves
+    the reloaded ones in checkpoint layout (a weight update skips the experts' ``process_weights_after_loading``;
+    measured: reloading the engine's own checkpoint moved its log-probs by 0.033). Redo that step for each MoE
+    layer whose experts ``names`` reloaded; returns how many. Expert weights of a layer vLLM does not hold under
+    their module name are refused rather than served unpacked."""
+    layers = prepacking_expert_layers(model)
+    if not layers:
+        return 0
+    touched = {match.group(1) for name in names if (match := EXPERT_WEIGHT.match(name))}
+    held = {prefix: [layer for name, layer in layers if name == prefix or name.startswith(f"{prefix}.")]
+            for prefix in touched}  # fmt: skip
+    unknown = sorted(prefix for prefix, found in held.items() if len(found) != 1)
+    if unknown:
+        raise RuntimeError(f"expert weights of {unknown} reloaded, but vLLM's CPU MoE layers are "
+                           f"{sorted(name for name, _ in layers)}: they could not be repacked for its expert kernel; "
+                           "use hf_infer for this model on CPU.")  # fmt: skip
+    for (layer,) in held.values():
+        layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+    return len(held)
+
+
+def prepacking_expert_layers(model: Any) -> list[tuple[str, Any]]:
+    """(name, module) of the model's MoE layers whose expert kernel lays the weights out for itself after loading
+    (vLLM's CPU grouped-GEMM experts, which prepack ``w13_weight`` / ``w2_weight``)."""
+    found = []
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if type(experts).__name__.endswith("CPUUnquantizedExperts") and hasattr(module, "w13_weight"):
+            found.append((name, module))
+    return found
 
 
 def set_logit_temperature_on_worker(worker: Any, temperature: float) -> int:

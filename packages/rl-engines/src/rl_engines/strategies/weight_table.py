@@ -8,15 +8,12 @@ is a ``KeyError`` naming the weight, a shape mismatch a ``ValueError`` naming bo
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from rl_engines.strategies.model_io import in_checkpoint_names
-
-EXPERT_NAME = re.compile(r"\.experts\.\d+\.")
 
 
 @dataclass(frozen=True)
@@ -70,11 +67,6 @@ class WeightTable:
                 f"{role}: weight {name!r} has shape {tuple(tensor.shape)} in the train strategy but {expected} "
                 "here; the two roles must load the same model."
             )
-
-    @property
-    def has_experts(self) -> bool:
-        """Whether the model has mixture-of-experts layers (checkpoint names ``...mlp.experts.<e>...``)."""
-        return any(EXPERT_NAME.search(name) for name in self.shapes)
 
     def with_aliases(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` and the same tensor under every name tied to it (engines repack each separately)."""
