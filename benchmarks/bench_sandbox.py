@@ -1,4 +1,4 @@
-"""Benchmark: code-reward throughput of the sandbox (apps.rlvr.sandbox): programs graded per second on a pool of N
+"""Benchmark: code-reward throughput of the sandbox (apps.common.sandbox): programs graded per second on a pool of N
 processes against a pool of 1, in the same run.
 
 The workload is what a code-RL batch looks like: ``--responses`` responses to stdin/stdout problems, each with
@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from apps.common.sandbox import Limits, Sandbox
 from apps.rlvr import code_reward
 from apps.rlvr.config import RewardSpec
-from apps.rlvr.sandbox import Limits, Sandbox
 
 RIGHT = "```python\nn = int(input())\nprint(sum(i * i for i in range(n)))\n```"
 WRONG = "```python\nn = int(input())\nprint(sum(range(n)))\n```"

@@ -58,12 +58,12 @@ class TurnFormatter:
     def _system(self) -> list[dict[str, str]]:
         return [] if self.system is None else [{"role": "system", "content": self.system}]
 
-    def continuation(self, eos_text: str, user: str) -> list[int]:
+    def continuation(self, eos_text: str, user: str, role: str = "user") -> list[int]:
         """Tokens that follow a response up to the next generation prompt: the end of the assistant message the
         model did not write itself (the whole closing, e.g. ``<|im_end|>\n``, after a truncated response; without
-        the end-of-turn token ``eos_text`` the response ended with, if it did), the new user message and the
-        generation prompt."""
-        messages = [*self._base, {"role": "assistant", "content": PROBE}, {"role": "user", "content": user}]
+        the end-of-turn token ``eos_text`` the response ended with, if it did), the new message (``role``: ``user``,
+        or ``tool`` for a tool's result) and the generation prompt."""
+        messages = [*self._base, {"role": "assistant", "content": PROBE}, {"role": role, "content": user}]
         following = _render(self.tokenizer, messages, True)
         if not following.startswith(self._closed_probe):
             raise ChatTemplateError(

@@ -246,8 +246,9 @@ class EnvSpec:
     max_env_step_concurrent: int | None = None
     """ROLL: concurrent env steps of this type (accepted; steps here are cheap and local)."""
     tool_wrapper: dict[str, Any] | None = None
-    """ROLL / GEM tool use (e.g. a python_code tool) around the environment: not built; refused for the tags a
-    manager runs (accepted on the others, as ROLL's files list them)."""
+    """ROLL / GEM tool use around the environment: ``wrapper_args`` (tool_reward, tool_success_reward,
+    max_tool_uses) and ``tool_configs`` (``[{tool_id: python_code, tool_args: {...}}]``); see
+    apps.agentic.envs.tools. Checked for the tags a manager runs (TrajEnvManager only)."""
     pre_step_template: str | None = None
     """VLTrajEnvManager: the text before each turn's observation; field {turn_idx} (the first turn's also starts
     with the environment's instructions)."""
@@ -477,12 +478,7 @@ def validate_agentic(config: AgenticConfig) -> None:
                 f"{name}.tags names {missing}, which custom_envs does not define "
                 f"(defined: {sorted(config.custom_envs)})."
             )
-        tools = [tag for tag in manager.tags if config.custom_envs[tag].tool_wrapper is not None]
-        if tools:
-            raise WorkerConfigError(
-                f"custom_envs.{tools[0]}.tool_wrapper: tool use around an environment (GEM's tool wrappers, e.g. "
-                f"python_code) is not built; {name} runs {tools[0]}. Use a tag without tool_wrapper."
-            )
+        _check_tools(config, name, manager)
     _validate_modes(config)
     if config.max_tokens_per_step is not None and config.max_tokens_per_step < 1:
         raise WorkerConfigError(f"max_tokens_per_step must be >= 1, got {config.max_tokens_per_step}.")
@@ -505,6 +501,25 @@ def validate_agentic(config: AgenticConfig) -> None:
             f"rollout_batch_size ({episodes}) needs {per_env} episodes per environment, above "
             f"train_env_manager.max_traj_per_env ({limit}); add env groups or raise the limit."
         )
+
+
+def _check_tools(config: AgenticConfig, name: str, manager: EnvManagerConfig) -> None:
+    """The tool wrappers of the tags a manager runs: their keys, and a manager that builds tool turns (one sample
+    per episode, text observations)."""
+    from apps.agentic.envs.tools import parse_tool_wrapper
+
+    for tag in manager.tags:
+        spec = config.custom_envs[tag]
+        if spec.tool_wrapper is None:
+            continue
+        where = f"custom_envs.{tag}.tool_wrapper"
+        parse_tool_wrapper(spec.tool_wrapper, where)
+        if spec.mode != "trajectory" or spec.visual:
+            raise WorkerConfigError(
+                f"{where}: tool calls are built for TrajEnvManager (one sample per episode, the tool's result a "
+                f"message of the conversation); {name} runs {tag} under {spec.env_manager_cls}. Use TrajEnvManager "
+                "or a tag without tool_wrapper."
+            )
 
 
 def _validate_modes(config: AgenticConfig) -> None:

@@ -22,6 +22,7 @@ import numpy as np
 
 from apps.agentic.config import AgenticConfig, EnvManagerConfig, EnvSpec
 from apps.agentic.envs import StepResult, TextEnv, make_env
+from apps.agentic.envs.tools import ToolEnv, parse_tool_wrapper
 
 SPLITS = {"train": 0, "val": 1}
 
@@ -62,6 +63,8 @@ class EnvManager:
                     env_config["seed"] = group_seed(self.seed, split, 0, 0, group)
                 for _ in range(section.group_size):
                     env = make_env(spec.env_type, env_config)
+                    if spec.tool_wrapper is not None:  # checked by the config (parse_tool_wrapper)
+                        env = ToolEnv(env, parse_tool_wrapper(spec.tool_wrapper, f"custom_envs.{tag}.tool_wrapper"))
                     self.slots.append(EnvSlot(len(self.slots), tag, group, spec, env))
                 group += 1
         per_worker = section.max_env_num_per_worker or len(self.slots)

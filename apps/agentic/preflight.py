@@ -6,6 +6,7 @@ sequence_length)."""
 from __future__ import annotations
 
 from apps.agentic.config import AgenticConfig
+from apps.agentic.envs.tools import check_tool_machine
 from apps.agentic.step_batch import size_divisor
 from apps.common.preflight import (
     PreflightError,
@@ -44,6 +45,10 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
             f"sequence_length ({base.sequence_length}) leaves no room for a prompt before a turn of "
             f"max_tokens_per_step={longest} tokens; raise sequence_length or lower max_tokens_per_step."
         )
+    for manager in (config.train_env_manager, config.val_env_manager):
+        for tag in manager.tags if manager is not None else ():
+            if config.custom_envs[tag].tool_wrapper is not None:
+                check_tool_machine(f"custom_envs.{tag}.tool_wrapper")
     notes = check_token_budgets(sections, config.sequence_length, "sequence_length") + device_only_notes(sections)
     notes += dropped_key_notes(config.base)
     if config.reward_normalization.method == "asym_clip":

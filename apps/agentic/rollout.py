@@ -74,6 +74,11 @@ class Episode:
     """Step samples (StepEnvManager): each turn's own prompt and response."""
     pictures: list[dict[str, torch.Tensor]] = field(default_factory=list)
     """VLTrajEnvManager: the visual inputs of the pictures in the context, in order (``apps.agentic.vision``)."""
+    tool_message: bool = False
+    """The next observation is a tool's result (a tool-wrapped environment, ``apps.agentic.envs.tools``): it goes to
+    the model as a ``tool`` message as it is, not through the agent template."""
+    tool_counts: tuple[int, int] | None = None
+    """A tool-wrapped environment's tool calls and clean runs so far (None: no tools)."""
 
     @property
     def context(self) -> list[int]:
@@ -198,6 +203,9 @@ class TrajectoryRunner:
     def _record(self, episode: Episode, ids: list[int], log_probs: list[float], text: str, result: Any,
                 turn: int) -> None:  # fmt: skip
         self._keep(episode, ids, log_probs, text, result)
+        episode.tool_message = bool(result.info.get("use_tool", False))
+        if "tool_use_counter" in result.info:
+            episode.tool_counts = (int(result.info["tool_use_counter"]), int(result.info["tool_success_counter"]))
         episode.rewards.append(float(result.reward))
         episode.valid_actions += int(bool(result.info.get("action_is_valid", False)))
         episode.success = bool(result.info.get("success", False))
@@ -220,8 +228,13 @@ class TrajectoryRunner:
     def _next_context(self, episode: Episode, ids: list[int], turn: int) -> None:
         """Extend the conversation by the next user turn, or end the episode when the next turn would not fit."""
         eos_text = self.tokenizer.decode(ids[-1:]) if ids and ids[-1] in self.eos_ids else ""
-        user, pictures = self._user_text(episode, turn + 1)
-        following = self.formatters[episode.slot.tag].continuation(eos_text, user)
+        formatter = self.formatters[episode.slot.tag]
+        if episode.tool_message:
+            pictures: list[dict[str, torch.Tensor]] = []
+            following = formatter.continuation(eos_text, episode.observation, role="tool")
+        else:
+            user, pictures = self._user_text(episode, turn + 1)
+            following = formatter.continuation(eos_text, user)
         if len(episode.context) + len(following) + self._turn_limit(episode) > self.sequence_length:
             episode.done = True  # the next turn would not fit: truncated, finish stays "length"
             return
@@ -284,8 +297,9 @@ def samples_to_batch(samples: Sequence[Sample], columns: dict[str, list[Any]], p
 
 
 def episode_columns(episodes: Sequence[Episode]) -> dict[str, list[Any]]:
-    """Per-episode non-tensor columns (one entry per episode)."""
-    return {
+    """Per-episode non-tensor columns (one entry per episode); with tool-wrapped environments also each episode's
+    tool calls and clean runs (0 for an environment without tools)."""
+    columns: dict[str, list[Any]] = {
         "traj_group_id": [f"{e.round_index}:{e.slot.group}" for e in episodes],
         "tag": [e.slot.tag for e in episodes],
         "env_seed": [e.seed for e in episodes],
@@ -294,6 +308,10 @@ def episode_columns(episodes: Sequence[Episode]) -> dict[str, list[Any]]:
         "valid_actions": [e.valid_actions for e in episodes],
         "finish_reasons": [e.finish for e in episodes],
     }
+    if any(e.tool_counts is not None for e in episodes):  # a tool-wrapped environment reports counts every step
+        counts = [e.tool_counts or (0, 0) for e in episodes]
+        columns.update(tool_use_counter=[c[0] for c in counts], tool_success_counter=[c[1] for c in counts])
+    return columns
 
 
 def episodes_to_batch(episodes: Sequence[Episode], pad_id: int) -> RolloutBatch:
@@ -333,4 +351,7 @@ def episode_metrics(rollout: RolloutBatch, prefix: str) -> dict[str, float]:
     tags = column("tag")
     for tag in sorted(set(tags.tolist())):
         metrics[f"{prefix}/{tag}/success_rate"] = float(success[tags == tag].mean())
+        for name in ("tool_use_counter", "tool_success_counter"):  # ROLL's env/<tag>/ tool metrics, per episode
+            if name in columns:
+                metrics[f"{prefix}/{tag}/{name}"] = float(column(name).astype(np.float64)[tags == tag].mean())
     return metrics

@@ -299,17 +299,24 @@ def pop_shared_sections(values: dict[str, Any]) -> dict[str, Any]:
     return sections
 
 
+def checked_section(section: Any, allowed: tuple[str, ...], where: str) -> dict[str, Any]:
+    """``section`` (the mapping at key path ``where``) when its keys are among ``allowed``; otherwise a
+    :class:`WorkerConfigError` naming the key."""
+    if not isinstance(section, dict):
+        raise WorkerConfigError(f"{where} must be a mapping with keys {sorted(allowed)}, got {section!r}.")
+    unknown = sorted(set(section) - set(allowed), key=str)
+    if unknown:
+        raise WorkerConfigError(f"unknown key(s) {[f'{where}.{name}' for name in unknown]}; valid keys of {where}: "
+                                f"{sorted(allowed)}. Fix the spelling or remove the key.")  # fmt: skip
+    return section
+
+
 def _train_infer_correction(section: Any) -> TrainInferCorrectionConfig | None:
     """ROLL's ``train_infer_correction`` mapping: ``is_weight`` and the list of ``filters``, every key checked."""
     if section is None:
         return None
     key = "train_infer_correction"
-    if not isinstance(section, dict):
-        raise WorkerConfigError(f"{key} must be a mapping with is_weight and filters, got {section!r}.")
-    rest = sorted(set(section) - {"is_weight", "filters"})
-    if rest:
-        raise WorkerConfigError(f"unknown key(s) {[f'{key}.{name}' for name in rest]}; valid keys of {key}: "
-                                "['filters', 'is_weight']. Fix the spelling or remove the key.")  # fmt: skip
+    section = checked_section(section, ("is_weight", "filters"), key)
     filters = section.get("filters") or []
     if not isinstance(filters, list):
         raise WorkerConfigError(f"{key}.filters must be a list of filter rules, got {filters!r}.")

@@ -76,8 +76,12 @@ def check_train_infer_correction(config: Any) -> None:
     rollout correction: one of them at a time."""
     if config.train_infer_correction is None:
         return
-    given = {"rollout_correction": config.rollout_correction, "rollout_is_threshold": config.rollout_is_threshold}
-    other = [key for key, value in given.items() if value is not None]
+    # rollout_is_threshold alone reports metrics; with rollout_is: true it weights and masks
+    given = {
+        "rollout_correction": config.rollout_correction is not None,
+        "rollout_is_threshold with rollout_is: true": config.rollout_is_threshold is not None and config.rollout_is,
+    }
+    other = [key for key, value in given.items() if value]
     if other:
         fail(
             f"train_infer_correction and {other[0]} are both set: both correct the gap between the training and "

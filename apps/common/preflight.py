@@ -215,33 +215,42 @@ def dropped_key_notes(config: SharedConfig) -> list[str]:
 
 
 def _old_log_prob_notes(config: SharedConfig) -> list[str]:
-    """ROLL's switches of the old-log-prob pass: it always runs here."""
+    """ROLL's switches of the old-log-prob pass, where given: it always runs here."""
     enable, force_off = config.enable_old_logprobs_recompute, config.force_disable_old_logprobs_recompute
-    if enable is None and force_off is None:
+    if force_off:
+        return [_skipped_pass_note("force_disable_old_logprobs_recompute=true")]
+    if enable is False:
+        return [_skipped_pass_note("enable_old_logprobs_recompute=false")]
+    given = [f"{key}={str(value).lower()}" for key, value in (("enable_old_logprobs_recompute", enable),
+             ("force_disable_old_logprobs_recompute", force_off)) if value is not None]  # fmt: skip
+    if not given:
         return []
-    if enable and not force_off:
-        return ["[preflight] enable_old_logprobs_recompute=true: the old log-probs come from a pass of actor_train "
-                "before training (train_infer_correction follows it), as they always do here."]  # fmt: skip
-    key = "force_disable_old_logprobs_recompute" if force_off else "enable_old_logprobs_recompute"
-    return [f"[preflight] {key}={str(getattr(config, key)).lower()}: ROLL then skips the old-log-prob pass where a "
-            "train step makes one backward pass per rank and uses that step's own log-probs of the same weights (the "
-            "same values; train_infer_correction is then computed in the step). Here the pass always runs and the "
-            "correction follows it: ROLL's results, one forward pass more."]  # fmt: skip
+    return [f"[preflight] {' and '.join(given)}: the old log-probs come from a pass of actor_train before training "
+            "(train_infer_correction follows it), as they always do here."]  # fmt: skip
+
+
+def _skipped_pass_note(setting: str) -> str:
+    return (
+        f"[preflight] {setting}: ROLL then skips the old-log-prob pass where a train step makes one optimizer "
+        "step per rank (it keeps the first epoch's log-probs for later ppo_epochs) and uses that step's own "
+        "log-probs of the same weights (the same values; train_infer_correction is then computed in the step). "
+        "Here the pass always runs and the correction follows it: ROLL's results, one forward pass more."
+    )
 
 
 def check_old_log_prob_switches(config: SharedConfig, report: PreflightReport) -> None:
     """``force_disable_old_logprobs_recompute: true`` makes ROLL take each optimizer step's old log-probs from its own
-    forward pass. With more than one optimizer step per rollout those come from weights the earlier steps updated,
+    forward pass (later ppo_epochs reuse the first epoch's). With more than one optimizer step per rollout those come
+    from weights the earlier steps updated,
     and a token-level KL reward (add_token_level_kl) needs them before training: either way ROLL's results differ
     from this pipeline's, which always scores them with the weights the rollout was sampled with; refused."""
     if not config.force_disable_old_logprobs_recompute:
         return
     plan = report.train_plans.get("actor_train")
-    steps = plan.optimizer_steps_per_rollout * config.ppo_epochs if plan is not None else 1
-    if steps > 1:
-        why = (f"{steps} optimizer steps per rollout (actor_train's batch plan x ppo_epochs={config.ppo_epochs}): "
-               "ROLL then takes each step's old log-probs from that step's own forward pass, after the earlier steps' "
-               "updates")  # fmt: skip
+    steps = plan.optimizer_steps_per_rollout if plan is not None else 1
+    if steps > 1:  # (later ppo_epochs reuse the first epoch's log-probs in ROLL: the same values as a pass)
+        why = (f"{steps} optimizer steps per rollout (actor_train's batch plan): ROLL then takes each step's old "
+               "log-probs from that step's own forward pass, after the earlier steps' updates")  # fmt: skip
     elif config.add_token_level_kl and config.init_kl_coef > 0:
         why = (f"add_token_level_kl and init_kl_coef={config.init_kl_coef}: the KL reward is computed from the old "
                "log-probs before training, which ROLL then does not compute")  # fmt: skip

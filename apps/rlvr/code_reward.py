@@ -1,5 +1,5 @@
 """ROLL's code reward (``CodeSandboxRewardWorker``): the response's code against the record's test cases, in the
-sandbox (``apps.rlvr.sandbox``); score and reward 1 when every case passes, else 0.
+sandbox (``apps.common.sandbox``); score and reward 1 when every case passes, else 0.
 
 A record carries ROLL's columns: ``case_type``, ``test_cases`` (a list, or its JSON) and, for call-based problems,
 ``test_case_function``. The case types (ROLL's local tester, itself after LiveCodeBench):
@@ -27,9 +27,9 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
+from apps.common.sandbox import Limits, RunResult, Sandbox, missing_isolation
 from apps.rlvr.config import RewardConfig, RewardSpec
 from apps.rlvr.rewards import REWARD_FUNCTIONS
-from apps.rlvr.sandbox import Limits, RunResult, Sandbox, missing_isolation
 
 PRELUDE = """import sys, os, re, math, json, string, itertools, functools, collections, heapq, bisect, copy, random
 from typing import *

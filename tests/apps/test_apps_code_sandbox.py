@@ -1,4 +1,4 @@
-"""The code sandbox (apps.rlvr.sandbox) contains hostile programs, and ROLL's code reward (CodeSandboxRewardWorker)
+"""The code sandbox (apps.common.sandbox) contains hostile programs, and ROLL's code reward (CodeSandboxRewardWorker)
 grades real solutions of each case type in it."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import signal
 
 import pytest
 
+from apps.common.sandbox import Limits, Sandbox, SandboxError
 from apps.rlvr import code_reward
 from apps.rlvr.code_reward import extract_code, same_output
 from apps.rlvr.config import RewardConfig, RewardSpec
 from apps.rlvr.rewards import REWARD_FUNCTIONS, Grade, RewardRouter
-from apps.rlvr.sandbox import Limits, Sandbox, SandboxError
 
 LIMITS = Limits(cpu_seconds=1, wall_seconds=3.0, memory_bytes=256 << 20, file_bytes=1 << 20, output_bytes=4096)
 
@@ -114,7 +114,7 @@ def test_run_many_keeps_the_order(sandbox):
 
 
 def test_preflight_refuses_code_rewards_on_a_machine_that_cannot_isolate(monkeypatch):
-    from apps.rlvr.sandbox import missing_isolation
+    from apps.common.sandbox import missing_isolation
 
     assert missing_isolation() == []  # this machine (and CI's) has Landlock and seccomp
     section = RewardConfig.from_dict({"worker_cls": "x.CodeSandboxRewardWorker"}, "rewards.code")
@@ -127,7 +127,7 @@ def test_preflight_refuses_code_rewards_on_a_machine_that_cannot_isolate(monkeyp
 def test_a_sandbox_that_cannot_isolate_runs_nothing_and_says_why(tmp_path, monkeypatch):
     broken = tmp_path / "boot.py"
     broken.write_text("import sys\nsys.stderr.write('sandbox: Landlock failed: not on this kernel')\nsys.exit(1)\n")
-    monkeypatch.setattr("apps.rlvr.sandbox.BOOT", broken)
+    monkeypatch.setattr("apps.common.sandbox.BOOT", broken)
     with pytest.raises(SandboxError, match=r"could not isolate the process, so nothing ran: .*Landlock failed"):
         Sandbox(LIMITS, workers=1).run("print('never')")
 

@@ -57,7 +57,11 @@ def test_the_section_loads_typed_in_both_pipelines():
         ({"filters": [{"enabled": True, "agg_type": "turn"}]}, {}, r"filters\[0\]\.agg_type='turn'; use one of"),
         ({"is_weight": {"upper_bound": -1}}, {}, r"train_infer_correction\.is_weight\.upper_bound=-1"),
         ({}, {"rollout_correction": {"rollout_is": "token"}}, r"train_infer_correction and rollout_correction"),
-        ({}, {"rollout_is_threshold": 2.0}, r"train_infer_correction and rollout_is_threshold are both set"),
+        (
+            {},
+            {"rollout_is_threshold": 2.0, "rollout_is": True},
+            r"train_infer_correction and rollout_is_threshold with rollout_is: true are both set",
+        ),
     ],
     ids=["unknown", "filters-mapping", "filter-key", "agg-type", "bound", "with-verl", "with-rollout-is"],
 )
@@ -89,17 +93,32 @@ def test_the_targets_step_filters_the_mask_and_weights_the_loss_after_the_advant
 
 
 def test_the_old_log_prob_switches_pass_with_a_note_unless_rolls_results_would_differ():
-    """One optimizer step per rollout (test_apps_rlvr_config's small config): ROLL's skipped pass would give the
-    same old log-probs, so both switches pass with a note; with ppo_epochs 2 the forced skip would not."""
+    """One optimizer step per rollout (test_apps_rlvr_config's small config; ROLL reuses the first epoch's log-probs
+    for later ppo_epochs): ROLL's skipped pass would give the same old log-probs, so the switches pass with a note
+    naming what was given; with two optimizer steps per rollout the forced skip would not, and is refused."""
     from test_apps_rlvr_config import base as small
 
     base = small()
-    notes = preflight(RLVRConfig.from_dict({**base, "enable_old_logprobs_recompute": True})).notes
-    assert any("enable_old_logprobs_recompute=true: the old log-probs come from a pass" in n for n in notes)
-    notes = preflight(RLVRConfig.from_dict({**base, "force_disable_old_logprobs_recompute": True})).notes
-    assert any("force_disable_old_logprobs_recompute=true: ROLL then skips the old-log-prob pass" in n for n in notes)
+
+    def notes(**given):
+        return [n for n in preflight(RLVRConfig.from_dict({**base, **given})).notes if "old" in n and "log" in n]
+
+    assert notes() == []
+    (note,) = notes(enable_old_logprobs_recompute=True)
+    assert note.startswith("[preflight] enable_old_logprobs_recompute=true: the old log-probs come from a pass")
+    (note,) = notes(force_disable_old_logprobs_recompute=False)
+    assert note.startswith("[preflight] force_disable_old_logprobs_recompute=false: the old log-probs come from")
+    (note,) = notes(force_disable_old_logprobs_recompute=True, ppo_epochs=2)
+    assert "force_disable_old_logprobs_recompute=true: ROLL then skips the old-log-prob pass" in note
+    (note,) = notes(enable_old_logprobs_recompute=False)
+    assert "enable_old_logprobs_recompute=false: ROLL then skips" in note
+    two_steps = {**base, "force_disable_old_logprobs_recompute": True}
+    two_steps["actor_train"] = {
+        **base["actor_train"],
+        "training_args": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1},
+    }
     with pytest.raises(PreflightError, match=r"force_disable_old_logprobs_recompute: true with 2 optimizer steps"):
-        preflight(RLVRConfig.from_dict({**base, "force_disable_old_logprobs_recompute": True, "ppo_epochs": 2}))
+        preflight(RLVRConfig.from_dict(two_steps))
 
 
 @pytest.mark.usefixtures("ray_session")

@@ -111,3 +111,13 @@ def test_a_stacked_expert_tensor_of_another_shape_is_refused_naming_it():
     with pytest.raises(CheckpointError, match=r"gate_up_proj has shape \(4, 96, 60\); .* is \[experts, 96, 64\]"):
         split_fused(name, torch.zeros(4, 96, 60), hidden=64, inter=48)
     assert split_fused("model.layers.0.mlp.gate.weight", torch.zeros(4, 64), hidden=64, inter=48) is None
+
+
+def test_qwen3_vl_moe_routers_always_renormalise_whatever_the_config_says():
+    """transformers' Qwen3-VL-MoE router divides its top-k weights by their sum unconditionally (no norm_topk_prob
+    in its config): the language model's spec renormalises even where a config writes false."""
+    from rl_ckpt.spec import language_config
+
+    text = {"model_type": "qwen3_vl_moe_text", "norm_topk_prob": False, "rope_parameters": {"rope_theta": 1e6}}
+    assert language_config({"model_type": "qwen3_vl_moe", "text_config": text})["norm_topk_prob"] is True
+    assert language_config({"model_type": "qwen3_vl", "text_config": text})["norm_topk_prob"] is False

@@ -101,12 +101,14 @@ def test_filters_drop_the_tokens_outside_their_bounds_and_report_pass_rates():
 
 
 def test_masked_out_positions_never_reach_a_value():
-    old = OLD.clone()
-    old[0, 3] = float("-inf")  # padding: -inf log-probs must not make NaN anywhere
+    old, infer = OLD.clone(), INFER.clone()
+    old[0, 3] = infer[0, 3] = float("-inf")  # padding: -inf - -inf is NaN unless masked out before any arithmetic
     config = TrainInferCorrectionConfig(is_weight=TrainInferISWeightConfig(True, "sequence"),
                                         filters=[TrainInferFilterConfig(True, "geometric")])  # fmt: skip
-    weight, keep, metrics = compute_train_infer_correction(config, MASK, old, INFER)
+    weight, keep, metrics = compute_train_infer_correction(config, MASK, old, infer)
     assert torch.isfinite(weight).all() and torch.isfinite(keep).all()
+    token = compute_train_infer_correction(TrainInferCorrectionConfig(TrainInferISWeightConfig(True)), MASK, old, infer)
+    assert torch.isfinite(token[0]).all()
     assert all(math.isfinite(value) for value in metrics.values())
 
 

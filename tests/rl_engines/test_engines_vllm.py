@@ -120,14 +120,17 @@ def test_cuda_graph_sizes_reach_a_gpu_engine_that_captures_graphs(tiny_model_dir
 
     assert kwargs(False)["compilation_config"] == {"cudagraph_capture_sizes": [1, 4, 8]}
     assert kwargs(False, cuda_graph_sizes=[8, 1, 4])["compilation_config"] == {"cudagraph_capture_sizes": [1, 4, 8]}
+    # vLLM 0.10's one value N: [1, 2, 4] and the multiples of 8 up to N
+    assert kwargs(False, cuda_graph_sizes=[24], cudagraph_capture_sizes=None)["compilation_config"] == {
+        "cudagraph_capture_sizes": [1, 2, 4, 8, 16, 24]}  # fmt: skip
     with pytest.raises(WorkerConfigError, match=r"cuda_graph_sizes and .*cudagraph_capture_sizes are two names"):
         kwargs(False, cuda_graph_sizes=[2])
     assert "compilation_config" not in kwargs(True) and "compilation_config" not in kwargs(False, enforce_eager=True)
 
 
 def test_a_tensor_parallel_engine_takes_its_devices_per_worker_from_the_size_as_in_roll(tiny_model_dir, caplog):
-    """ROLL's worker config sets a vllm role's num_gpus_per_worker to tensor_parallel_size: video_r1.yaml gives only
-    the latter, ROLL's Qwen3.5-27B file a different num_gpus_per_worker (replaced, with a warning naming both)."""
+    """ROLL's worker config sets a vllm role's num_gpus_per_worker to tensor_parallel_size (default 1): video_r1.yaml
+    gives only the latter, ROLL's Qwen3.5-27B file a different num_gpus_per_worker (replaced, with a warning)."""
     vllm = {"strategy_name": "vllm", "strategy_config": {"tensor_parallel_size": 2}}
     derived = worker_config(tiny_model_dir, "actor_infer", device_mapping=[0, 1, 2, 3], strategy_args=vllm)
     assert derived.num_gpus_per_worker == 2 and not caplog.records
@@ -136,6 +139,9 @@ def test_a_tensor_parallel_engine_takes_its_devices_per_worker_from_the_size_as_
     assert replaced.num_gpus_per_worker == 2
     assert "actor_infer.num_gpus_per_worker=4 is replaced by strategy_args.strategy_config.tensor_parallel_size=2" in (
         caplog.text)  # fmt: skip
+    single = worker_config(tiny_model_dir, "actor_infer", device_mapping=[0, 1], num_gpus_per_worker=2,
+                           strategy_args={"strategy_name": "vllm"})  # fmt: skip
+    assert single.num_gpus_per_worker == 1  # no tensor_parallel_size: ROLL's default 1, two engines
     hf = {"strategy_name": "hf_infer", "strategy_config": {"tensor_parallel_size": 2}}  # not vLLM's: not read
     assert worker_config(tiny_model_dir, "actor_infer", strategy_args=hf).num_gpus_per_worker == 1
 
@@ -490,6 +496,8 @@ def test_reloaded_expert_layers_are_repacked_for_the_cpu_kernel_and_unknown_ones
     names = ["layers.1.experts.0.gate_proj.weight", "layers.1.experts.3.down_proj.weight", "layers.1.norm.weight"]
     assert repack_reloaded_experts(model, names) == 1 and experts.repacked == [model.layers[1].experts.routed_experts]
     assert repack_reloaded_experts(model, ["layers.0.norm.weight"]) == 0
+    assert repack_reloaded_experts(model, ["layers.0.experts.gate_up_proj"]) == 1  # stacked experts' names too
+    assert experts.repacked[-1] is model.layers[0].experts.routed_experts
     with pytest.raises(RuntimeError, match=r"expert weights of \['layers\.7\.experts'\] reloaded, but vLLM's CPU MoE"):
         repack_reloaded_experts(model, ["layers.7.experts.0.up_proj.weight"])
     assert repack_reloaded_experts(nn.Linear(2, 2), names) == 0  # no CPU expert kernel: nothing to redo

@@ -37,6 +37,9 @@ class MathEnvConfig:
     """The record field shown as the question."""
     answer_key: str = "answer"
     """The record field holding the reference answer."""
+    max_steps: int | None = None
+    """ROLL's tool-wrapped math tags repeat the tag's max_steps here; ROLL's MathEnv takes any extra key and reads
+    none of them, so this changes nothing either (the tag's ``max_steps`` bounds the episode)."""
 
     def __post_init__(self) -> None:
         check_local_dataset(self.dataset_name)

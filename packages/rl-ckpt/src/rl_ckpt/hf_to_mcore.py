@@ -156,11 +156,11 @@ def _fused_experts(src: HFCheckpoint, spec: ModelSpec, mlp: str) -> dict[str, to
         name = f"{mlp}experts.{proj}"
         if name not in src:
             raise CheckpointError(f"tensor {name} is missing from {src.path} (this model type stacks its experts)")
-        views.update(split_fused(name, src.lazy(name), spec.hidden_size, spec.moe_ffn_hidden_size) or ())
-    if len(views) != 3 * spec.num_experts:
-        raise CheckpointError(
-            f"{mlp}experts in {src.path}: {len(views) // 3} experts, config.json says {spec.num_experts}"
-        )
+        stacked = src.lazy(name)
+        if stacked.shape[0] != spec.num_experts:
+            raise CheckpointError(f"tensor {name} in {src.path} stacks {stacked.shape[0]} experts, config.json says "
+                                  f"{spec.num_experts}")  # fmt: skip
+        views.update(split_fused(name, stacked, spec.hidden_size, spec.moe_ffn_hidden_size) or ())
     return views
 
 

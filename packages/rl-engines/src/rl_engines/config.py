@@ -324,8 +324,8 @@ class WorkerConfig:
     device_mapping: list[int] = field(default_factory=list)
     """Global device ids (ROLL's ``list(range(0,8))`` strings are parsed, never evaluated)."""
     num_gpus_per_worker: int = 1
-    """Devices per worker; inference roles only (tensor-parallel engines). On a ``vllm`` role with
-    ``strategy_config.tensor_parallel_size``, that size (ROLL's worker config sets it so)."""
+    """Devices per worker; inference roles only (tensor-parallel engines). On a ``vllm`` role it is the
+    strategy_config's ``tensor_parallel_size`` (default 1), as ROLL's worker config sets it."""
     infer_batch_size: int = 1
     """Samples per forward pass when computing log-probs / values or generating."""
     model_update_frequency: int = 1
@@ -422,19 +422,22 @@ class WorkerConfig:
 
 
 def _engine_devices(values: Any, role: str) -> Any:
-    """``values`` with a ``vllm`` role's ``num_gpus_per_worker`` set to its ``tensor_parallel_size``, as ROLL's worker
-    config sets it (one engine over that many devices; a different value given is replaced, with a warning)."""
+    """``values`` with a ``vllm`` role's ``num_gpus_per_worker`` set to its ``tensor_parallel_size`` (1 when not
+    given), as ROLL's worker config sets it: one engine over that many devices. A different value given is replaced,
+    with a warning naming both."""
     strategy = values.get("strategy_args") if isinstance(values, dict) else None
     if not isinstance(strategy, dict) or strategy.get("strategy_name") != "vllm":
         return values
-    size = (strategy.get("strategy_config") or {}).get("tensor_parallel_size")
+    options = strategy.get("strategy_config") or {}
+    size = options.get("tensor_parallel_size", 1) if isinstance(options, dict) else None
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         return values  # the strategy names the bad value
     given = values.get("num_gpus_per_worker")
     if given is not None and given != size:
         logger.warning(
-            "%s.num_gpus_per_worker=%s is replaced by strategy_args.strategy_config.tensor_parallel_size=%d: a vllm "
-            "worker runs one engine over that many devices (ROLL's worker config sets it so).", role, given, size,
+            "%s.num_gpus_per_worker=%s is replaced by strategy_args.strategy_config.tensor_parallel_size=%d%s: a vllm "
+            "worker runs one engine over that many devices (ROLL's worker config sets it so).",
+            role, given, size, "" if "tensor_parallel_size" in options else " (its default)",
         )  # fmt: skip
     return {**values, "num_gpus_per_worker": size}
 

@@ -428,14 +428,14 @@ def _check_divisors(spec: ModelSpec, options: MegatronOptions, role: str, model_
     if counted % pp:
         raise ValueError(
             f"{prefix}.pipeline_model_parallel_size={pp} does not divide the model's {what} "
-            f"({model_path}/config.json); the stages get equal numbers of layers. Pick a divisor."
+            f"({model_path}/config.json); the stages get equal numbers of (counted) layers. Pick a divisor."
         )
     vp = options.virtual_pipeline_model_parallel_size
     if counted % (pp * vp):
         raise ValueError(
             f"{prefix}.pipeline_model_parallel_size={pp} x {prefix}.virtual_pipeline_model_parallel_size={vp} does not "
-            f"divide the model's {what} ({model_path}/config.json); every model chunk gets the same number of layers. "
-            "Pick divisors."
+            f"divide the model's {what} ({model_path}/config.json); every model chunk gets the same number of "
+            "(counted) layers. Pick divisors."
         )
 
 

@@ -238,8 +238,16 @@ class WeightLoader:
     @torch.no_grad()
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Check and place every tensor; returns how many HF tensors were taken."""
-        count = 0
+        given = 0
+
+        def counted(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal given
+            for item in items:
+                given += 1
+                yield item
+
         spec = self.layout.spec
+        weights = counted(weights)
         if spec.fused_experts:  # a layer's experts stacked in two tensors (rl_ckpt.experts): taken expert by expert
             weights = per_expert(weights, spec.hidden_size, spec.moe_ffn_hidden_size)
         for name, tensor in weights:
@@ -250,8 +258,7 @@ class WeightLoader:
                 self._add_part(target, tensor)
             else:
                 self._write(target.key, self._shard(target, tensor))
-            count += 1
-        return count
+        return given
 
     def _shard(self, target: Target, tensor: torch.Tensor) -> torch.Tensor:
         lay = self.layout

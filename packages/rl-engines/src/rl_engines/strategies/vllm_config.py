@@ -71,7 +71,8 @@ class VllmStrategyConfig:
     ``compilation_config.cudagraph_capture_sizes`` on a GPU engine that is not eager; null = vLLM's sizes. A CPU
     engine captures no CUDA graphs: it is checked and logged there."""
     cuda_graph_sizes: list[int] | None = None
-    """vLLM 0.10's name of ``cudagraph_capture_sizes`` (ROLL's Qwen3-235B file): the same sizes; give one of the two."""
+    """vLLM 0.10's name for them (ROLL's Qwen3-235B file), with its meaning: several values are the sizes; one value
+    ``N`` stands for ``[1, 2, 4]`` and the multiples of 8 up to ``N``. Give one of the two keys."""
     cache_dir: str | None = None
     """Where vLLM and torch inductor keep caches, compile artifacts and IPC sockets; null = a per-user folder in
     the system temp dir, shared by runs so later engines start warm."""
@@ -93,12 +94,16 @@ class VllmStrategyConfig:
         if self.sleep_level not in (1, 2):
             raise WorkerConfigError(f"{prefix}.sleep_level must be 1 or 2, got {self.sleep_level}.")
         if self.cuda_graph_sizes is not None:
-            if self.cudagraph_capture_sizes is not None and self.cudagraph_capture_sizes != self.cuda_graph_sizes:
+            sizes = self.cuda_graph_sizes
+            if len(sizes) == 1 and isinstance(sizes[0], int):  # vLLM 0.10: one value is the largest size
+                sizes = [size for size in (1, 2, 4, *range(8, sizes[0] + 1, 8)) if size <= sizes[0]]
+            given = self.cudagraph_capture_sizes
+            if given is not None and set(given) != set(sizes):
                 raise WorkerConfigError(
                     f"{prefix}.cuda_graph_sizes and {prefix}.cudagraph_capture_sizes are two names of vLLM's "
                     "CUDA-graph batch sizes and disagree; keep one."
                 )
-            self.cudagraph_capture_sizes = self.cuda_graph_sizes
+            self.cudagraph_capture_sizes = sizes
         if any(not isinstance(size, int) or isinstance(size, bool) or size < 1
                for size in self.cudagraph_capture_sizes or ()):  # fmt: skip
             raise WorkerConfigError(

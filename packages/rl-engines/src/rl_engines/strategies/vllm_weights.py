@@ -85,8 +85,9 @@ def reload_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> No
     repack_reloaded_experts(worker.model_runner.get_model(), [name for name, _ in weights])
 
 
-EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.\d+\.")
-"""A per-expert checkpoint weight; group 1 is its MoE layer's module name."""
+EXPERT_WEIGHT = re.compile(r"^(.*\.experts)\.(?:\d+\.|gate_up_proj|down_proj)")
+"""An expert weight, per expert (``...experts.3.up_proj.weight``) or stacked (``...experts.gate_up_proj``); group 1
+is its MoE layer's module name."""
 
 
 def repack_reloaded_experts(model: Any, names: list[str]) -> int:

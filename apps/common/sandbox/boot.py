@@ -1,6 +1,6 @@
 """The first code of a sandbox process: isolates it, then runs the program as ``__main__``. Standard library only.
 
-Started by ``apps.rlvr.sandbox.Sandbox`` as ``python -I -S boot.py <spec.json>`` with the work dir as cwd, stdin /
+Started by ``apps.common.sandbox.Sandbox`` as ``python -I -S boot.py <spec.json>`` with the work dir as cwd, stdin /
 stdout / stderr already on files there, an empty environment, and a pipe on ``spec["ready_fd"]``. In order:
 
 1. resource limits: CPU seconds, address space, file size, open files, no core files;
