@@ -14,7 +14,7 @@ per-expert ``linear_fc1`` / ``linear_fc2``.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -50,15 +50,6 @@ def split_fused(name: str, tensor: torch.Tensor, hidden: int, inter: int) -> lis
             out += [(f"{prefix}.{expert}.gate_proj.weight", stored[expert, :inter]),
                     (f"{prefix}.{expert}.up_proj.weight", stored[expert, inter:])]  # fmt: skip
     return out
-
-
-def per_expert(
-    items: Iterable[tuple[str, torch.Tensor]], hidden: int, inter: int
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """``items`` with every fused expert tensor replaced by its per-expert views (:func:`split_fused`)."""
-    for name, tensor in items:
-        parts = split_fused(name, tensor, hidden, inter)
-        yield from parts if parts is not None else ((name, tensor),)
 
 
 def router_name(name: str) -> str:

@@ -149,11 +149,11 @@ def _moe_sources(stage: StageShards, spec: ModelSpec, mc: str, layer: int) -> It
     mlp, h = f"model.layers.{layer}.mlp.", spec.hidden_size
     key = f"{mc}mlp.router.weight"
     yield f"{mlp}gate.weight", stage.check(stage.shards(key)[0], (spec.num_experts, h), key)
-    parts = [(f"{mc}mlp.experts.local_experts.{e}.", f"{mlp}experts.{e}.", spec.moe_ffn_hidden_size)
-             for e in range(spec.num_experts)]  # fmt: skip
+    experts = [(f"{mc}mlp.experts.local_experts.{e}.", f"{mlp}experts.{e}.", spec.moe_ffn_hidden_size)
+               for e in range(spec.num_experts)]  # fmt: skip
     if spec.fused_experts:
-        yield from _stacked_experts(stage, spec, mlp, [source for source, _, _ in parts])
-        parts = []
+        yield from _stacked_experts(stage, spec, mlp, [source for source, _, _ in experts])
+    parts = [] if spec.fused_experts else experts
     if spec.moe_shared_expert_ffn_hidden_size:
         parts.append((f"{mc}mlp.shared_experts.", f"{mlp}shared_expert.", spec.moe_shared_expert_ffn_hidden_size))
     for source, target, size in parts:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rl_ckpt.experts import per_expert
+from rl_ckpt.experts import split_fused
 from rl_ckpt.families import FAMILIES
 from rl_ckpt.layout import fuse_fc1, fuse_qkv, pad_rows, split
 from rl_ckpt.mcore_to_hf import StageShards, layer_to_hf
@@ -237,28 +237,27 @@ class WeightLoader:
 
     @torch.no_grad()
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Check and place every tensor; returns how many HF tensors were taken."""
-        given = 0
-
-        def counted(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal given
-            for item in items:
-                given += 1
-                yield item
-
+        """Check and place every tensor (a stacked expert tensor expert by expert, :mod:`rl_ckpt.experts`); returns
+        how many HF tensors were taken."""
         spec = self.layout.spec
-        weights = counted(weights)
-        if spec.fused_experts:  # a layer's experts stacked in two tensors (rl_ckpt.experts): taken expert by expert
-            weights = per_expert(weights, spec.hidden_size, spec.moe_ffn_hidden_size)
+        given = 0
         for name, tensor in weights:
-            target = self.target(name, tensor)
-            if target.kind == ELSEWHERE:
-                pass  # another pipeline stage's tensor (checked above)
-            elif ":" in target.kind:
-                self._add_part(target, tensor)
-            else:
-                self._write(target.key, self._shard(target, tensor))
+            given += 1
+            parts = (
+                split_fused(name, tensor, spec.hidden_size, spec.moe_ffn_hidden_size) if spec.fused_experts else None
+            )
+            for part_name, part in parts or ((name, tensor),):
+                self._place(part_name, part)
         return given
+
+    def _place(self, name: str, tensor: torch.Tensor) -> None:
+        target = self.target(name, tensor)
+        if target.kind == ELSEWHERE:
+            return  # another pipeline stage's tensor (checked above)
+        if ":" in target.kind:
+            self._add_part(target, tensor)
+        else:
+            self._write(target.key, self._shard(target, tensor))
 
     def _shard(self, target: Target, tensor: torch.Tensor) -> torch.Tensor:
         lay = self.layout
