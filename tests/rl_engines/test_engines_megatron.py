@@ -12,7 +12,7 @@ import torch
 from engine_fixtures import CORPUS, prompt_batch, reference_log_probs, rollout_batch, worker_config
 
 from rl_engines.config import GeneratingArgs
-from rl_engines.objectives import ActorObjective
+from rl_engines.objectives import ActorObjective, CriticObjective
 from rl_engines.placement import ClusterSpec
 from rl_engines.roles import Roles
 from rl_engines.strategies import create_strategy
@@ -22,6 +22,9 @@ pytest.importorskip("megatron.core")
 
 CLUSTER = ClusterSpec(num_nodes=1, num_gpus_per_node=2)
 TP2 = {"tensor_model_parallel_size": 2}
+TP2_SP = {**TP2, "sequence_parallel": True}
+"""The train role splits the sequence over its TP ranks (torch norms tagged for the gradient sum), the reference does
+not: every comparison below between them, HF and fsdp2 also checks sequence parallelism."""
 # adam_epsilon 1e-4: Adam divides each coordinate by its own magnitude, which would turn the rounding noise of a
 # near-zero gradient (summed in another order by the TP all-reduces) into a visible step.
 TRAIN_ARGS = {"learning_rate": 1e-2, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 2,
@@ -45,9 +48,12 @@ def roles(ray_session, tiny_model_dir, tmp_path_factory):
     configs = {
         "actor_train": worker_config(tiny_model_dir, "actor_train", device_mapping=[0, 1], training_args=TRAIN_ARGS,
                                      infer_batch_size=4,
-                                     strategy_args={"strategy_name": "megatron_train", "strategy_config": TP2}),
+                                     strategy_args={"strategy_name": "megatron_train", "strategy_config": TP2_SP}),
         "reference": worker_config(tiny_model_dir, "reference", device_mapping=[0, 1], infer_batch_size=4,
                                    strategy_args={"strategy_name": "megatron_infer", "strategy_config": TP2}),
+        "critic": worker_config(tiny_model_dir, "critic", device_mapping=[0, 1], training_args=TRAIN_ARGS,
+                                infer_batch_size=4,
+                                strategy_args={"strategy_name": "megatron_train", "strategy_config": TP2_SP}),
     }  # fmt: skip
     with Roles(CLUSTER, configs, rpc_timeout=120) as started:
         yield started
@@ -61,6 +67,15 @@ def hf_state(path):
 
 def fsdp2(model_dir):
     strategy = create_strategy(worker_config(model_dir, training_args=TRAIN_ARGS, infer_batch_size=4), "actor_train")
+    strategy.initialize()
+    return strategy
+
+
+def megatron_single(model_dir, role):
+    """megatron_train at TP = 1 in this process (a world of one)."""
+    config = worker_config(model_dir, role, training_args=TRAIN_ARGS, infer_batch_size=4,
+                           strategy_args={"strategy_name": "megatron_train", "strategy_config": {}})  # fmt: skip
+    strategy = create_strategy(config, role)
     strategy.initialize()
     return strategy
 
@@ -129,6 +144,27 @@ def test_tp2_update_equals_fsdp2_and_resume_equals_uninterrupted(roles, tiny_mod
     a, b = hf_state(tmp_path / "hf_uninterrupted"), hf_state(tmp_path / "hf_resumed")
     assert all(torch.equal(a[name], b[name]) for name in a)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "hf_resumed", "hf_step1", "hf_uninterrupted"]
+
+
+def test_sequence_parallel_critic_values_and_update_equal_tp1(roles, tiny_model_dir):
+    """The value head gathers the sequence-split hidden states; its replicated weights and the norms' get their
+    gradients summed over the TP ranks."""
+    batch = rollout_batch(batch_size=8, seed=4)
+    mask = batch.batch["response_mask"]
+    critic = roles["critic"]
+    values = critic.call("compute_values", batch, dispatch="dp_split").batch["values"]
+    single = megatron_single(tiny_model_dir, "critic")  # the same seeded value head
+    expected = single.compute_values(batch).batch["values"]
+    torch.testing.assert_close(values[mask], expected[mask], atol=2e-6, rtol=0)
+
+    batch.batch["values"] = expected
+    batch.batch["returns"] = torch.randn(batch.batch["responses"].shape, generator=torch.Generator().manual_seed(5))
+    metrics = critic.call("train_step", batch, CriticObjective(), dispatch="dp_split")
+    single_metrics = single.train_step(batch, CriticObjective())
+    assert metrics[0]["critic/value_loss"] == pytest.approx(single_metrics["value_loss"], abs=1e-6)
+    assert metrics[0]["critic/grad_norm"] == pytest.approx(single_metrics["grad_norm"], rel=1e-5)
+    after = critic.call("compute_values", batch, dispatch="dp_split").batch["values"]
+    torch.testing.assert_close(after[mask], single.compute_values(batch).batch["values"][mask], atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize(

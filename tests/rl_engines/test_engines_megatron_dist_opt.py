@@ -275,24 +275,17 @@ def test_performance_switches_are_accepted_and_reported_as_unused(tmp_path):
     assert "apply_rope_fusion: Transformer Engine's fused RoPE kernel" in line and "persist_layer_norm" not in line
 
 
-def test_sequence_parallel_without_fused_norms_runs_with_it_off_and_says_so():
-    """ROLL's rlvr_config_async.yaml sets sequence_parallel: true. megatron-core's torch layer norm refuses it, so
-    without Apex the option is reported as unused (the computation is the same) instead of failing at start."""
-    from rl_engines.strategies.megatron_config import (
-        describe_unused_switches,
-        fused_norms_available,
-        parse_megatron_options,
-    )
+def test_sequence_parallel_is_honoured_with_torch_norms():
+    """ROLL's rlvr_config_async.yaml sets sequence_parallel: true. megatron-core's torch layer norm refuses it; the
+    local spec here builds torch RMSNorms tagged for the TP gradient sum, so the option runs on every machine
+    (test_engines_megatron trains with it against fsdp2); at TP = 1 there is nothing to split."""
+    from rl_engines.strategies.megatron_config import parse_megatron_options
 
     options = parse_megatron_options({"tensor_model_parallel_size": 2, "sequence_parallel": True}, "actor_train",
                                      train=True, dtype="fp32")  # fmt: skip
-    if fused_norms_available():
-        assert options.sequence_parallel and "sequence_parallel" not in options.unused_switches
-    else:
-        assert not options.sequence_parallel and options.unused_switches == ("sequence_parallel",)
-        assert "sequence_parallel: megatron-core's sequence-parallel layer norms need Apex" in (
-            describe_unused_switches(options, "actor_train")
-        )
+    assert options.sequence_parallel and options.unused_switches == ()
+    single = parse_megatron_options({"sequence_parallel": True}, "actor_train", train=True, dtype="fp32")
+    assert not single.sequence_parallel
 
 
 def test_training_keys_rolls_files_repeat_on_a_log_prob_role_are_accepted_and_reported_as_unused():

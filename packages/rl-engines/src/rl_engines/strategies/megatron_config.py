@@ -275,17 +275,6 @@ def merge_additional_configs(config: dict[str, Any], keys: dict[str, tuple[type,
     return {**extra, **rest}
 
 
-SEQUENCE_PARALLEL_REASON = (
-    "megatron-core's sequence-parallel layer norms need Apex (FusedLayerNorm) or Transformer Engine, and neither is "
-    "installed; running with it off (same results, the activations of layer norms are not split over TP)"
-)
-
-
-def fused_norms_available() -> bool:
-    """Apex is what the local layer spec uses for layer norms that support sequence parallelism."""
-    return importlib.util.find_spec("apex") is not None
-
-
 def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dtype: str) -> MegatronOptions:
     """Validate a megatron_train (``train``) or megatron_infer strategy_config against the role's
     ``model_args.dtype``; errors name every bad key."""
@@ -303,8 +292,6 @@ def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dt
     full = granularity == "full"
     unused = tuple(key for key in switches if config.get(key))
     sequence_parallel = bool(config.get("sequence_parallel", False)) and tp > 1
-    if sequence_parallel and not fused_norms_available():
-        sequence_parallel, unused = False, (*unused, "sequence_parallel")
     dispatcher = str(config.get("moe_token_dispatcher_type", "allgather"))
     unused += tuple(key for key in ("moe_grouped_gemm", "moe_shared_expert_overlap", "moe_permute_fusion")
                     if config.get(key))  # fmt: skip
@@ -379,7 +366,7 @@ def describe_unused_switches(options: MegatronOptions, role: str) -> str:
     if not options.unused_switches:
         return ""
     switches = (KERNEL_FUSION_SWITCHES | TRAIN_PERFORMANCE_SWITCHES | MOE_SWITCHES
-                | {"sequence_parallel": SEQUENCE_PARALLEL_REASON} | INFER_OPTIMIZER_SWITCHES
+                | INFER_OPTIMIZER_SWITCHES
                 | {f"recompute_modules.{m}": reason for m, reason in RECOMPUTE_MODULE_SWITCHES.items()})  # fmt: skip
     reasons = "; ".join(f"{key}: {switches[key]}" for key in options.unused_switches)
     return (

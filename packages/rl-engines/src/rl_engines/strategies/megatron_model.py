@@ -26,6 +26,7 @@ from rl_ckpt.spec import ModelSpec, language_config, spec_from_hf_config
 from rl_core.batch import RolloutBatch
 from rl_engines.strategies.megatron_chunks import ModelChunks
 from rl_engines.strategies.megatron_config import MegatronOptions, check_moe_options
+from rl_engines.strategies.megatron_norms import local_block_spec
 from rl_engines.strategies.megatron_ops import vocab_parallel_log_probs
 from rl_engines.strategies.megatron_pipeline import (
     OnOutput,
@@ -488,10 +489,11 @@ def build_model(
     section, interleaved = mrope(hf_config) if is_vl_config(hf_config) else (None, False)
     config = transformer_config(spec, options, params_dtype, device, aux_loss_coef, section)
     experts = {"num_experts": spec.num_experts, "moe_grouped_gemm": False} if spec.moe else {}
+    layer_spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm, **experts)
     chunks = [
         GPTModel(
             config,
-            get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm, **experts),
+            local_block_spec(config, layer_spec, chunk if vp > 1 else None),
             vocab_size=padded,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=stage.first and chunk == 0,
