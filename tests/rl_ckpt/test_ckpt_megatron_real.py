@@ -36,25 +36,28 @@ pytestmark = [
     pytest.mark.slow,
 ]
 LOGITS_ATOL = 1e-5
-CASES = ["tp2", "pp2", "tp1", "ep2", "vpp2"]
+CASES = ["tp2", "pp2", "tp1", "ep2", "tp2_moe", "vpp2"]
 FORMATS = ["legacy", "dist"]
 
 
 @pytest.fixture(scope="module")
 def real(tiny_hf, tmp_path_factory):
     """Folder with one sub-folder per case: TP=2 (Qwen2, untied), PP=2 (Qwen2, tied), TP=1 (Qwen3, tied), EP=2
-    (Qwen3-MoE, 4 experts: two per rank), PP=2 with a virtual pipeline of 2 chunks per stage (Qwen2, tied: the
-    output layer's copy in the last stage's last chunk; Megatron-LM's legacy files only, model0 / model1)."""
+    (Qwen3-MoE, 4 experts: two per rank), TP=2 on the same MoE model (every expert split over the two ranks:
+    Megatron's expert tensor parallelism at its default size), PP=2 with a virtual pipeline of 2 chunks per stage
+    (Qwen2, tied: the output layer's copy in the last stage's last chunk; Megatron-LM's legacy files only, model0 /
+    model1)."""
     from rl_engines.tiny_model import build_tiny_moe_lm
 
     out = tmp_path_factory.mktemp("megatron_real")
     moe = out / "hf_qwen3_moe"
-    build_tiny_moe_lm(moe, vocab_size=VOCAB)
+    build_tiny_moe_lm(moe, vocab_size=VOCAB, num_key_value_heads=2)  # TP = 2 splits the KV heads
     cases = [
         Case("tp2", tiny_hf("qwen2", False), tp=2, pp=1),
         Case("pp2", tiny_hf("qwen2", True), tp=1, pp=2),
         Case("tp1", tiny_hf("qwen3", True), tp=1, pp=1, hf_dir_in_args=False),
         Case("ep2", moe, tp=1, pp=1, ep=2),
+        Case("tp2_moe", moe, tp=2, pp=1),
         Case("vpp2", tiny_hf("qwen2", True), tp=1, pp=2, vp=2, formats=("torch",)),
     ]
     make_real_checkpoints(cases, out)
@@ -84,7 +87,7 @@ def test_ckpt_real_megatron_to_hf_is_bitwise_and_logits_match(real, tmp_path, na
 
     # tp2 / pp2: no flags, the args' tokenizer_model folder gives config.json; tp1: args alone, as on another machine
     ckpt = open_mcore_checkpoint(out / name / fmt, vocab_size=VOCAB if name == "tp1" else None)
-    assert ckpt.spec.model_type == {"tp1": "qwen3", "ep2": "qwen3_moe"}.get(name, "qwen2")
+    assert ckpt.spec.model_type == {"tp1": "qwen3", "ep2": "qwen3_moe", "tp2_moe": "qwen3_moe"}.get(name, "qwen2")
     convert_mcore_to_hf(ckpt, tmp_path / "hf", max_shard_size="50KB")
     before, after = load_state(case.hf_dir), load_state(tmp_path / "hf")
     assert sorted(after) == sorted(before)
@@ -100,6 +103,7 @@ def test_ckpt_rl_ckpt_rank_files_equal_megatron_own(real):
     _, out = real
     ranks_of = {"tp2": ["mp_rank_00", "mp_rank_01"], "pp2": ["mp_rank_00_000", "mp_rank_00_001"],
                 "ep2": ["mp_rank_00_000", "mp_rank_00_001"],  # ep2: mp_rank_<TP>_<EP>, each its experts
+                "tp2_moe": ["mp_rank_00", "mp_rank_01"],  # each its half of every expert
                 "vpp2": ["mp_rank_00_000", "mp_rank_00_001"]}  # vpp2: model0 and model1 in each  # fmt: skip
     for name, ranks in ranks_of.items():
         for rank, chunk in ((r, c) for r in ranks for c in ((0, 1) if name == "vpp2" else (None,))):

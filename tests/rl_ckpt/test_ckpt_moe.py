@@ -19,7 +19,9 @@ VOCAB = 96
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
 def moe_hf(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
-    build_tiny_moe_lm(path, model_type=request.param, vocab_size=VOCAB, num_experts=4, num_hidden_layers=2)
+    build_tiny_moe_lm(
+        path, model_type=request.param, vocab_size=VOCAB, num_experts=4, num_hidden_layers=2, num_key_value_heads=2
+    )  # two KV heads: TP = 2 splits them
     return path
 
 
@@ -54,6 +56,25 @@ def test_a_moe_round_trip_through_expert_parallel_rank_files_is_bitwise(moe_hf, 
     _assert_same_tensors(hf, load_state(tmp_path / "hf"))
 
 
+def test_experts_split_over_tensor_parallel_ranks_round_trip_bitwise(moe_hf, tmp_path):
+    """TP = 2 x EP = 2: each TP rank holds its half of every expert of its EP rank (Megatron's expert tensor
+    parallelism at its default size, TP), gate rows on up rows as in a dense MLP; the shared expert split alike."""
+    layout = convert_hf_to_mcore(moe_hf, tmp_path / "mcore", 2, 1, ep=2)
+    names = sorted(p.name for p in layout.iteration_dir.iterdir())
+    assert names == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
+    hf, state = load_state(moe_hf), _rank_file(tmp_path / "mcore", "mp_rank_01_001")["model"]
+    gate, up = (hf[f"model.layers.1.mlp.experts.3.{p}_proj.weight"] for p in ("gate", "up"))
+    half = gate.shape[0] // 2
+    assert torch.equal(state["decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.weight"],
+                       torch.cat([gate[half:], up[half:]]))  # fmt: skip
+    down = hf["model.layers.1.mlp.experts.3.down_proj.weight"]
+    assert torch.equal(state["decoder.layers.1.mlp.experts.local_experts.1.linear_fc2.weight"], down[:, half:])
+    ckpt = open_mcore_checkpoint(tmp_path / "mcore")
+    assert (ckpt.layout.tp, ckpt.layout.ep) == (2, 2)
+    convert_mcore_to_hf(ckpt, tmp_path / "hf", max_shard_size="40KB")
+    _assert_same_tensors(hf, load_state(tmp_path / "hf"))
+
+
 def test_megatron_grouped_gemm_expert_names_read_like_sequential_ones(moe_hf, tmp_path):
     """Megatron-core with moe_grouped_gemm (Transformer Engine) saves local expert j as ``linear_fc1.weight<j>``."""
     convert_hf_to_mcore(moe_hf, tmp_path / "mcore", ep=2)
@@ -84,7 +105,7 @@ def test_the_cli_converts_and_verifies_a_moe_model_both_ways(moe_hf, tmp_path, c
 @pytest.mark.parametrize(
     ("tp", "ep", "message"),
     [
-        (2, 1, r"a MoE model \(qwen\d_moe\) at tensor-parallel size 2: rl-ckpt maps MoE checkpoints at TP = 1"),
+        (3, 1, r"tensor-parallel size 3 does not divide moe_intermediate_size=\d+; each expert is split"),
         (1, 3, r"expert-parallel size 3 does not divide the 4 experts"),
     ],
 )

@@ -48,25 +48,30 @@ def test_vl_round_trip_is_bitwise_with_the_tower_on_the_first_stage_of_every_tp_
     assert verify_mcore_to_hf(ckpt, tmp_path / "hf") == 0.0
 
 
-def test_qwen3_vl_moe_round_trip_over_expert_parallel_ranks_stacks_the_experts_as_its_files_do(tmp_path):
+@pytest.mark.parametrize(("tp", "pp"), [(1, 2), (2, 1)], ids=["pp2_ep2", "tp2_ep2"])
+def test_qwen3_vl_moe_round_trip_over_expert_parallel_ranks_stacks_the_experts_as_its_files_do(tmp_path, tp, pp):
     """Qwen3-VL-MoE's files stack each layer's experts (``experts.gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``):
-    they go to Megatron as each EP rank's local experts and come back stacked, bitwise; the logits verify."""
+    they go to Megatron as each EP rank's local experts (at TP = 2 each TP rank its half of each) and come back
+    stacked, bitwise; the logits verify."""
     from rl_engines.tiny_model import build_tiny_vl_model
 
     src = tmp_path / "src"
     build_tiny_vl_model(src, CORPUS, model_type="qwen3_vl_moe", num_key_value_heads=2)
-    layout = convert_hf_to_mcore(src, tmp_path / "mcore", 1, 2, ep=2)
+    layout = convert_hf_to_mcore(src, tmp_path / "mcore", tp, pp, ep=2)
     before = load_state(src)
     gate_up = before["model.language_model.layers.0.mlp.experts.gate_up_proj"]
     down = before["model.language_model.layers.0.mlp.experts.down_proj"]
     experts, size = gate_up.shape[0], gate_up.shape[1] // 2
+    part = size // tp  # TP rank 0's rows of the gate and of the up projection, columns of down
     for ep_rank in range(2):
         local = torch.load(layout.path(0, 0, ep_rank), weights_only=False)["model"]
         for j in range(experts // 2):  # rank r's local expert j is expert r * E / 2 + j
             expert = ep_rank * experts // 2 + j
             fc1 = local[f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc1.weight"]
-            assert torch.equal(fc1[:size], gate_up[expert, :size]) and torch.equal(fc1[size:], gate_up[expert, size:])
-            assert torch.equal(local[f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc2.weight"], down[expert])
+            assert torch.equal(fc1[:part], gate_up[expert, :part])
+            assert torch.equal(fc1[part:], gate_up[expert, size : size + part])
+            fc2 = local[f"decoder.layers.0.mlp.experts.local_experts.{j}.linear_fc2.weight"]
+            assert torch.equal(fc2, down[expert][:, :part])
 
     ckpt = open_mcore_checkpoint(tmp_path / "mcore")
     assert ckpt.spec.model_type == "qwen3_moe" and ckpt.spec.fused_experts and ckpt.spec.moe_norm_topk_prob

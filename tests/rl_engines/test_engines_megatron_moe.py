@@ -13,6 +13,7 @@ import pytest
 import torch
 from engine_fixtures import CORPUS, reference_log_probs, require_engine, rollout_batch, worker_config
 
+from rl_ckpt.hf_io import HFCheckpoint
 from rl_ckpt.verify import fused_experts
 from rl_engines.config import WorkerConfigError
 from rl_engines.objectives import ActorObjective
@@ -30,7 +31,9 @@ def _moe_model(tmp_path_factory, model_type):
 
     path = tmp_path_factory.mktemp(model_type)
     build_tiny_tokenizer(path, CORPUS, vocab_size=256)
-    build_tiny_moe_lm(path, model_type=model_type, vocab_size=len(AutoTokenizer.from_pretrained(str(path))))
+    build_tiny_moe_lm(
+        path, model_type=model_type, vocab_size=len(AutoTokenizer.from_pretrained(str(path))), num_key_value_heads=2
+    )  # TP = 2 splits the two KV heads
     return path
 
 
@@ -107,12 +110,12 @@ def test_a_moe_checkpoint_resumes_like_the_uninterrupted_run(moe_dir, tmp_path):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        (
-            {"tensor_model_parallel_size": 2},
-            r"tensor_model_parallel_size=2 on a MoE model \(qwen3_moe\): expert tensor parallelism is not built .*"
-            r"only with sequence parallelism, whose norms need Transformer Engine or Apex",
-        ),
         ({"expert_model_parallel_size": 3}, r"expert_model_parallel_size=3 does not divide the model's 4 experts"),
+        (
+            {"expert_tensor_parallel_size": 2},
+            r"expert_tensor_parallel_size=2: experts split over the TP ranks as the "
+            r"dense layers are \(Megatron's default, tensor_model_parallel_size=1\)",
+        ),
         ({"moe_token_dispatcher_type": "flex"}, r"moe_token_dispatcher_type='flex': use one of"),
         ({"moe_aux_loss_coeff": -1.0}, r"strategy_config\.moe_aux_loss_coeff must be a finite number >= 0, got -1"),
     ],
@@ -261,6 +264,65 @@ def test_expert_parallel_ranks_train_sync_and_checkpoint_as_one_model(moe_dir, r
     a, b = HFCheckpoint(tmp_path / "hf_uninterrupted"), HFCheckpoint(tmp_path / "hf_resumed")
     assert sum(".mlp.experts." in name for name in a.weight_map) == 2 * 4 * 3  # 2 layers x 4 experts x 3 projections
     assert all(torch.equal(a.get(name), b.get(name)) for name in a.weight_map)
+
+
+def test_experts_split_over_tensor_parallel_ranks_train_sync_and_checkpoint_as_one_model(qwen2_moe_dir, ray_session,
+                                                                                          tmp_path):  # fmt: skip
+    """tensor_model_parallel_size 2 with sequence parallelism (as megatron-core requires for MoE training at TP > 1)
+    on Qwen2-MoE: each TP rank holds its half of every expert and of the shared expert (Megatron's expert tensor
+    parallelism at its default size), tokens of both sequence halves reach the experts through the allgather
+    dispatcher. Scores equal the HF model's, the update fsdp2_train's (router loss on: the router's and the shared
+    expert gate's gradients summed over the sequence halves), the export HF's layout (experts gathered over TP), a
+    weight sync into a colocated hf_infer scores as the trained model and resuming a checkpoint (a file per TP rank)
+    equals the uninterrupted run. A train role at TP 2 without sequence parallelism is refused naming the key."""
+    from rl_engines.placement import ClusterSpec
+    from rl_engines.roles import Roles
+
+    model = qwen2_moe_dir
+    options = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+    configs = {
+        "actor_train": worker_config(model, "actor_train", device_mapping=[0, 1], training_args=ARGS,
+                                     infer_batch_size=4, model_args=ROUTER,
+                                     strategy_args={"strategy_name": "megatron_train", "strategy_config": options}),
+        "actor_infer": worker_config(model, "actor_infer", device_mapping=[0], infer_batch_size=4,
+                                     strategy_args={"strategy_name": "hf_infer"}),
+    }  # fmt: skip
+    single = make(model, "fsdp2_train", model_args=ROUTER)
+    batch, later = rollout_batch(batch_size=4, seed=7), rollout_batch(batch_size=4, seed=8)
+    mask = batch.batch["response_mask"].bool()
+    with Roles(ClusterSpec(1, 2), configs, rpc_timeout=120) as roles:
+        train = roles["actor_train"]
+        scored = train.call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
+        torch.testing.assert_close(scored[mask].double(), reference_log_probs(model, batch)[mask], atol=2e-5, rtol=0)
+        batch.batch["old_log_probs"] = scored
+        ours = train.call("train_step", batch, ActorObjective(), dispatch="dp_split")
+        theirs = single.train_step(batch, ActorObjective())
+        assert ours[0] == ours[1]
+        assert ours[0]["actor/pg_loss"] == pytest.approx(theirs["pg_loss"], abs=1e-6)
+        assert ours[0]["actor/grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+        assert ours[0]["actor_train/load_balancing_loss"] == pytest.approx(theirs["load_balancing_loss"], rel=1e-5)
+        train.call("save_hf", str(tmp_path / "hf_step1"))
+        saved = HFCheckpoint(tmp_path / "hf_step1")
+        exported = {name: saved.get(name) for name in saved.weight_map}
+        expected = dict(single.named_weights())
+        exported = fused_experts(exported, set(expected))
+        assert exported.keys() == expected.keys()
+        for name, value in expected.items():
+            torch.testing.assert_close(exported[name], value, atol=1e-5, rtol=0, msg=name)
+        roles.model_updater().sync()
+        synced = roles["actor_infer"].call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
+        trained = single.compute_log_probs(batch).batch["log_probs"]
+        torch.testing.assert_close(synced[mask], trained[mask], atol=2e-5, rtol=0)
+
+        later.batch["old_log_probs"] = train.call("compute_log_probs", later, dispatch="dp_split").batch["log_probs"]
+        train.call("save_checkpoint", str(tmp_path / "ckpt"))
+        uninterrupted = train.call("train_step", later, ActorObjective(), dispatch="dp_split")
+        train.call("load_checkpoint", str(tmp_path / "ckpt"))
+        assert train.call("train_step", later, ActorObjective(), dispatch="dp_split") == uninterrupted
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("mp_rank_*.pt")) == ["mp_rank_00.pt", "mp_rank_01.pt"]
+    refused = r"tensor_model_parallel_size=2 on a MoE model \(qwen2_moe\) without actor_train\.strategy_args\."
+    with pytest.raises(ValueError, match=refused + r"strategy_config\.sequence_parallel"):
+        make(model, options={"tensor_model_parallel_size": 2})
 
 
 def test_pipeline_stages_add_their_layers_router_loss_as_one_model(moe_dir, ray_session, tmp_path):

@@ -66,7 +66,7 @@ def stack_experts(fc1: Sequence[Source], fc2: Sequence[Source]) -> tuple[Source,
 
     def stacked(parts: Sequence[Source]) -> Source:
         if not all(isinstance(part, torch.Tensor) for part in parts):
-            raise CheckpointError("fused expert tensors are built from one tensor-parallel shard per expert (TP = 1)")
+            raise CheckpointError("fused expert tensors are stacked from one tensor per expert (views or in memory)")
         return cat([part.unsqueeze(0) for part in parts], 0)  # type: ignore[union-attr]
 
     return stacked(fc1), stacked(fc2)

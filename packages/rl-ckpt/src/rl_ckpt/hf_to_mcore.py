@@ -95,9 +95,9 @@ def layer_to_mcore(
 
     linear_qkv [g*(r+2)*d/tp, H] (this rank's groups: their q heads, k, v); linear_proj [H, nq*d/tp];
     linear_fc1 [2F/tp, H] (this rank's gate rows on its up rows); linear_fc2 [H, F/tp]; norms [H] (q/k norms [d]).
-    A MoE layer (TP = 1): the router, expert-parallel rank ``ep_rank``'s experts as SequentialMLP's local experts,
-    Qwen2-MoE's shared expert and its gate. Each is a plan (views of the HF files, concatenated), read when the rank
-    file is written.
+    A MoE layer: the router, expert-parallel rank ``ep_rank``'s experts as SequentialMLP's local experts, Qwen2-MoE's
+    shared expert and its gate; each expert split over the TP ranks as the dense MLP is. Each is a plan (views of
+    the HF files, concatenated), read when the rank file is written.
     """
     hf = f"model.layers.{layer}."
     h, d, g, nq, f = (
@@ -116,7 +116,7 @@ def layer_to_mcore(
         out[f"self_attention.linear_qkv.{kind}"] = fuse_qkv_parts(q, k, v, g // tp)
     out["self_attention.linear_proj.weight"] = _block(src, f"{hf}self_attn.o_proj.weight", (h, nq * d), 1, tp, rank)
     if spec.moe:
-        out.update(_moe_layer(src, spec, f"model.layers.{layer}.mlp.", ep_rank, ep))
+        out.update(_moe_layer(src, spec, f"model.layers.{layer}.mlp.", (tp, rank), (ep, ep_rank)))
     else:
         gate = _block(src, f"{hf}mlp.gate_proj.weight", (f, h), 0, tp, rank)
         out["mlp.linear_fc1.weight"] = cat([gate, _block(src, f"{hf}mlp.up_proj.weight", (f, h), 0, tp, rank)], 0)
@@ -127,25 +127,33 @@ def layer_to_mcore(
     return out
 
 
-def _moe_layer(src: HFCheckpoint, spec: ModelSpec, mlp: str, ep_rank: int, ep: int) -> dict[str, Source]:
-    """A MoE layer's Megatron tensors on expert-parallel rank ``ep_rank`` (TP = 1): experts
-    ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)`` as local experts 0.., the router and shared expert replicated."""
+def _moe_layer(
+    src: HFCheckpoint, spec: ModelSpec, mlp: str, tp_rank: tuple[int, int], ep_rank: tuple[int, int]
+) -> dict[str, Source]:
+    """A MoE layer's Megatron tensors on TP rank ``tp_rank = (tp, rank)`` and expert-parallel rank ``ep_rank = (ep,
+    rank)``: experts ``[rank * E / ep, (rank + 1) * E / ep)`` as local experts 0.., each (and the shared expert) split
+    over the TP ranks as a dense MLP (Megatron's expert tensor parallelism at its default size, TP); the router and
+    the shared expert's gate replicated."""
+    (tp, rank), (ep, expert_rank) = tp_rank, ep_rank
     h, local = spec.hidden_size, spec.num_experts // ep
     out: dict[str, Source] = {"mlp.router.weight": _get(src, f"{mlp}gate.weight", (spec.num_experts, h))}
-    parts = [(f"mlp.experts.local_experts.{j}.", f"{mlp}experts.{ep_rank * local + j}.", spec.moe_ffn_hidden_size)
-             for j in range(local)]  # fmt: skip
+    parts = [(f"mlp.experts.local_experts.{j}.", f"{mlp}experts.{expert_rank * local + j}.",
+              spec.moe_ffn_hidden_size) for j in range(local)]  # fmt: skip
     if spec.moe_shared_expert_ffn_hidden_size:
         parts.append(("mlp.shared_experts.", f"{mlp}shared_expert.", spec.moe_shared_expert_ffn_hidden_size))
         out["mlp.shared_experts.gate_weight"] = _get(src, f"{mlp}shared_expert_gate.weight", (1, h))
     views = _fused_experts(src, spec, mlp) if spec.fused_experts else {}
 
-    def read(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return views[name] if name in views else _get(src, name, shape)
+    def block(name: str, shape: tuple[int, int], dim: int) -> torch.Tensor:
+        if name not in views:
+            return _block(src, name, shape, dim, tp, rank)
+        size = shape[dim] // tp
+        return views[name].narrow(dim, rank * size, size)
 
     for target, source, size in parts:
-        gate, up = (read(f"{source}{p}_proj.weight", (size, h)) for p in ("gate", "up"))
+        gate, up = (block(f"{source}{p}_proj.weight", (size, h), 0) for p in ("gate", "up"))
         out[f"{target}linear_fc1.weight"] = cat([gate, up], 0)
-        out[f"{target}linear_fc2.weight"] = read(f"{source}down_proj.weight", (h, size))
+        out[f"{target}linear_fc2.weight"] = block(f"{source}down_proj.weight", (h, size), 1)
     return out
 
 

@@ -143,9 +143,10 @@ def layer_sources(stage: StageShards, spec: ModelSpec, local: int, layer: int) -
 
 
 def _moe_sources(stage: StageShards, spec: ModelSpec, mc: str, layer: int) -> Iterator[tuple[str, Source]]:
-    """A MoE layer (TP = 1, experts under their global index, see :func:`merge_expert_ranks`): the router, every
-    expert's gate / up / down projections in HF's per-expert names (stacked into two tensors where the model's
-    files stack them, :mod:`rl_ckpt.experts`), and Qwen2-MoE's gated shared expert."""
+    """A MoE layer (experts under their global index, see :func:`merge_expert_ranks`; at TP > 1 each expert and the
+    shared expert split over the TP ranks as a dense MLP is, Megatron's expert tensor parallelism at its default size):
+    the router, every expert's gate / up / down projections in HF's per-expert names (stacked into two tensors where
+    the model's files stack them, :mod:`rl_ckpt.experts`), and Qwen2-MoE's gated shared expert."""
     mlp, h = f"model.layers.{layer}.mlp.", spec.hidden_size
     key = f"{mc}mlp.router.weight"
     yield f"{mlp}gate.weight", stage.check(stage.shards(key)[0], (spec.num_experts, h), key)
@@ -157,44 +158,56 @@ def _moe_sources(stage: StageShards, spec: ModelSpec, mc: str, layer: int) -> It
     if spec.moe_shared_expert_ffn_hidden_size:
         parts.append((f"{mc}mlp.shared_experts.", f"{mlp}shared_expert.", spec.moe_shared_expert_ffn_hidden_size))
     for source, target, size in parts:
-        key = f"{source}linear_fc1.weight"
-        gate, up = fc1_parts([stage.check(s, (2 * size, h), key) for s in stage.shards(key)])
+        (gate, up), down = _expert_mlp(stage, h, source, size)
         yield f"{target}gate_proj.weight", gate
         yield f"{target}up_proj.weight", up
-        key = f"{source}linear_fc2.weight"
-        yield f"{target}down_proj.weight", stage.check(stage.shards(key)[0], (h, size), key)
+        yield f"{target}down_proj.weight", down
     if spec.moe_shared_expert_ffn_hidden_size:
         key = f"{mc}mlp.shared_experts.gate_weight"
         yield f"{mlp}shared_expert_gate.weight", stage.check(stage.shards(key)[0], (1, h), key)
 
 
+def _expert_mlp(stage: StageShards, h: int, source: str, size: int) -> tuple[tuple[Source, Source], Source]:
+    """(gate, up), down of one expert's (or the shared expert's) SwiGLU MLP under ``source``: linear_fc1 shards
+    ``[2I/tp, H]`` (each rank's gate rows on its up rows), linear_fc2 ``[H, I/tp]`` concatenated along columns."""
+    key = f"{source}linear_fc1.weight"
+    fc1 = fc1_parts([stage.check(s, (2 * size // len(stage.paths), h), key) for s in stage.shards(key)])
+    key = f"{source}linear_fc2.weight"
+    return fc1, stage.check(stage.concat(key, 1), (h, size), key)
+
+
 def _stacked_experts(stage: StageShards, spec: ModelSpec, mlp: str, experts: list[str]) -> Iterator[tuple[str, Source]]:
     """``experts.gate_up_proj`` / ``experts.down_proj`` of a layer from its experts' ``linear_fc1`` / ``linear_fc2``
-    (keys under ``experts``, in order)."""
+    (keys under ``experts``, in order). At TP = 1 the stacks are views of the shards (read when written); at TP > 1
+    each expert's TP shards are merged in memory first (one layer's experts at a time)."""
     h, size = spec.hidden_size, spec.moe_ffn_hidden_size
-
-    def shard(key: str, shape: tuple[int, int]) -> Source:
-        return stage.check(stage.shards(key)[0], shape, key)
-
-    fc1 = [shard(f"{e}linear_fc1.weight", (2 * size, h)) for e in experts]
-    fc2 = [shard(f"{e}linear_fc2.weight", (h, size)) for e in experts]
+    if len(stage.paths) == 1:
+        fc1 = [stage.check(stage.shards(f"{e}linear_fc1.weight")[0], (2 * size, h), f"{e}linear_fc1.weight")
+               for e in experts]  # fmt: skip
+        fc2 = [stage.check(stage.shards(f"{e}linear_fc2.weight")[0], (h, size), f"{e}linear_fc2.weight")
+               for e in experts]  # fmt: skip
+    else:
+        mlps = [_expert_mlp(stage, h, e, size) for e in experts]
+        fc1 = [materialize(cat(list(parts), 0)) for parts, _ in mlps]
+        fc2 = [materialize(down) for _, down in mlps]
     gate_up, down = stack_experts(fc1, fc2)
     yield f"{mlp}experts.gate_up_proj", gate_up
     yield f"{mlp}experts.down_proj", down
 
 
 def check_moe_layout(spec: ModelSpec, tp: int, ep: int, where: str) -> None:
-    """Expert parallelism only on a MoE model, dividing its experts; a MoE model at TP = 1 (Megatron's expert tensor
-    parallelism, experts split over TP ranks or not, is not mapped)."""
+    """Expert parallelism only on a MoE model, dividing its experts; at TP > 1 a MoE model's experts (and shared
+    expert) split over the TP ranks as its dense MLPs are (Megatron's expert tensor parallelism at its default size,
+    TP), so TP divides their intermediate sizes."""
     if ep > 1 and not spec.moe:
         raise CheckpointError(f"{where}: expert-parallel size {ep} on a dense {spec.model_type} model")
     if spec.moe and spec.num_experts % ep:
         raise CheckpointError(f"{where}: expert-parallel size {ep} does not divide the {spec.num_experts} experts")
-    if spec.moe and tp > 1:
-        raise CheckpointError(
-            f"{where}: a MoE model ({spec.model_type}) at tensor-parallel size {tp}: rl-ckpt maps MoE checkpoints at "
-            "TP = 1 (any EP and PP); expert tensor parallelism is not mapped yet"
-        )
+    for key, size in (("moe_intermediate_size", spec.moe_ffn_hidden_size),
+                      ("shared_expert_intermediate_size", spec.moe_shared_expert_ffn_hidden_size)):  # fmt: skip
+        if spec.moe and size % tp:
+            raise CheckpointError(f"{where}: tensor-parallel size {tp} does not divide {key}={size}; each expert is "
+                                  "split over the TP ranks")  # fmt: skip
 
 
 def merge_expert_ranks(states: Sequence[Mapping[str, Source]], local_experts: int) -> dict[str, Source]:

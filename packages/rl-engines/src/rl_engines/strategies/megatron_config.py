@@ -47,6 +47,7 @@ LAYOUT_KEYS: dict[str, tuple[type, ...]] = {
     "pipeline_model_parallel_size": (int,),
     "context_parallel_size": (int,),
     "expert_model_parallel_size": (int,),
+    "expert_tensor_parallel_size": (int, NoneType),
     "virtual_pipeline_model_parallel_size": (int, NoneType),
     "sequence_parallel": (bool,),
     "account_for_embedding_in_pipeline_split": (bool,),
@@ -156,6 +157,8 @@ class MegatronOptions:
     """The MoE-only keys the config sets (an error on a dense model, checked once the model is known)."""
     unused_switches: tuple[str, ...] = ()
     """Performance-only keys set to true that this build does not act on (logged once at start-up)."""
+    train: bool = True
+    """A megatron_train role (False: megatron_infer)."""
 
     @property
     def model_parallel_size(self) -> int:
@@ -194,6 +197,12 @@ def _reject_unsupported(config: dict[str, Any], prefix: str) -> None:
         raise ValueError(
             f"{prefix}.moe_token_dispatcher_type={dispatcher!r}: use one of {list(MOE_DISPATCHERS)} (flex needs "
             "DeepEP, which this build does not have)."
+        )
+    expert_tp, tp = config.get("expert_tensor_parallel_size"), config.get("tensor_model_parallel_size", 1)
+    if expert_tp is not None and expert_tp != tp:
+        raise ValueError(
+            f"{prefix}.expert_tensor_parallel_size={expert_tp}: experts split over the TP ranks as the dense layers "
+            f"are (Megatron's default, tensor_model_parallel_size={tp}) is what is built; set it to {tp} or remove it."
         )
     if config.get("overlap_param_gather") and not config.get("use_distributed_optimizer"):
         raise ValueError(
@@ -319,6 +328,7 @@ def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dt
         moe_layer_recompute=bool(config.get("moe_layer_recompute", False)),
         moe_aux_loss_coeff=None if config.get("moe_aux_loss_coeff") is None else float(config["moe_aux_loss_coeff"]),
         moe_keys=_moe_keys(config),
+        train=train,
     )
 
 
@@ -327,6 +337,7 @@ def _moe_keys(config: dict[str, Any]) -> tuple[str, ...]:
     moe_modules = set(recompute_modules(config.get("recompute_modules")) or ()) & set(MOE_RECOMPUTE_MODULES)
     return tuple(sorted(key for key in config if key.startswith("moe_")
                         or (key == "expert_model_parallel_size" and config[key] > 1)
+                        or (key == "expert_tensor_parallel_size" and config[key] is not None)
                         or (key == "recompute_modules" and moe_modules)))  # fmt: skip
 
 
@@ -338,7 +349,8 @@ def _cuda() -> bool:
 
 def check_moe_options(options: MegatronOptions, spec: Any, role: str) -> None:
     """The MoE keys against the model (``spec``: rl_ckpt's ModelSpec): none on a dense decoder; on a MoE one, the
-    expert count divisible by expert_model_parallel_size and TP = 1 (expert tensor parallelism is not built)."""
+    expert count divisible by expert_model_parallel_size and, when training at TP > 1, sequence parallelism (the
+    experts are then split over the TP ranks too: Megatron's expert tensor parallelism at its default size, TP)."""
     prefix = f"{role}.strategy_args.strategy_config"
     if not spec.moe:
         if options.moe_keys:
@@ -351,13 +363,12 @@ def check_moe_options(options: MegatronOptions, spec: Any, role: str) -> None:
     if spec.num_experts % ep:
         raise ValueError(f"{prefix}.expert_model_parallel_size={ep} does not divide the model's {spec.num_experts} "
                          "experts; pick a divisor.")  # fmt: skip
-    if options.tensor_model_parallel_size > 1:
+    tp = options.tensor_model_parallel_size
+    if options.train and tp > 1 and not options.sequence_parallel:
         raise ValueError(
-            f"{prefix}.tensor_model_parallel_size={options.tensor_model_parallel_size} on a MoE model "
-            f"({spec.model_type}): expert tensor parallelism is not built (experts split over TP ranks are not "
-            "gathered for weight sync, HF export or checkpoints), and megatron-core trains MoE layers at TP > 1 only "
-            "with sequence parallelism, whose norms need Transformer Engine or Apex (neither runs on CPU). Split the "
-            "experts with expert_model_parallel_size and the layers with pipeline_model_parallel_size."
+            f"{prefix}.tensor_model_parallel_size={tp} on a MoE model ({spec.model_type}) without "
+            f"{prefix}.sequence_parallel: megatron-core trains MoE layers at TP > 1 only with sequence parallelism "
+            "(as ROLL's MoE files set it); set sequence_parallel: true."
         )
 
 

@@ -412,11 +412,16 @@ class MegatronModel:
 
 
 def _check_divisors(spec: ModelSpec, options: MegatronOptions, role: str, model_path: str) -> None:
-    """TP must divide the heads, KV groups and FFN size, PP the layers; errors name the key and the model's field."""
+    """TP must divide the heads, KV groups and FFN sizes (a MoE model's experts and shared expert are split over the
+    TP ranks too), PP the layers; errors name the key and the model's field."""
     prefix = f"{role}.strategy_args.strategy_config"
     tp, pp = options.tensor_model_parallel_size, options.pipeline_model_parallel_size
-    for key, value in (("num_attention_heads", spec.num_attention_heads), ("num_key_value_heads",
-                       spec.num_query_groups), ("intermediate_size", spec.ffn_hidden_size)):  # fmt: skip
+    sizes = [("num_attention_heads", spec.num_attention_heads), ("num_key_value_heads", spec.num_query_groups),
+             ("intermediate_size", spec.ffn_hidden_size)]  # fmt: skip
+    if spec.moe:
+        sizes += [("moe_intermediate_size", spec.moe_ffn_hidden_size),
+                  ("shared_expert_intermediate_size", spec.moe_shared_expert_ffn_hidden_size)]  # fmt: skip
+    for key, value in sizes:
         if value % tp:
             raise ValueError(
                 f"{prefix}.tensor_model_parallel_size={tp} does not divide the model's {key}={value} "

@@ -69,8 +69,10 @@ def set_micro_weight(micros: int, group: dist.ProcessGroup | None) -> float:
 
 
 def tracked_layer_mean(num_layers: int, stage_group: dist.ProcessGroup | None) -> torch.Tensor | None:
-    """Megatron's tracked per-layer losses of the step (summed over its micro-batches; each pipeline stage holds
-    its layers', summed over ``stage_group``), their mean over layers; the tracker is cleared. None: none tracked."""
+    """Megatron's tracked per-layer losses of the step (summed over its micro-batches and, as Megatron's tracker
+    asks, over the ranks that each computed a part: the TP ranks under sequence parallelism; each pipeline stage
+    holds its layers', summed over ``stage_group``), their mean over layers; the tracker is cleared. None: none
+    tracked."""
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
     entry = get_moe_layer_wise_logging_tracker().get(TRACKED)
@@ -78,6 +80,9 @@ def tracked_layer_mean(num_layers: int, stage_group: dist.ProcessGroup | None) -
         return None
     values = entry["values"].detach().float().cpu().clone()
     clear_aux_losses_tracker()
+    partial = entry.get("reduce_group")  # the TP ranks under sequence parallelism: each its sequence slice's part
+    if partial is not None and dist.get_world_size(partial) > 1:
+        values = all_reduce_sum(values, partial)
     if stage_group is not None:
         values = all_reduce_sum(values, stage_group)
     mean: torch.Tensor = values.sum() / num_layers

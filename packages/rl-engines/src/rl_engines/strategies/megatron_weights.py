@@ -387,9 +387,11 @@ def export_hf(
             prefix = f"decoder.layers.{local}."
             keys = [key for key in params if key.startswith(prefix) and ".mlp.experts." not in key]
             gathered = {key: shards(key) for key in keys}
-            states = [{key: gathered[key][r] for key in keys} for r in range(tp)]
-            if spec.moe:  # TP = 1 on MoE models (check_moe_options): one state, the experts of every EP rank
-                states[0].update(_global_experts(params, layout, prefix, ep_group))
+            if spec.moe:  # every expert (gathered over EP ranks), then each TP rank's part of them
+                experts = _global_experts(params, layout, prefix, ep_group)
+                split = f"{prefix}mlp.experts.local_experts.0.linear_fc1.weight" in sharded
+                gathered.update({key: _all_shards(value, split, tp, group) for key, value in experts.items()})
+            states = [{key: parts[r] for key, parts in gathered.items()} for r in range(tp)]
             return list(layer_to_hf(StageShards(states, paths), spec, local, layer))
 
         yield from piece(layout.stage_of(layer), layer_tensors)
