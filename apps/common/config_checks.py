@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
+from apps.common.model_hub import check_source
 from apps.common.policy_args import policy_loss_name
 from apps.common.trackers import TRACKERS
 from rl_core.advantages import ADV_ESTIMATORS
@@ -162,6 +163,10 @@ def check_choices(config: Any) -> None:
     check_rollout_correction(config)
     check_train_infer_correction(config)
     _check_registry(TRACKERS, "track_with", config.track_with)
+    try:
+        check_source(config.model_download_type)
+    except ValueError as err:
+        fail(str(err))
     for key in ("norm_mean_type", "norm_std_type"):
         if getattr(config, key) not in NORM_TYPES:
             fail(f"{key}={getattr(config, key)!r}: use batch, group or null.")

@@ -23,6 +23,7 @@ from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.checkpoint_space import checkpoint_space_warning
 from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
 from apps.common.loop import run_loop
+from apps.common.model_hub import model_fields, resolve_hub_models
 from apps.common.padding import padded_indices
 from apps.common.preflight import replays_rollouts, started_sections
 from apps.common.sample_filters import SampleShaping, apply_sample_masks, apply_sample_weights
@@ -62,6 +63,8 @@ class RLVRPipeline:
         self.config = config
         self.log = log
         self.progress_bar = progress_bar  # None: shown when stderr is a terminal
+        rewards = [(f"rewards.{name}", reward.worker) for name, reward in config.rewards.items()]
+        resolve_hub_models(model_fields(config, rewards), config.model_download_type, log)
         self.report = preflight(config)
         for note in self.report.notes:
             log(note)

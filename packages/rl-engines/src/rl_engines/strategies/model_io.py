@@ -38,7 +38,8 @@ def resolve_model_path(model_args: ModelArgs, role: str) -> str:
     if not Path(path).is_dir():
         raise FileNotFoundError(
             f"{role}.model_args.model_name_or_path={path!r} is not a folder. Give a local HF model folder "
-            "(config.json + weights); hub ids are not downloaded by the workers."
+            "(config.json + weights). Workers do not download: the RLVR and agentic pipelines fetch a hub id "
+            "(org/name, model_download_type) into a folder before the workers start."
         )
     return path
 
