@@ -290,12 +290,51 @@ def _state_dicts(strategy: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return {name: value for name, value in model_sd.items() if name in trained}, optim_sd
 
 
+def _expert_keys(strategy: Any) -> dict[str, str]:
+    """Expert parallelism (fsdp2 ``ep_size``): each expert tensor's checkpoint name, its ``ep`` rank's own (the
+    ranks hold different experts under one parameter name; :func:`rl_engines.strategies.fsdp2_experts
+    .checkpoint_name`). Empty without it."""
+    from rl_engines.strategies.fsdp2_experts import checkpoint_name
+
+    mesh = getattr(strategy, "expert_mesh", None)
+    return {} if mesh is None else {name: checkpoint_name(name, mesh) for name in strategy.expert_names}
+
+
+def _renamed(
+    model_sd: dict[str, Any], optim_sd: dict[str, Any], names: dict[str, str]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both state dicts with the parameter names of ``names`` replaced (the same tensors)."""
+    if not names:
+        return model_sd, optim_sd
+    optim = {**optim_sd, "state": {names.get(k, k): v for k, v in optim_sd.get("state", {}).items()},
+             "param_groups": [{**group, "params": [names.get(p, p) for p in group["params"]]}
+                              for group in optim_sd.get("param_groups", [])]}  # fmt: skip
+    return {names.get(k, k): v for k, v in model_sd.items()}, optim
+
+
+def _ep_meta(strategy: Any) -> dict[str, Any]:
+    mesh = getattr(strategy, "expert_mesh", None)
+    return {} if mesh is None else {"ep_size": mesh.ep}
+
+
+def _check_ep_size(strategy: Any, root: Path) -> None:
+    """A checkpoint holds each ``ep`` rank's experts apart: resuming needs the ``ep_size`` it was written with."""
+    meta_file = root / "meta.json"
+    saved = json.loads(meta_file.read_text()).get("ep_size", 1) if meta_file.exists() else 1
+    here = _ep_meta(strategy).get("ep_size", 1)
+    if saved != here:
+        raise ValueError(
+            f"{strategy.role}: {root} was written with strategy_config.ep_size={saved} (each expert-parallel rank's "
+            f"experts apart) but this run has ep_size={here}; resume with ep_size={saved}."
+        )
+
+
 def save(strategy: Any, path: str) -> None:
     """Write ``strategy``'s checkpoint to ``path`` (every rank calls; a collective). With LoRA only the adapters
     and their optimizer state are written (``meta.json`` says ``adapters_only``)."""
 
     def write(tmp: Path, rank: int) -> None:
-        model_sd, optim_sd = _state_dicts(strategy)
+        model_sd, optim_sd = _renamed(*_state_dicts(strategy), _expert_keys(strategy))
         try:
             dcp_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"))
         except CheckpointException as exc:  # a BaseException, raised on every rank when any rank's write failed
@@ -303,7 +342,7 @@ def save(strategy: Any, path: str) -> None:
                 raise PeerRankError(f"{strategy.role}: rank(s) {sorted(exc.failures)} failed to write {tmp}") from None
             raise exc.failures[rank][0] from None  # this rank's own error (an OSError, torch's short write, ...)
         meta = {"role": strategy.role, "world_size": dist.get_world_size(), "global_step": strategy.global_step,
-                **lora_meta(strategy)}  # fmt: skip
+                **lora_meta(strategy), **_ep_meta(strategy)}  # fmt: skip
         save_trainer_state(strategy, tmp, rank, meta)
 
     written = [p for p in strategy.model.parameters() if p.requires_grad or not adapters_only(strategy)]
@@ -315,8 +354,11 @@ def load(strategy: Any, path: str) -> None:
     """Restore ``strategy`` from ``path``; RNG per rank when the world size matches (else each rank's seed)."""
     root = require_complete(path, strategy.role)
     check_adapters_only(strategy, root)
-    model_sd, optim_sd = _state_dicts(strategy)
+    _check_ep_size(strategy, root)
+    keys = _expert_keys(strategy)
+    model_sd, optim_sd = _renamed(*_state_dicts(strategy), keys)
     dcp_load({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(root / "dcp"))  # fills them in place
+    model_sd, optim_sd = _renamed(model_sd, optim_sd, {saved: name for name, saved in keys.items()})
     # dcp_load refused a checkpoint missing any of these keys; the frozen base is not among them (LoRA)
     options = StateDictOptions(ignore_frozen_params=adapters_only(strategy), strict=not adapters_only(strategy))
     set_state_dict(strategy.model, strategy.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd,
@@ -358,7 +400,10 @@ def save_hf(strategy: Any, path: str) -> None:
     model writes the base model with its adapters merged in, and the adapters alone (PEFT's format) in
     ``<path>/adapter``."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state_dict = get_model_state_dict(strategy.model, options=options)
+    if getattr(strategy, "expert_mesh", None) is None:
+        state_dict = get_model_state_dict(strategy.model, options=options)
+    else:  # expert parallelism: the experts of every ep rank, gathered in expert order (a collective)
+        state_dict = {name: value.cpu() for name, value in strategy.named_weights()}
 
     def write(tmp: Path) -> None:
         if adapters_only(strategy):

@@ -30,6 +30,7 @@ from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfig
 from rl_engines.objectives import Objective
 from rl_engines.strategies import checkpointing, lora, moe
+from rl_engines.strategies import fsdp2_experts as ep
 from rl_engines.strategies.base import STRATEGIES, ensure_process_group, worker_device
 from rl_engines.strategies.fsdp2_wrap import WRAP_POLICY_KEYS, check_options, class_names, wrap_units
 from rl_engines.strategies.micro_batches import MicroBatchPlanner, pass_name, planner
@@ -76,6 +77,7 @@ FSDP2_KEYS: dict[str, tuple[type, ...]] = {
     "offload_policy": (bool,),
     "wrap_policy": (dict,),
     "use_batched_model_update": (bool,),
+    **ep.EP_KEYS,
 }
 HERE_ONLY_NOTES = {
     "offload_policy": "FSDP2's CPUOffloadPolicy keeps parameters, gradients and optimizer state in host memory "
@@ -108,7 +110,10 @@ class Fsdp2TrainStrategy:
         check_options(self.options, FSDP2_KEYS, prefix)
         check_options(self.options.get("wrap_policy") or {}, WRAP_POLICY_KEYS, f"{prefix}.wrap_policy")
         if isinstance(config.device_mapping, list) and config.device_mapping:  # checked before any worker starts
-            self._fsdp_size(max(len(config.device_mapping) // config.num_gpus_per_worker, 1))
+            world = max(len(config.device_mapping) // config.num_gpus_per_worker, 1)
+            self._fsdp_size(world)
+            ep.check_expert_options(self.options, world, prefix)
+        self._check_expert_parallel(config, prefix)
         self.planners = {phase: planner(config, role, phase) for phase in self.phases}
         self.value_head = role == "critic" or config.model_args.model_type in ("critic", "trl")
         self.ulysses: UlyssesGroups | None = None
@@ -128,6 +133,18 @@ class Fsdp2TrainStrategy:
         self.tokenizer: Any = None
         self._offloaded_state: list[tuple[int, str, torch.device]] = []
         self._offloaded = False
+        self.expert_mesh: ep.ExpertMesh | None = None
+        """Expert parallelism (``ep_size`` > 1): this rank's place on the expert mesh (:mod:`.fsdp2_experts`)."""
+        self.expert_names: set[str] = set()
+        """Names of the expert parameters split over the ``ep`` ranks."""
+
+    def _check_expert_parallel(self, config: WorkerConfig, prefix: str) -> None:
+        """Expert parallelism with what it is built for: no LoRA."""
+        if int(self.options.get("ep_size") or 1) == 1:
+            return
+        if config.model_args.lora:
+            raise ValueError(f"{prefix}.ep_size with {self.role}.model_args.lora_target: LoRA with expert "
+                             "parallelism is not built; train the adapters without ep_size.")  # fmt: skip
 
     # ---- setup ---------------------------------------------------------------------------------------------
     def notes(self) -> list[str]:
@@ -138,7 +155,13 @@ class Fsdp2TrainStrategy:
             active.remove("offload_policy")  # on CUDA it offloads
         notes = [f"{prefix}.{key}: true - {HERE_ONLY_NOTES[key]}." for key in active]
         experts = class_names((self.options.get("wrap_policy") or {}).get("moe_experts"))
-        if experts:
+        if self.options.get("moe_use_grouped_mm"):
+            notes.append(f"{prefix}.moe_use_grouped_mm: true - {ep.GROUPED_MM_NOTE}.")
+        if experts and int(self.options.get("ep_size") or 1) > 1:
+            notes.append(f"{prefix}.wrap_policy.moe_experts: {experts} - with ep_size the stacked experts of every MoE "
+                         "layer are sharded as units of their own over the expert mesh (efsdp_size), the rest of "
+                         "the layer with it.")  # fmt: skip
+        elif experts:
             notes.append(f"{prefix}.wrap_policy.moe_experts: {experts} - ROLL shards these expert modules as units of "
                          "their own only with apply_expert_patch or ep_size > 1 (neither is set), so they are sharded "
                          "with their layer, as in ROLL.")  # fmt: skip
@@ -157,6 +180,7 @@ class Fsdp2TrainStrategy:
         if args.lora:  # adapters in fp32 (the only trained and optimized weights), the frozen base in compute dtype
             model = lora.apply_lora(model, args, self.role, TORCH_DTYPES[args.dtype], self.config.training_args.seed)
         self.router = moe.router_loss(model, self.config, self.role)
+        self._split_experts(model)
         self._setup_ulysses(model)
         if not args.disable_gradient_checkpointing:
             enable_activation_checkpointing(model)
@@ -164,6 +188,17 @@ class Fsdp2TrainStrategy:
         self.optimizer = build_optimizer(self.model.parameters(), self.config.training_args)
         self.scheduler = build_scheduler(self.optimizer, self.config.training_args, self.role)
         self.tokenizer = load_tokenizer(str(args.model_name_or_path))
+
+    def _split_experts(self, model: Any) -> None:
+        """With ``ep_size`` > 1: keep this rank's experts, route tokens over the ``ep`` group (fsdp2_experts)."""
+        size = int(self.options.get("ep_size") or 1)
+        if size == 1:
+            return
+        prefix = f"{self.role}.strategy_args.strategy_config"
+        efsdp = ep.check_expert_options(self.options, dist.get_world_size(), prefix)[1]
+        self.expert_mesh = ep.expert_mesh(size, efsdp, self.device.type)
+        ep.split_experts(model, self.expert_mesh, prefix)
+        self.expert_names = ep.expert_param_names(model)
 
     def _setup_ulysses(self, model: Any) -> None:
         """With ``ulysses_size`` > 1: check it against the world and the heads, build the groups, and give the
@@ -204,6 +239,9 @@ class Fsdp2TrainStrategy:
         }
         if self.options.get("offload_policy") and self.device.type == "cuda":
             kwargs["offload_policy"] = CPUOffloadPolicy()
+        if self.expert_mesh is not None:  # first: their layers' units then leave them to the expert mesh
+            for _, experts in ep.expert_modules(model):
+                fully_shard(experts, **{**kwargs, "mesh": self.expert_mesh.shard_mesh})
         for module in self._wrap_targets(model):
             fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
@@ -328,14 +366,22 @@ class Fsdp2TrainStrategy:
             loss.backward()  # type: ignore[no-untyped-call]
             metrics.add(values, token_share(micro, info))
         metrics.end_minibatch()
-        max_norm = self.config.training_args.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else math.inf)
-        norm_value = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        norm_value = self._clip_gradients(self.config.training_args.max_grad_norm)
         if math.isfinite(norm_value):
             self.optimizer.step()  # a non-finite norm skips the update (as DeepSpeed does) and is reported
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.global_step += 1
+        return norm_value
+
+    def _clip_gradients(self, max_norm: float | None) -> float:
+        """The global gradient norm, and the gradients clipped to ``max_norm`` (None / 0: not clipped)."""
+        if self.expert_mesh is None:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm if max_norm else math.inf)
+            return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        replicas = dist.get_world_size() // self._fsdp_size(dist.get_world_size())
+        norm_value = ep.grad_norm(self.model, self.expert_names, replicas, self.expert_mesh)
+        ep.clip_gradients(self.model, norm_value, max_norm)
         return norm_value
 
     # ---- weights -------------------------------------------------------------------------------------------
@@ -377,6 +423,8 @@ class Fsdp2TrainStrategy:
         for names in tied.values():
             value = state[names[0]]
             full = _unsharded(value).detach()
+            if names[0] in self.expert_names and self.expert_mesh is not None:
+                full = ep.gather_experts(full, self.expert_mesh)
             for name in names:
                 yield name, full
 

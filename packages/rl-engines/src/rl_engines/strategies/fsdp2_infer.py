@@ -44,6 +44,7 @@ class Fsdp2InferStrategy(Fsdp2TrainStrategy):
         self.device = worker_device()
         model = load_model(self.config.model_args, self.role, dtype=torch.float32, value_head=self.value_head)
         model.requires_grad_(False)
+        self._split_experts(model)
         self._setup_ulysses(model)
         self.model = self._shard(model.to(self.device))
         self.model.eval()
@@ -81,6 +82,8 @@ class Fsdp2InferStrategy(Fsdp2TrainStrategy):
                     f"{self.role}: weight {name!r} from the train strategy has no counterpart in the inference "
                     f"model ({type(self.model).__name__}); are actor_train and {self.role} the same architecture?"
                 )
+            if name in self.expert_names and self.expert_mesh is not None:  # the full stack: keep this rank's experts
+                tensor = tensor.chunk(self.expert_mesh.ep)[self.expert_mesh.ep_rank]
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"{self.role}: weight {name!r} has shape {tuple(tensor.shape)} in the train strategy but "

@@ -13,8 +13,9 @@ WRAP_POLICY_KEYS: dict[str, tuple[type, ...]] = {
     "moe_experts": (list, str),
 }
 """ROLL's ``wrap_policy`` keys: the layer classes sharded as units, the embeddings / output head as units of their
-own, and expert classes (ROLL wraps those apart only with its expert patch or ``ep_size`` > 1, neither of which
-exists here: the experts are sharded with their layer, as in ROLL without them)."""
+own, and expert classes (ROLL wraps those apart only with its expert patch or ``ep_size`` > 1: without ``ep_size``
+the experts are sharded with their layer, as in ROLL; with it the stacked experts are units on the expert mesh,
+:mod:`rl_engines.strategies.fsdp2_experts`)."""
 
 
 def check_options(options: dict[str, Any], keys: dict[str, tuple[type, ...]], prefix: str) -> None:
