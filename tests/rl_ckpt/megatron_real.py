@@ -54,6 +54,9 @@ class Case:
     """The formats megatron saves this case in."""
     vp: int = 1
     """Model chunks per pipeline stage (Megatron-LM's virtual_pipeline_model_parallel_size; 1: none)."""
+    grouped: bool = False
+    """A MoE case also saved with megatron-core's legacy grouped-GEMM experts (``legacy_grouped/``,
+    ``dist_grouped/``)."""
     """Whether the args' ``tokenizer_model`` names ``hf_dir`` (else a folder of the training cluster, absent here)."""
 
     def root(self, out: Path) -> Path:
@@ -70,8 +73,9 @@ def _apply_shims() -> None:
 
 
 def megatron_lm_args(
-    spec: Any, tp: int, pp: int, padded_vocab: int, ckpt_format: str, tokenizer_model: str, ep: int = 1, vp: int = 1
-) -> Any:
+    spec: Any, tp: int, pp: int, padded_vocab: int, ckpt_format: str, tokenizer_model: str, ep: int = 1, vp: int = 1,
+    grouped: bool = False,
+) -> Any:  # fmt: skip
     """The ``args`` Megatron-LM's ``parse_args`` + ``validate_args`` store (the fields a converter may read, plus a
     few typical non-primitive ones: an enum, torch dtypes). Megatron-LM records neither the unpadded vocabulary
     size (``vocab_size`` is None without ``--vocab-size``) nor the HF model type."""
@@ -80,7 +84,8 @@ def megatron_lm_args(
     moe = dict(num_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
                moe_router_topk=spec.moe_topk, moe_router_pre_softmax=not spec.moe_norm_topk_prob,
                moe_shared_expert_intermediate_size=spec.moe_shared_expert_ffn_hidden_size or None,
-               moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.001, moe_grouped_gemm=False,
+               moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.001, moe_grouped_gemm=grouped,
+               moe_use_legacy_grouped_gemm=grouped,
                moe_token_dispatcher_type="allgather") if spec.moe else {"num_experts": None}  # fmt: skip
     return argparse.Namespace(
         **moe,
@@ -101,14 +106,14 @@ def megatron_lm_args(
     )  # fmt: skip
 
 
-def _transformer_config(spec: Any, tp: int, pp: int, ep: int = 1, vp: int = 1) -> Any:
+def _transformer_config(spec: Any, tp: int, pp: int, ep: int = 1, vp: int = 1, grouped: bool = False) -> Any:
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     moe = dict(num_moe_experts=spec.num_experts, moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
                moe_router_topk=spec.moe_topk, moe_router_pre_softmax=not spec.moe_norm_topk_prob,
                moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_token_dispatcher_type="allgather",
-               moe_grouped_gemm=False, expert_model_parallel_size=ep,
+               moe_grouped_gemm=grouped, moe_use_legacy_grouped_gemm=grouped, expert_model_parallel_size=ep,
                moe_shared_expert_intermediate_size=spec.moe_shared_expert_ffn_hidden_size or None,
                moe_shared_expert_gate=spec.moe_shared_expert_ffn_hidden_size > 0) if spec.moe else {}  # fmt: skip
     return TransformerConfig(
@@ -125,7 +130,9 @@ def _transformer_config(spec: Any, tp: int, pp: int, ep: int = 1, vp: int = 1) -
     )  # fmt: skip
 
 
-def build_gpt(spec: Any, tp: int, pp: int, padded_vocab: int, ep: int = 1, vp: int = 1, chunk: int = 0) -> Any:
+def build_gpt(
+    spec: Any, tp: int, pp: int, padded_vocab: int, ep: int = 1, vp: int = 1, chunk: int = 0, grouped: bool = False
+) -> Any:
     """This rank's GPTModel stage, or its model chunk ``chunk`` of ``vp`` (megatron-core, local spec, fp32, CPU).
 
     One more CPU shim, for construction only: with tied embeddings and PP > 1, ``setup_embeddings_and_output_layer``
@@ -138,10 +145,11 @@ def build_gpt(spec: Any, tp: int, pp: int, padded_vocab: int, ep: int = 1, vp: i
     real_cuda = torch.Tensor.cuda
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     try:
-        experts = {"num_experts": spec.num_experts, "moe_grouped_gemm": False} if spec.moe else {}
+        experts = {"num_experts": spec.num_experts, "moe_grouped_gemm": grouped,
+                   "moe_use_legacy_grouped_gemm": grouped} if spec.moe else {}  # fmt: skip
         vp_stage = chunk if vp > 1 else None
         return GPTModel(
-            _transformer_config(spec, tp, pp, ep, vp),
+            _transformer_config(spec, tp, pp, ep, vp, grouped),
             get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=spec.qk_norm, **experts),
             vocab_size=padded_vocab,
             max_sequence_length=spec.max_position_embeddings,
@@ -298,7 +306,30 @@ def run_case(case: Case, out: Path) -> None:
         args = megatron_lm_args(spec, case.tp, case.pp, padded, fmt, tokenizer_model, case.ep, case.vp)
         save(case.root(out) / ("legacy" if fmt == "torch" else "dist"), chunks, args)
     dist.barrier()
+    if case.grouped:
+        save_grouped(case, out, spec, padded, tokenizer_model)
     ps.destroy_model_parallel()
+
+
+def save_grouped(case: Case, out: Path, spec: Any, padded: int, tokenizer_model: str) -> None:
+    """The case's weights in megatron-core's legacy grouped-GEMM experts (GroupedMLP: each rank's experts in two
+    matrices), loaded from its torch_dist save (megatron-core maps GroupedMLP's experts onto SequentialMLP's global
+    tensors), then saved in both formats to ``legacy_grouped/`` and ``dist_grouped/``. One more shim, for
+    construction only: GroupedMLP asserts the grouped_gemm package, which only its forward (not run here) uses."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.transformer.enums import AttnBackend
+    from megatron.core.transformer.moe import grouped_gemm_util
+
+    grouped_gemm_util.assert_grouped_gemm_is_available = lambda: None
+    model = build_gpt(spec, case.tp, case.pp, padded, case.ep, grouped=True)
+    saved = case.root(out) / "dist" / f"iter_{ITERATION:07d}"
+    with torch.serialization.safe_globals([argparse.Namespace, AttnBackend]):  # the args in common.pt
+        loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(saved))
+    model.load_state_dict(loaded["model"])
+    for fmt, save in (("torch", save_legacy), ("torch_dist", save_dist)):
+        args = megatron_lm_args(spec, case.tp, case.pp, padded, fmt, tokenizer_model, case.ep, grouped=True)
+        save(case.root(out) / ("legacy_grouped" if fmt == "torch" else "dist_grouped"), [model], args)
+    dist.barrier()
 
 
 def _worker(rank: int, port: int, cases: list[Case], out: Path) -> None:

@@ -56,8 +56,8 @@ def real(tiny_hf, tmp_path_factory):
         Case("tp2", tiny_hf("qwen2", False), tp=2, pp=1),
         Case("pp2", tiny_hf("qwen2", True), tp=1, pp=2),
         Case("tp1", tiny_hf("qwen3", True), tp=1, pp=1, hf_dir_in_args=False),
-        Case("ep2", moe, tp=1, pp=1, ep=2),
-        Case("tp2_moe", moe, tp=2, pp=1),
+        Case("ep2", moe, tp=1, pp=1, ep=2, grouped=True),
+        Case("tp2_moe", moe, tp=2, pp=1, grouped=True),
         Case("vpp2", tiny_hf("qwen2", True), tp=1, pp=2, vp=2, formats=("torch",)),
     ]
     make_real_checkpoints(cases, out)
@@ -94,6 +94,26 @@ def test_ckpt_real_megatron_to_hf_is_bitwise_and_logits_match(real, tmp_path, na
     for key, tensor in before.items():
         assert torch.equal(after[key], tensor), key
     torch.testing.assert_close(hf_logits(tmp_path / "hf"), megatron, atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("folder", ["legacy_grouped", "dist_grouped"])
+@pytest.mark.parametrize("name", ["ep2", "tp2_moe"])
+def test_ckpt_grouped_gemm_experts_convert_bitwise(real, tmp_path, name, folder):
+    """megatron-core's legacy grouped-GEMM experts (GroupedMLP, moe_grouped_gemm): per-rank files hold each rank's
+    experts in two matrices (``experts.weight1`` / ``weight2``), torch_dist the same global expert tensors as
+    SequentialMLP; both convert back to the HF model bitwise, split over EP or TP ranks."""
+    from rl_ckpt.mcore_io import load_rank
+
+    cases, out = real
+    if folder == "legacy_grouped":  # megatron-core wrote GroupedMLP's matrices, not SequentialMLP's experts
+        _, state = load_rank(next((out / name / folder).rglob("model_optim_rng.pt")))
+        assert "decoder.layers.0.mlp.experts.weight1" in state and not any(".local_experts." in k for k in state)
+    ckpt = open_mcore_checkpoint(out / name / folder)
+    assert ckpt.spec.num_experts == 4
+    convert_mcore_to_hf(ckpt, tmp_path / "hf")
+    before, after = load_state(cases[name].hf_dir), load_state(tmp_path / "hf")
+    assert sorted(after) == sorted(before)
+    assert all(torch.equal(after[key], before[key]) for key in before)
 
 
 def test_ckpt_rl_ckpt_rank_files_equal_megatron_own(real):

@@ -32,6 +32,10 @@ _EXPERT_KEY = re.compile(
 )
 """A rank's local expert j: SequentialMLP's ``local_experts.<j>.linear_fc1.weight`` or Transformer Engine's grouped
 GEMM ``linear_fc1.weight<j>`` (megatron-core writes either, by ``moe_grouped_gemm``)."""
+_GROUPED_KEY = re.compile(r"(decoder\.layers\.\d+\.mlp\.experts\.)weight([12])")
+"""megatron-core's legacy GroupedMLP (``moe_use_legacy_grouped_gemm``): a rank's experts in two matrices,
+``weight1 [H, E_local * 2I/tp]`` and ``weight2 [E_local * I/tp, H]``, which its forward views as
+``[E_local, H, 2I/tp]`` (each expert's gate columns then its up columns) and ``[E_local, I/tp, H]``."""
 EMBEDDING = "embedding.word_embeddings.weight"
 OUTPUT = "output_layer.weight"
 FINAL_NORM = "decoder.final_layernorm.weight"
@@ -216,7 +220,7 @@ def merge_expert_ranks(states: Sequence[Mapping[str, Source]], local_experts: in
     attention and norms are replicated over the expert-parallel ranks)."""
     merged: dict[str, Source] = {}
     for rank, state in enumerate(states):
-        for key, value in state.items():
+        for key, value in _grouped_as_local_experts(state, local_experts).items():
             match = _EXPERT_KEY.fullmatch(key)
             if match is None:
                 if rank == 0:
@@ -228,6 +232,27 @@ def merge_expert_ranks(states: Sequence[Mapping[str, Source]], local_experts: in
                 raise CheckpointError(f"{key}: local expert {local} but the args give {local_experts} per rank")
             merged[f"{prefix}local_experts.{rank * local_experts + local}.{fc}.weight"] = value
     return merged
+
+
+def _grouped_as_local_experts(state: Mapping[str, Source], local_experts: int) -> Mapping[str, Source]:
+    """``state`` with a legacy GroupedMLP's ``weight1`` / ``weight2`` as SequentialMLP's per-expert ``linear_fc1``
+    ``[2I/tp, H]`` / ``linear_fc2`` ``[H, I/tp]`` (read into memory: a rank's experts of one layer at a time)."""
+    grouped = {key: match for key in state if (match := _GROUPED_KEY.fullmatch(key))}
+    if not grouped:
+        return state
+    out = {key: value for key, value in state.items() if key not in grouped}
+    for key, match in grouped.items():
+        prefix, which = match.groups()
+        matrix = materialize(state[key])
+        hidden = matrix.shape[0] if which == "1" else matrix.shape[1]
+        if matrix.numel() % (local_experts * hidden):
+            raise CheckpointError(f"{key}: shape {tuple(matrix.shape)} does not hold {local_experts} experts of "
+                                  f"hidden size {hidden}")  # fmt: skip
+        experts = (matrix.reshape(local_experts, hidden, -1) if which == "1"
+                   else matrix.reshape(local_experts, -1, hidden)).transpose(1, 2)  # fmt: skip
+        for j in range(local_experts):
+            out[f"{prefix}local_experts.{j}.linear_fc{which}.weight"] = experts[j].contiguous()
+    return out
 
 
 def vocab_rows(stage: StageShards, key: str, spec: ModelSpec) -> Source:
