@@ -37,6 +37,7 @@ from apps.common.generation_queue import GenerationQueue, PendingRollout, stalen
 from apps.common.loop import run_loop
 from apps.common.model_hub import model_fields, resolve_hub_models
 from apps.common.preflight import replays_rollouts, role_sections, started_sections
+from apps.common.profiler import worker_envs
 from apps.common.sampler_state import SamplerState
 from apps.common.timeline import Timeline
 from apps.common.training import checkpoint_dir, load_roles, save_checkpoint, score_with_roles, train_roles
@@ -144,7 +145,8 @@ class AgenticPipeline:
             self._started_ray = start_ray()
         # a reference that enable_reference leaves off does not start, nor actor_infer in a replay
         sections = started_sections(self.base)
-        self.roles = Roles(cluster, sections, rpc_timeout=self.base.rpc_timeout, system_envs=self.base.system_envs)
+        envs = worker_envs(self.base, self.log)
+        self.roles = Roles(cluster, sections, rpc_timeout=self.base.rpc_timeout, system_envs=envs)
         self.updater = None if replays_rollouts(self.base) else self.roles.model_updater()
         self.log(f"[agentic] train environments: {self.train_envs.describe()}")
 

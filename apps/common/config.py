@@ -43,6 +43,14 @@ class SharedConfig:
     """Log files."""
     system_envs: dict[str, str] = field(default_factory=dict)
     """Environment variables set in every worker process."""
+    profiler_timeline: bool = False
+    """A torch.profiler trace of every generate / log-prob / value / train call on rank 0 of each role, written under
+    ``profiler_output_dir/<exp_name>/<start time>/<role>/<method>/`` (ROLL's key; rl_engines.profiling)."""
+    profiler_memory: bool = False
+    """A CUDA allocator snapshot of each of those calls instead (CUDA only: logged and skipped without a GPU); not
+    together with profiler_timeline."""
+    profiler_output_dir: str = "./output/profiler"
+    """Where the profiles go (the experiment name and the start time are appended, as ROLL does)."""
     track_with: str = "stdout"
     """Tracker: stdout, tensorboard or wandb."""
     tracker_kwargs: dict[str, Any] = field(default_factory=dict)

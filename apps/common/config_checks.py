@@ -167,6 +167,8 @@ def check_choices(config: Any) -> None:
         check_source(config.model_download_type)
     except ValueError as err:
         fail(str(err))
+    if config.profiler_timeline and config.profiler_memory:
+        fail("profiler_timeline and profiler_memory are both true; profile one at a time (as ROLL asserts).")
     for key in ("norm_mean_type", "norm_std_type"):
         if getattr(config, key) not in NORM_TYPES:
             fail(f"{key}={getattr(config, key)!r}: use batch, group or null.")

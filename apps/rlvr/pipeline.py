@@ -26,6 +26,7 @@ from apps.common.loop import run_loop
 from apps.common.model_hub import model_fields, resolve_hub_models
 from apps.common.padding import padded_indices
 from apps.common.preflight import replays_rollouts, started_sections
+from apps.common.profiler import worker_envs
 from apps.common.sample_filters import SampleShaping, apply_sample_masks, apply_sample_weights
 from apps.common.sampler_state import SamplerState
 from apps.common.timeline import Timeline
@@ -130,10 +131,11 @@ class RLVRPipeline:
         replaying = replays_rollouts(self.config)
         if not replaying:
             sections.update(self.router.role_sections())  # LLM judges: a model role each (rewards.<name>)
-        self.roles = Roles(cluster, sections, rpc_timeout=self.config.rpc_timeout, system_envs=self.config.system_envs)
+        envs = worker_envs(self.config, self.log)
+        self.roles = Roles(cluster, sections, rpc_timeout=self.config.rpc_timeout, system_envs=envs)
         self.updater = None if replaying else self.roles.model_updater()
         if not replaying:
-            self.router.start_workers(self.config.rpc_timeout, self.config.system_envs)
+            self.router.start_workers(self.config.rpc_timeout, envs)
             self.router.attach_judges(self.roles, self.prompt_key, self.messages_key)
 
     def stop(self) -> None:

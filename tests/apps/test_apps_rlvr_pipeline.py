@@ -224,3 +224,17 @@ def test_a_lora_actor_trains_adapters_against_its_own_base_as_the_reference(setu
     checkpoint = setup / "lora" / "checkpoints" / "checkpoint-1"
     assert json.loads((checkpoint / "actor_train" / "meta.json").read_text())["adapters_only"] is True
     assert (checkpoint / "actor_hf" / "adapter" / "adapter_model.safetensors").exists()
+
+
+def test_profiler_timeline_writes_a_trace_per_role_call(setup):
+    """ROLL's profiler_timeline: rank 0 of each role profiles every generate / log-prob / train call into
+    profiler_output_dir/<exp_name>/<start time>/<role>/<method>/ (torch.profiler's trace files)."""
+    folder = setup / "profiles"
+    overrides = ["max_steps=1", "eval_steps=0", *LEAN, "+profiler_timeline=true", f"+profiler_output_dir={folder}",
+                 f"output_dir={setup / 'profiled'}"]  # fmt: skip
+    assert main(["--config_path", str(setup), "--config_name", "rlvr", *overrides]) == 0
+    (run,) = (folder / "tiny_rlvr").iterdir()  # the start time
+    traces = {str(p.parent.relative_to(run)) for p in run.rglob("*.pt.trace.json")}
+    assert traces >= {"actor_infer/generate", "actor_train/compute_log_probs", "actor_train/train_step"}
+    trace = json.loads(next((run / "actor_train" / "train_step").glob("*.pt.trace.json")).read_text())
+    assert any(event.get("name", "").startswith("aten::") for event in trace["traceEvents"])  # torch ops recorded

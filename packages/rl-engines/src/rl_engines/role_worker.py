@@ -17,6 +17,7 @@ import torch
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs, WorkerConfig
 from rl_engines.objectives import Objective
+from rl_engines.profiling import profile_call
 from rl_engines.shared_processes import GuestContext, HostedRole
 from rl_engines.strategies.base import create_strategy
 from rl_engines.strategies.model_io import in_checkpoint_names
@@ -104,10 +105,12 @@ class RoleWorker(WorkerBase):
         return str(self.strategy.device)
 
     # ---- compute -------------------------------------------------------------------------------------------
+    @profile_call
     def generate(self, batch: RolloutBatch, generating_args: GeneratingArgs | None = None) -> RolloutBatch:
         """Sample responses (infer strategies)."""
         return self.strategy.generate(batch, generating_args)  # type: ignore[no-any-return]
 
+    @profile_call
     def compute_log_probs(
         self, batch: RolloutBatch, temperature: float = 1.0, with_entropy: bool = False, disable_adapter: bool = False
     ) -> RolloutBatch:
@@ -118,10 +121,12 @@ class RoleWorker(WorkerBase):
             batch, temperature=temperature, with_entropy=with_entropy, **extra
         )
 
+    @profile_call
     def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
         """Critic values."""
         return self.strategy.compute_values(batch)  # type: ignore[no-any-return]
 
+    @profile_call
     def train_step(self, batch: RolloutBatch, objective: Objective) -> dict[str, float]:
         """Train on this rank's shard; metrics prefixed ``actor/`` or ``critic/`` (the router's with the role name;
         names already namespaced, such as verl's ``rollout_corr/...`` from the bypass-mode loss, as they are)."""
