@@ -43,6 +43,7 @@ from rl_engines.strategies.model_io import (
     load_model,
     load_tokenizer,
 )
+from rl_engines.strategies.tiled_mlp import TILED_MLP_KEYS, apply_tiled_mlp, check_tiled_mlp
 from rl_engines.strategies.train_utils import (
     MetricAccumulator,
     build_optimizer,
@@ -78,12 +79,16 @@ FSDP2_KEYS: dict[str, tuple[type, ...]] = {
     "wrap_policy": (dict,),
     "use_batched_model_update": (bool,),
     **ep.EP_KEYS,
+    **TILED_MLP_KEYS,
+    "apply_expert_patch": (bool,),
 }
 HERE_ONLY_NOTES = {
     "offload_policy": "FSDP2's CPUOffloadPolicy keeps parameters, gradients and optimizer state in host memory "
     "between uses; on a CPU device they are in host memory already, so nothing changes",
     "use_batched_model_update": "ROLL gathers several weights per all-gather when syncing into actor_infer; here "
     "each weight is gathered on its own (the same weights arrive, in the same buckets)",
+    "apply_expert_patch": "ROLL's per-expert module patch, which ROLL itself turns off with transformers >= 5.2 (its "
+    "experts are fused tensors, nothing to patch); so does this build",
 }
 """Accepted ROLL options that change no result here, with what they do and what happens here instead."""
 logger = logging.getLogger(__name__)
@@ -109,6 +114,7 @@ class Fsdp2TrainStrategy:
         prefix = f"{role}.strategy_args.strategy_config"
         check_options(self.options, FSDP2_KEYS, prefix)
         check_options(self.options.get("wrap_policy") or {}, WRAP_POLICY_KEYS, f"{prefix}.wrap_policy")
+        check_tiled_mlp(self.options, prefix)
         if isinstance(config.device_mapping, list) and config.device_mapping:  # checked before any worker starts
             world = max(len(config.device_mapping) // config.num_gpus_per_worker, 1)
             self._fsdp_size(world)
@@ -180,6 +186,7 @@ class Fsdp2TrainStrategy:
         if args.lora:  # adapters in fp32 (the only trained and optimized weights), the frozen base in compute dtype
             model = lora.apply_lora(model, args, self.role, TORCH_DTYPES[args.dtype], self.config.training_args.seed)
         self.router = moe.router_loss(model, self.config, self.role)
+        apply_tiled_mlp(model, self.options)
         self._split_experts(model)
         self._setup_ulysses(model)
         if not args.disable_gradient_checkpointing:

@@ -22,6 +22,7 @@ from rl_engines.strategies.fsdp2 import Fsdp2TrainStrategy
 from rl_engines.strategies.generation import generate_batch
 from rl_engines.strategies.micro_batches import require_no_training
 from rl_engines.strategies.model_io import load_model, load_tokenizer
+from rl_engines.strategies.tiled_mlp import apply_tiled_mlp
 
 
 @STRATEGIES.register("fsdp2_infer")
@@ -44,6 +45,7 @@ class Fsdp2InferStrategy(Fsdp2TrainStrategy):
         self.device = worker_device()
         model = load_model(self.config.model_args, self.role, dtype=torch.float32, value_head=self.value_head)
         model.requires_grad_(False)
+        apply_tiled_mlp(model, self.options)
         self._split_experts(model)
         self._setup_ulysses(model)
         self.model = self._shard(model.to(self.device))
