@@ -8,7 +8,7 @@ from typing import Any, NoReturn
 
 from apps.common.model_hub import check_source
 from apps.common.policy_args import policy_loss_name
-from apps.common.trackers import TRACKERS
+from apps.common.trackers import ROLL_TRACKERS, TRACKERS
 from rl_core.advantages import ADV_ESTIMATORS
 from rl_core.kl import KL_ESTIMATORS
 from rl_core.losses import LOSS_AGGREGATIONS, POLICY_LOSSES
@@ -162,7 +162,10 @@ def check_choices(config: Any) -> None:
     _check_registry(IS_MODES, "rollout_is_mode", config.rollout_is_mode)
     check_rollout_correction(config)
     check_train_infer_correction(config)
-    _check_registry(TRACKERS, "track_with", config.track_with)
+    if config.track_with not in TRACKERS:
+        known = "a ROLL tracker not built here" if config.track_with in ROLL_TRACKERS else (
+            f"not a tracker ROLL registers either ({', '.join(ROLL_TRACKERS)})")  # fmt: skip
+        fail(f"track_with={config.track_with!r} is {known}; valid values: {TRACKERS.names()}.")
     try:
         check_source(config.model_download_type)
     except ValueError as err:

@@ -33,6 +33,8 @@ class Tracker(Protocol):
 
 TrackerFactory = Callable[..., Tracker]
 TRACKERS: Registry[TrackerFactory] = Registry("tracker", "track_with")
+ROLL_TRACKERS = ("tensorboard", "wandb", "stdout", "swanlab", "trackio")
+"""The ``track_with`` values ROLL's own tracker registry has (its roll/utils/tracking.py)."""
 
 
 @TRACKERS.register("stdout")

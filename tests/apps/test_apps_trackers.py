@@ -57,5 +57,12 @@ def test_wandb_without_the_package_says_how_to_fix(tmp_path, monkeypatch):
 
 
 def test_an_unknown_tracker_is_rejected_naming_the_key():
-    with pytest.raises(WorkerConfigError, match=r"track_with='mlflow' is not supported; valid values"):
-        RLVRConfig.from_dict({"track_with": "mlflow"})
+    """ROLL's Qwen3.5 / video files name an ml_tracker that ROLL's own registry lacks: said as such."""
+    with pytest.raises(
+        WorkerConfigError,
+        match=r"track_with='ml_tracker' is not a tracker ROLL registers either "
+        r"\(tensorboard, wandb, stdout, swanlab, trackio\); valid values",
+    ):
+        RLVRConfig.from_dict({"track_with": "ml_tracker"})
+    with pytest.raises(WorkerConfigError, match=r"track_with='swanlab' is a ROLL tracker not built here; valid"):
+        RLVRConfig.from_dict({"track_with": "swanlab"})
