@@ -35,7 +35,7 @@ from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.checkpoint_space import checkpoint_space_warning
 from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
 from apps.common.loop import run_loop
-from apps.common.model_hub import model_fields, resolve_hub_models
+from apps.common.model_hub import resolve_config_models
 from apps.common.preflight import replays_rollouts, role_sections, started_sections
 from apps.common.profiler import worker_envs
 from apps.common.sampler_state import SamplerState
@@ -74,7 +74,7 @@ class AgenticPipeline:
 
     def __init__(self, config: AgenticConfig, log: Callable[[str], None] = print, progress_bar: bool | None = None):
         self.config, self.base, self.log, self.progress_bar = config, config.base, log, progress_bar
-        resolve_hub_models(model_fields(config.base), config.base.model_download_type, log)
+        resolve_config_models(config.base, log)
         self.report = agentic_preflight(config)
         for note in self.report.notes:
             log(note)

@@ -94,8 +94,9 @@ class SharedConfig:
     """Reward / judge model folder (referenced from reward sections)."""
     model_download_type: str | None = None
     """Where a model given as a hub id (``Qwen/Qwen2.5-7B-Instruct``, not a folder) is downloaded from before
-    pre-flight: ``HUGGINGFACE_HUB`` or ``MODELSCOPE`` (needs the modelscope package); unset, ModelScope, as ROLL.
-    The id is replaced by the downloaded folder (apps.common.model_hub)."""
+    pre-flight: ``HUGGINGFACE_HUB`` or ``MODELSCOPE`` (needs the modelscope package); unset, ROLL's variable
+    ``MODEL_DOWNLOAD_TYPE`` (system_envs or the environment), else ModelScope, as ROLL. The id is replaced by the
+    downloaded folder (apps.common.model_hub)."""
     # ---- PPO / GRPO ------------------------------------------------------------------------------------------
     ppo_epochs: int = 1
     """Passes over each rollout batch."""

@@ -3,14 +3,17 @@
 
 ``model_download_type`` picks the hub by ROLL's names: ``HUGGINGFACE_HUB`` (huggingface_hub's ``snapshot_download``,
 into its cache: ``HF_HOME`` / ``HF_HUB_CACHE``; ``HF_HUB_OFFLINE=1`` takes the cached copy without asking the hub) or
-``MODELSCOPE`` (modelscope's ``snapshot_download``; needs the ``modelscope`` package). Unset, ROLL downloads from
-ModelScope, and so does this. A value that is not an ``org/name`` id (a path) is left to the usual "not a folder"
-error. The download runs once per id on the driver's machine (tokenizer, pre-flight and workers then read the same
-folder): a cluster of several machines needs that cache on a filesystem they share.
+``MODELSCOPE`` (modelscope's ``snapshot_download``; needs the ``modelscope`` package). As in ROLL, where the key
+sets the ``MODEL_DOWNLOAD_TYPE`` environment variable its downloader reads, the variable given in ``system_envs`` or
+the environment counts when the key is unset; unset everywhere, ROLL downloads from ModelScope, and so does this.
+A value that is not an ``org/name`` id (a path) is left to the usual "not a folder" error. The download runs once
+per id on the driver's machine (tokenizer, pre-flight and workers then read the same folder): a cluster of several
+machines needs that cache on a filesystem they share.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -20,6 +23,8 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 """A hub repository id, ``<organisation>/<name>``."""
 DEFAULT_SOURCE = "MODELSCOPE"
 """ROLL's hub when ``model_download_type`` is unset."""
+SOURCE_VARIABLE = "MODEL_DOWNLOAD_TYPE"
+"""The environment variable ROLL's downloader reads (its config's ``model_download_type`` sets it)."""
 
 
 def _huggingface(repo_id: str) -> str:
@@ -66,12 +71,35 @@ def model_fields(config: Any, extra: Iterable[tuple[str, Any]] = ()) -> list[tup
     return fields
 
 
+def download_source(config: Any) -> tuple[str | None, str]:
+    """The hub a config downloads from and where that was said: ``model_download_type``, else
+    ``system_envs.MODEL_DOWNLOAD_TYPE``, else the environment's ``MODEL_DOWNLOAD_TYPE`` (ROLL's order: its config
+    sets the variable, ``system_envs`` go into the environment); (None, ...) when none is set."""
+    if config.model_download_type is not None:
+        return config.model_download_type, "model_download_type"
+    if SOURCE_VARIABLE in config.system_envs:
+        return config.system_envs[SOURCE_VARIABLE], f"system_envs.{SOURCE_VARIABLE}"
+    if SOURCE_VARIABLE in os.environ:
+        return os.environ[SOURCE_VARIABLE], f"the environment's {SOURCE_VARIABLE}"
+    return None, "model_download_type"
+
+
+def resolve_config_models(config: Any, log: Callable[[str], None] = print,
+                          extra: Iterable[tuple[str, Any]] = ()) -> None:  # fmt: skip
+    """Download the hub ids among a pipeline config's model keys (:func:`model_fields`) from its hub
+    (:func:`download_source`) and put the folders in their place."""
+    source, where = download_source(config)
+    resolve_hub_models(model_fields(config, extra), source, log, where)
+
+
 def resolve_hub_models(
-    fields: Iterable[tuple[str, Any, str]], source: str | None, log: Callable[[str], None] = print
-) -> None:
+    fields: Iterable[tuple[str, Any, str]], source: str | None, log: Callable[[str], None] = print,
+    where: str = "model_download_type",
+) -> None:  # fmt: skip
     """Replace every hub id among ``fields`` (config key, owning object, attribute) by its downloaded folder, each id
-    fetched once; errors name the key, the id and the hub."""
-    check_source(source)
+    fetched once; errors name the key, the id and the hub (``where``: the setting that named the hub)."""
+    if source is not None and source not in SOURCES:
+        raise ValueError(f"{where}={source!r} is not a model hub; use one of {sorted(SOURCES)}.")
     hub = source or DEFAULT_SOURCE
     folders: dict[str, str] = {}
     for key, owner, attribute in fields:
@@ -79,13 +107,13 @@ def resolve_hub_models(
         if not value or not is_hub_id(str(value)):
             continue
         if value not in folders:
-            folders[value] = _download(str(value), hub, key, source is None)
+            folders[value] = _download(str(value), hub, key, where if source is not None else None)
             log(f"[model] {key}={value!r}: {hub} copy at {folders[value]}")
         setattr(owner, attribute, folders[value])
 
 
-def _download(repo_id: str, hub: str, key: str, default: bool) -> str:
-    how = f"model_download_type={hub}" + (" (ROLL's default when unset)" if default else "")
+def _download(repo_id: str, hub: str, key: str, where: str | None) -> str:
+    how = f"{where}={hub}" if where else f"model_download_type={hub} (ROLL's default when unset)"
     try:
         folder = SOURCES[hub](repo_id)
     except Exception as err:  # the hub library's own errors: no network, unknown id, gated repository, ...

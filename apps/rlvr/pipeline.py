@@ -23,7 +23,7 @@ from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.checkpoint_space import checkpoint_space_warning
 from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
 from apps.common.loop import run_loop
-from apps.common.model_hub import model_fields, resolve_hub_models
+from apps.common.model_hub import resolve_config_models
 from apps.common.padding import padded_indices
 from apps.common.preflight import replays_rollouts, started_sections
 from apps.common.profiler import worker_envs
@@ -65,7 +65,7 @@ class RLVRPipeline:
         self.log = log
         self.progress_bar = progress_bar  # None: shown when stderr is a terminal
         rewards = [(f"rewards.{name}", reward.worker) for name, reward in config.rewards.items()]
-        resolve_hub_models(model_fields(config, rewards), config.model_download_type, log)
+        resolve_config_models(config, log, rewards)
         self.report = preflight(config)
         for note in self.report.notes:
             log(note)

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from apps.common.model_hub import is_hub_id, model_fields, resolve_hub_models
+from apps.common.model_hub import is_hub_id, model_fields, resolve_config_models, resolve_hub_models
 from apps.rlvr.config import RLVRConfig
 from rl_engines.config import WorkerConfigError
 
@@ -75,12 +75,28 @@ def test_download_failures_name_the_key_the_id_and_the_hub(offline_cache):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("modelscope") is not None, reason="modelscope is installed")
-def test_unset_the_hub_is_modelscope_as_in_roll_and_its_package_is_named():
+def test_unset_the_hub_is_modelscope_as_in_roll_and_its_package_is_named(monkeypatch):
+    monkeypatch.delenv("MODEL_DOWNLOAD_TYPE", raising=False)
     config = _config(pretrain="Qwen/Qwen2.5-7B-Instruct")
     with pytest.raises(ValueError, match=r"model_download_type=MODELSCOPE \(ROLL's default when unset\) failed: the "
                                          r"modelscope package is not installed \(pip install modelscope\), or set "
                                          r"model_download_type: HUGGINGFACE_HUB"):  # fmt: skip
         resolve_hub_models(model_fields(config), config.model_download_type)
+
+
+@pytest.mark.parametrize("where", ["system_envs", "environment"])
+def test_rolls_model_download_type_variable_picks_the_hub_when_the_key_is_unset(offline_cache, monkeypatch, where):
+    """ROLL's downloader reads MODEL_DOWNLOAD_TYPE (its key sets it; system_envs and the shell can too)."""
+    monkeypatch.delenv("MODEL_DOWNLOAD_TYPE", raising=False)
+    envs = {"system_envs": {"MODEL_DOWNLOAD_TYPE": "HUGGINGFACE_HUB"}} if where == "system_envs" else {}
+    if where == "environment":
+        monkeypatch.setenv("MODEL_DOWNLOAD_TYPE", "HUGGINGFACE_HUB")
+    config = _config(pretrain="tiny-org/tiny-qwen", **envs)
+    resolve_config_models(config, log=lambda line: None)
+    assert config.pretrain == str(offline_cache.resolve())
+    bad = _config(pretrain="tiny-org/tiny-qwen", system_envs={"MODEL_DOWNLOAD_TYPE": "HF"})
+    with pytest.raises(ValueError, match=r"system_envs\.MODEL_DOWNLOAD_TYPE='HF' is not a model hub; use one of"):
+        resolve_config_models(bad)
 
 
 def test_an_unknown_hub_is_refused_naming_the_key():

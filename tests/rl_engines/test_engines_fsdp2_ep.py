@@ -159,6 +159,7 @@ def _ep_layer_worker(rank: int, port: int) -> None:
     """One rank of :func:`test_an_expert_parallel_layer_equals_the_whole_layer_with_unequal_token_counts`."""
     import copy
     import os
+    from datetime import timedelta
 
     import torch.distributed as dist
     from torch import nn
@@ -168,7 +169,7 @@ def _ep_layer_worker(rank: int, port: int) -> None:
     from rl_engines.strategies.fsdp2_experts import ExpertMesh, split_experts
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))  # a hang fails
     try:
         torch.manual_seed(0)  # the same layer and tokens on both ranks
         config = AutoConfig.for_model("qwen3_moe", hidden_size=16, moe_intermediate_size=8, num_experts=4,
@@ -197,6 +198,19 @@ def _ep_layer_worker(rank: int, port: int) -> None:
         for name in ("gate_up_proj", "down_proj"):
             got = getattr(split["experts"], name).grad
             torch.testing.assert_close(got, getattr(whole, name).grad[experts], atol=1e-6, rtol=0, msg=name)
+
+        # Activation checkpointing (non-reentrant, early stop on) with every token routed to rank 0's experts: rank 1
+        # must still recompute through the layer's collectives, or both ranks wait on each other.
+        from torch.utils.checkpoint import checkpoint
+
+        first_two = torch.stack([torch.randperm(2) for _ in range(8)])  # experts 0 and 1: rank 0's
+        mine = hidden.detach()[rows].requires_grad_()
+        out = checkpoint(lambda h, w: split["experts"](h, first_two[rows], w), mine, weights.detach()[rows],
+                         use_reentrant=False)  # fmt: skip
+        (out * probe[rows]).sum().backward()
+        whole_hidden = hidden.detach().requires_grad_()
+        (whole(whole_hidden, first_two, weights.detach()) * probe).sum().backward()
+        torch.testing.assert_close(mine.grad, whole_hidden.grad[rows], atol=1e-6, rtol=0)
     finally:
         dist.destroy_process_group()
 

@@ -236,7 +236,9 @@ def merge_expert_ranks(states: Sequence[Mapping[str, Source]], local_experts: in
 
 def _grouped_as_local_experts(state: Mapping[str, Source], local_experts: int) -> Mapping[str, Source]:
     """``state`` with a legacy GroupedMLP's ``weight1`` / ``weight2`` as SequentialMLP's per-expert ``linear_fc1``
-    ``[2I/tp, H]`` / ``linear_fc2`` ``[H, I/tp]`` (read into memory: a rank's experts of one layer at a time)."""
+    ``[2I/tp, H]`` / ``linear_fc2`` ``[H, I/tp]``. Unlike the other layouts, which stay on disk until written, these
+    are read into memory when the piece is merged: every grouped expert matrix of the rank file's stage at once (the
+    transposed view GroupedMLP's forward takes cannot be streamed as rows)."""
     grouped = {key: match for key in state if (match := _GROUPED_KEY.fullmatch(key))}
     if not grouped:
         return state

@@ -402,8 +402,11 @@ def save_hf(strategy: Any, path: str) -> None:
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     if getattr(strategy, "expert_mesh", None) is None:
         state_dict = get_model_state_dict(strategy.model, options=options)
-    else:  # expert parallelism: the experts of every ep rank, gathered in expert order (a collective)
-        state_dict = {name: value.cpu() for name, value in strategy.named_weights()}
+    else:  # expert parallelism: the experts of every ep rank, gathered in expert order (a collective); rank 0 keeps
+        state_dict = {}  # the full weights, as the full-state-dict path does
+        for name, value in strategy.named_weights():
+            if dist.get_rank() == 0:
+                state_dict[name] = value.cpu()
 
     def write(tmp: Path) -> None:
         if adapters_only(strategy):

@@ -192,7 +192,9 @@ class Fsdp2TrainStrategy:
         if not args.disable_gradient_checkpointing:
             enable_activation_checkpointing(model)
         self.model = self._shard(model.to(self.device))
-        self.optimizer = build_optimizer(self.model.parameters(), self.config.training_args)
+        # expert parallelism: dense and expert weights live on two meshes, which foreach kernels cannot mix
+        foreach = False if self.expert_mesh is not None else None
+        self.optimizer = build_optimizer(self.model.parameters(), self.config.training_args, foreach)
         self.scheduler = build_scheduler(self.optimizer, self.config.training_args, self.role)
         self.tokenizer = load_tokenizer(str(args.model_name_or_path))
 

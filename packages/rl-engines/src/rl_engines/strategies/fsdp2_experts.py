@@ -138,7 +138,24 @@ def _ep_forward(self: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_
     local[(local < 0) | (local >= count)] = count  # another rank's expert (or padding): the skipped index
     eager = getattr(type(self).forward, "__wrapped__", type(self).forward)  # transformers' own experts loop
     out = eager(self, hidden_all, local, weights_all)
+    if torch.is_grad_enabled():  # every rank's backward then runs the same collectives, tokens for its experts or not
+        out = _Join.apply(out, hidden_all, weights_all)  # type: ignore[no-untyped-call]
     return _ScatterRows.apply(out, group)[: hidden.shape[0]]  # type: ignore[no-untyped-call]
+
+
+class _Join(torch.autograd.Function):
+    """``out`` as it is, tied to the gathered inputs (zero gradient): a rank whose experts got no token computes an
+    output with no path back to them, and its backward would skip the gathers' collectives its group runs."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.inputs = [(x.shape, x.dtype, x.device) for x in inputs]
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        zeros = (torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.inputs)
+        return (grad, *zeros)
 
 
 class _GatherRows(torch.autograd.Function):
@@ -160,17 +177,26 @@ class _GatherRows(torch.autograd.Function):
 
 
 class _ScatterRows(torch.autograd.Function):
-    """This rank's rows of the group's summed tensors; backward: the group's gradients concatenated."""
+    """This rank's rows of the group's summed tensors; backward: the group's gradients concatenated.
+
+    Under activation checkpointing (non-reentrant: the forward is recomputed when the backward first unpacks a saved
+    tensor, and only until every saved tensor is back) the ranks of a group must recompute at the same point and
+    through the same collectives, though a rank whose experts got no token saves nothing in between. So this saves
+    its output (the recompute runs through every collective of the layer) and its backward unpacks it first (every
+    rank recomputes here, before any backward collective)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         total = x.contiguous().clone()
         dist.all_reduce(total, group=group)
-        return total.chunk(dist.get_world_size(group))[dist.get_rank(group)].clone()
+        mine = total.chunk(dist.get_world_size(group))[dist.get_rank(group)].clone()
+        ctx.save_for_backward(mine)
+        return mine
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.saved_tensors  # noqa: B018 - unpacked for its effect: a checkpointed layer recomputes here on every rank
         parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
         dist.all_gather(parts, grad.contiguous(), group=ctx.group)
         return torch.cat(parts), None

@@ -9,6 +9,7 @@ SGLang are the engines for rollouts.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -85,7 +86,7 @@ class Fsdp2InferStrategy(Fsdp2TrainStrategy):
                     f"model ({type(self.model).__name__}); are actor_train and {self.role} the same architecture?"
                 )
             if name in self.expert_names and self.expert_mesh is not None:  # the full stack: keep this rank's experts
-                tensor = tensor.chunk(self.expert_mesh.ep)[self.expert_mesh.ep_rank]
+                tensor = _own_experts(name, tensor, target, self.expert_mesh, self.role)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(
                     f"{self.role}: weight {name!r} has shape {tuple(tensor.shape)} in the train strategy but "
@@ -105,3 +106,14 @@ class Fsdp2InferStrategy(Fsdp2TrainStrategy):
 
     def load_checkpoint(self, path: str) -> None:
         """Nothing to restore (see :meth:`save_checkpoint`)."""
+
+
+def _own_experts(name: str, tensor: torch.Tensor, target: torch.Tensor, mesh: Any, role: str) -> torch.Tensor:
+    """This ``ep`` rank's experts of a synced stack (every expert, in order); a stack of another size is an error
+    naming the weight."""
+    if tensor.shape[0] != target.shape[0] * mesh.ep:
+        raise ValueError(
+            f"{role}: weight {name!r} stacks {tensor.shape[0]} experts in the train strategy but {target.shape[0]} "
+            f"x ep_size {mesh.ep} here; the two roles must load the same model."
+        )
+    return tensor.narrow(0, mesh.ep_rank * target.shape[0], target.shape[0])

@@ -5,7 +5,8 @@ megatron-core's local spec builds its norms with ``WrappedTorchNorm`` (torch's R
 Under sequence parallelism a norm sees this TP rank's slice of the sequence, so its weight - replicated over the TP
 ranks - gets a gradient from that slice only. Apex and TE mark such weights ``sequence_parallel`` and Megatron sums
 their gradients over the TP group (finalize_model_grads; here the train strategy's ``_tp_partial``). The norm below
-is torch's RMSNorm marked the same way, so sequence parallelism runs with the same arithmetic on every machine.
+is torch's RMSNorm marked the same way, so sequence parallelism runs with the same arithmetic on every machine
+(megatron-core's local spec takes its torch norm for RMSNorm even where Apex is installed).
 megatron is imported inside functions only.
 """
 
@@ -30,7 +31,7 @@ class TorchRMSNorm(torch.nn.RMSNorm):
 
 def with_torch_norms(spec: Any) -> Any:
     """``spec`` (a megatron-core ModuleSpec tree) with every ``WrappedTorchNorm`` replaced by :class:`TorchRMSNorm`
-    (Apex's or TE's norms, where the local spec chose them, are kept)."""
+    (the local spec's RMSNorm is always megatron-core's torch one, whether Apex is installed or not)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
@@ -46,16 +47,18 @@ def with_torch_norms(spec: Any) -> Any:
 
 def local_block_spec(config: Any, layer_spec: Any, vp_stage: int | None) -> Any:
     """The transformer block of this pipeline stage (``vp_stage``: its virtual chunk) built from ``layer_spec``, its
-    final norm a :class:`TorchRMSNorm` (GPTModel would take the module-wide ``WrappedTorchNorm`` otherwise)."""
+    final norm a :class:`TorchRMSNorm` (Transformer Engine's, where installed, as GPTModel would pick)."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     layer = with_torch_norms(layer_spec)
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=with_torch_norms(_block_norm()))
+    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=_block_norm())
 
 
 def _block_norm() -> Any:
-    """The final norm class megatron-core's transformer block picks for a layer spec (Apex / TE / torch)."""
+    """Transformer Engine's norm where megatron-core's block would take it; else :class:`TorchRMSNorm` (the block's
+    own choices without TE are megatron-core's torch norm, which refuses sequence parallelism, and Apex's
+    FusedLayerNorm, which builds LayerNorm only)."""
     from megatron.core.transformer import transformer_block
 
-    return transformer_block.LayerNormImpl
+    return transformer_block.LayerNormImpl if getattr(transformer_block, "HAVE_TE", False) else TorchRMSNorm

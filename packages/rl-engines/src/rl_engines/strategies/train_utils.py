@@ -20,14 +20,18 @@ DECAYING_SCHEDULES = {"linear", "cosine", "cosine_with_restarts", "polynomial", 
                       "cosine_warmup_with_min_lr", "warmup_stable_decay"}  # fmt: skip
 
 
-def build_optimizer(params: Iterable[nn.Parameter], args: TrainingArgs) -> torch.optim.Optimizer:
-    """AdamW with ROLL's training_args (decoupled weight decay, Loshchilov & Hutter 2019)."""
+def build_optimizer(
+    params: Iterable[nn.Parameter], args: TrainingArgs, foreach: bool | None = None
+) -> torch.optim.Optimizer:
+    """AdamW with ROLL's training_args (decoupled weight decay, Loshchilov & Hutter 2019); ``foreach=False``: one
+    parameter at a time (parameters sharded over different device meshes cannot share a foreach kernel)."""
     return torch.optim.AdamW(
         [p for p in params if p.requires_grad],
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
         weight_decay=args.weight_decay,
+        foreach=foreach,
     )
 
 
