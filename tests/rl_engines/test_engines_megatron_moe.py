@@ -274,7 +274,8 @@ def test_experts_split_over_tensor_parallel_ranks_train_sync_and_checkpoint_as_o
     dispatcher. Scores equal the HF model's, the update fsdp2_train's (router loss on: the router's and the shared
     expert gate's gradients summed over the sequence halves), the export HF's layout (experts gathered over TP), a
     weight sync into a colocated hf_infer scores as the trained model and resuming a checkpoint (a file per TP rank)
-    equals the uninterrupted run. A train role at TP 2 without sequence parallelism is refused naming the key."""
+    equals the uninterrupted run; megatron_infer at TP 2 without sequence parallelism scores alike. A train role at
+    TP 2 without sequence parallelism is refused naming the key."""
     from rl_engines.placement import ClusterSpec
     from rl_engines.roles import Roles
 
@@ -286,6 +287,9 @@ def test_experts_split_over_tensor_parallel_ranks_train_sync_and_checkpoint_as_o
                                      strategy_args={"strategy_name": "megatron_train", "strategy_config": options}),
         "actor_infer": worker_config(model, "actor_infer", device_mapping=[0], infer_batch_size=4,
                                      strategy_args={"strategy_name": "hf_infer"}),
+        "reference": worker_config(model, "reference", device_mapping=[0, 1], infer_batch_size=4,
+                                   strategy_args={"strategy_name": "megatron_infer",
+                                                  "strategy_config": {"tensor_model_parallel_size": 2}}),
     }  # fmt: skip
     single = make(model, "fsdp2_train", model_args=ROUTER)
     batch, later = rollout_batch(batch_size=4, seed=7), rollout_batch(batch_size=4, seed=8)
@@ -294,6 +298,9 @@ def test_experts_split_over_tensor_parallel_ranks_train_sync_and_checkpoint_as_o
         train = roles["actor_train"]
         scored = train.call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
         torch.testing.assert_close(scored[mask].double(), reference_log_probs(model, batch)[mask], atol=2e-5, rtol=0)
+        # megatron_infer at TP 2 without sequence parallelism (megatron-core's rule binds training only)
+        frozen = roles["reference"].call("compute_log_probs", batch, dispatch="dp_split").batch["log_probs"]
+        torch.testing.assert_close(frozen[mask], scored[mask], atol=2e-6, rtol=0)
         batch.batch["old_log_probs"] = scored
         ours = train.call("train_step", batch, ActorObjective(), dispatch="dp_split")
         theirs = single.train_step(batch, ActorObjective())
