@@ -47,8 +47,11 @@ def test_a_tiled_mlp_scores_and_trains_as_the_whole_mlp(tiny_model_dir):
     assert ours["pg_loss"] == pytest.approx(theirs["pg_loss"], abs=1e-6)
     assert ours["grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
     after = dict(plain.named_weights())
+    # Adam's first step is about lr * sign(gradient) = 1e-2 per weight, so a wrong gradient moves a weight by ~1e-2;
+    # a gradient near zero turns its rounding into up to lr / adam_epsilon times as much: measured 1.9e-5 on one
+    # weight of 16k on an AVX-512 AMD EPYC (0 on the earlier machines)
     for name, weight in tiled.named_weights():
-        torch.testing.assert_close(weight, after[name], atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(weight, after[name], atol=1e-4, rtol=0, msg=name)
     reference = make(tiny_model_dir, {"apply_tiled_mlp": True, "model_type": "qwen2"}, "fsdp2_infer", "reference")
     assert mlp_calls(reference, batch) == 4 * passes  # ROLL's default tiled_num_shards
 

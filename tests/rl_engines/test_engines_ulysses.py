@@ -1,8 +1,8 @@
 """Ulysses sequence parallelism in fsdp2 (``model_args.ulysses_size``; rl_engines/strategies/ulysses.py).
 
 What it promises: on 2 CPU ranks (gloo all-to-all) with ``ulysses_size: 2`` each rank runs half of every packed row,
-and the log-probs, values, training metrics and updated weights equal ``ulysses_size: 1`` on one rank (fp32, 1e-6),
-for a model with fewer key/value heads than ranks (they are repeated), one whose key/value heads split, and a
+and the log-probs, values and training metrics equal ``ulysses_size: 1`` on one rank (fp32, 1e-6; updated weights
+1e-5), for a model with fewer key/value heads than ranks (they are repeated), one whose key/value heads split, and a
 mixture-of-experts model whose router loss (its config's coefficient) is summed from the ranks' slices; bad sizes
 fail naming the key.
 """
@@ -110,9 +110,11 @@ def test_ulysses_on_two_ranks_equals_one_rank(tiny_model_dir, split_heads_model_
             torch.testing.assert_close(got[mask], single["first"][key][mask], atol=1e-6, rtol=0)
         got = torch.cat([r["after"] for r in ranks])
         torch.testing.assert_close(got[mask], single["after"][mask], atol=1e-6, rtol=0)
+        # Adam turns a near-zero gradient's rounding into up to lr / adam_epsilon times as much in its weight:
+        # measured 1.2e-6 on one weight of 16k on an AVX-512 AMD EPYC; a wrong gradient moves a weight by ~lr
         for name, value in single["weights"].items():
-            torch.testing.assert_close(ranks[0]["weights"][name], value, atol=1e-6, rtol=0)
-            torch.testing.assert_close(ranks[1]["weights"][name], value, atol=1e-6, rtol=0)
+            torch.testing.assert_close(ranks[0]["weights"][name], value, atol=1e-5, rtol=0, msg=name)
+            torch.testing.assert_close(ranks[1]["weights"][name], value, atol=1e-5, rtol=0, msg=name)
         expected = json.loads((tmp_path / f"single{index}.json").read_text())
         for rank in (0, 1):
             got_metrics = json.loads((tmp_path / f"ulysses{index}-{rank}.json").read_text())
