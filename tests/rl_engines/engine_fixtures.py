@@ -160,3 +160,36 @@ def leftovers(root: Path) -> list[str]:
     """Temporary files and folders of saves under ``root`` (``*.tmp*``, ``*.old``), relative to it."""
     found = [p for p in root.rglob("*") if ".tmp" in p.name or p.name.endswith(".old")]
     return sorted(str(p.relative_to(root)) for p in found)
+
+
+def assert_actor_step_equals(ours: list[dict[str, float]], theirs: dict[str, float], *, router: bool = False) -> None:
+    """A train step on several ranks (their metrics, as ``train_step`` returns them to the driver) equals one rank's
+    (``theirs``, a strategy's own names): every rank reports the same metrics, pg_loss to 1e-6, the gradient norm and,
+    with ``router``, the router's load-balancing loss (ROLL's ``actor_train/`` name) to a relative 1e-5."""
+    assert all(metrics == ours[0] for metrics in ours)
+    assert ours[0]["actor/pg_loss"] == pytest.approx(theirs["pg_loss"], abs=1e-6)
+    assert ours[0]["actor/grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
+    if router:
+        assert ours[0]["actor_train/load_balancing_loss"] == pytest.approx(theirs["load_balancing_loss"], rel=1e-5)
+
+
+def assert_critic_matches(critic: Any, single: Any, batch: RolloutBatch, update_atol: float) -> None:
+    """A critic role on several ranks scores, trains and scores again as one rank's strategy ``single`` built from the
+    same seeded value head: values to 2e-6, value loss to 1e-6, gradient norm to a relative 1e-5, the values after the
+    update to ``update_atol``."""
+    from rl_engines.objectives import CriticObjective
+
+    mask = batch.batch["response_mask"]
+    values = critic.call("compute_values", batch, dispatch="dp_split").batch["values"]
+    expected = single.compute_values(batch).batch["values"]
+    torch.testing.assert_close(values[mask], expected[mask], atol=2e-6, rtol=0)
+    batch.batch["values"] = expected
+    batch.batch["returns"] = torch.randn(batch.batch["responses"].shape, generator=torch.Generator().manual_seed(5))
+    metrics = critic.call("train_step", batch, CriticObjective(), dispatch="dp_split")
+    single_metrics = single.train_step(batch, CriticObjective())
+    assert metrics[0]["critic/value_loss"] == pytest.approx(single_metrics["value_loss"], abs=1e-6)
+    assert metrics[0]["critic/grad_norm"] == pytest.approx(single_metrics["grad_norm"], rel=1e-5)
+    after = critic.call("compute_values", batch, dispatch="dp_split").batch["values"]
+    torch.testing.assert_close(
+        after[mask], single.compute_values(batch).batch["values"][mask], atol=update_atol, rtol=0
+    )

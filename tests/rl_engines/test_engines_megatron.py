@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_fixtures import CORPUS, prompt_batch, reference_log_probs, rollout_batch, worker_config
+from engine_fixtures import (
+    CORPUS,
+    assert_critic_matches,
+    prompt_batch,
+    reference_log_probs,
+    rollout_batch,
+    worker_config,
+)
 
 from rl_engines.config import GeneratingArgs
-from rl_engines.objectives import ActorObjective, CriticObjective
+from rl_engines.objectives import ActorObjective
 from rl_engines.placement import ClusterSpec
 from rl_engines.roles import Roles
 from rl_engines.strategies import create_strategy
@@ -149,22 +156,8 @@ def test_tp2_update_equals_fsdp2_and_resume_equals_uninterrupted(roles, tiny_mod
 def test_sequence_parallel_critic_values_and_update_equal_tp1(roles, tiny_model_dir):
     """The value head gathers the sequence-split hidden states; its replicated weights and the norms' get their
     gradients summed over the TP ranks."""
-    batch = rollout_batch(batch_size=8, seed=4)
-    mask = batch.batch["response_mask"]
-    critic = roles["critic"]
-    values = critic.call("compute_values", batch, dispatch="dp_split").batch["values"]
     single = megatron_single(tiny_model_dir, "critic")  # the same seeded value head
-    expected = single.compute_values(batch).batch["values"]
-    torch.testing.assert_close(values[mask], expected[mask], atol=2e-6, rtol=0)
-
-    batch.batch["values"] = expected
-    batch.batch["returns"] = torch.randn(batch.batch["responses"].shape, generator=torch.Generator().manual_seed(5))
-    metrics = critic.call("train_step", batch, CriticObjective(), dispatch="dp_split")
-    single_metrics = single.train_step(batch, CriticObjective())
-    assert metrics[0]["critic/value_loss"] == pytest.approx(single_metrics["value_loss"], abs=1e-6)
-    assert metrics[0]["critic/grad_norm"] == pytest.approx(single_metrics["grad_norm"], rel=1e-5)
-    after = critic.call("compute_values", batch, dispatch="dp_split").batch["values"]
-    torch.testing.assert_close(after[mask], single.compute_values(batch).batch["values"][mask], atol=2e-5, rtol=0)
+    assert_critic_matches(roles["critic"], single, rollout_batch(batch_size=8, seed=4), update_atol=2e-5)
 
 
 @pytest.mark.parametrize(

@@ -15,6 +15,7 @@ import ray
 import torch
 from engine_fixtures import (
     CORPUS,
+    assert_critic_matches,
     prompt_batch,
     reference_log_probs,
     require_engine,
@@ -24,7 +25,7 @@ from engine_fixtures import (
 from pipeline_schedule_stages import chain, micro_batches, micro_loss, run_chain
 
 from rl_engines.config import GeneratingArgs
-from rl_engines.objectives import ActorObjective, CriticObjective
+from rl_engines.objectives import ActorObjective
 from rl_engines.placement import ClusterSpec
 from rl_engines.roles import Roles
 from rl_engines.strategies import create_strategy
@@ -232,26 +233,12 @@ class TestPipelineTwoStages:
                 torch.testing.assert_close(got, grad, atol=1e-6, rtol=1e-6)
 
     def test_pp2_critic_values_and_update_equal_pp1(self, pp2_roles, tiny_model_dir):
-        critic = pp2_roles["critic"]
-        batch = rollout_batch(batch_size=8, seed=4)
-        mask = batch.batch["response_mask"]
-        values = critic.call("compute_values", batch, dispatch="dp_split").batch["values"]
         single = megatron_pp1(tiny_model_dir, "critic")  # the same seeded value head
-        expected = single.compute_values(batch).batch["values"]
-        torch.testing.assert_close(values[mask], expected[mask], atol=2e-6, rtol=0)  # measured 0 (same sums)
-
-        batch.batch["values"] = expected
-        batch.batch["returns"] = torch.randn(batch.batch["responses"].shape, generator=torch.Generator().manual_seed(5))
-        metrics = critic.call("train_step", batch, CriticObjective(), dispatch="dp_split")
-        single_metrics = single.train_step(batch, CriticObjective())
-        assert metrics[0]["critic/value_loss"] == pytest.approx(single_metrics["value_loss"], abs=1e-6)
-        assert metrics[0]["critic/grad_norm"] == pytest.approx(single_metrics["grad_norm"], rel=1e-5)
-        after = critic.call("compute_values", batch, dispatch="dp_split").batch["values"]
-        expected = single.compute_values(batch).batch["values"]
-        # |values| ~ 1; measured 1.2e-6 on earlier machines and 8.9e-6 on an AVX2-only AMD EPYC (the stages' sums round
-        # differently and Adam scales a near-zero gradient's rounding by up to lr / adam_epsilon); a stage whose update
-        # went wrong moves the values by ~lr = 1e-2
-        torch.testing.assert_close(after[mask], expected[mask], atol=2e-5, rtol=0)
+        # values before the update measured 0 (same sums); after it |values| ~ 1, measured 1.2e-6 on earlier
+        # machines and 8.9e-6 on an AVX2-only AMD EPYC (the stages' sums round differently and Adam scales a
+        # near-zero gradient's rounding by up to lr / adam_epsilon); a stage whose update went wrong moves the
+        # values by ~lr = 1e-2
+        assert_critic_matches(pp2_roles["critic"], single, rollout_batch(batch_size=8, seed=4), update_atol=2e-5)
 
 
 # ---- TP = 2 x PP = 2 on four ranks ------------------------------------------------------------------------------
