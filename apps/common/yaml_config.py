@@ -5,8 +5,10 @@ ROLL runs on Hydra / OmegaConf; we read the same files without them:
   implied) into the root, in order; the file's own keys go where ``_self_`` stands (last when absent, as Hydra).
 - ``${key}`` / ``${a.b}`` as a whole value is replaced by the referenced value (any type); inside a longer string it is
   substituted as text. Hydra's ``${now:%Y%m%d-%H%M%S}`` is the load's start time in that strftime pattern (one time
-  for the whole load). References resolve against the merged root, recursively; cycles and missing keys fail
-  naming the key that refers.
+  for the whole load). OmegaConf's ``${oc.env:NAME}`` is that environment variable's value (a string), and
+  ``${oc.env:NAME,default}`` falls back to ``default`` when it is unset (a string, quotes removed; ``null`` gives
+  None); unset without a default fails naming the key and the variable, as OmegaConf does. References resolve
+  against the merged root, recursively; cycles and missing keys fail naming the key that refers.
 - the ``hydra:`` section (Hydra's own run settings) is dropped.
 
 A config is data that travels, so its size after expansion is bounded: YAML aliases (``*name``) and ``${...}``
@@ -17,6 +19,7 @@ fail fast, naming the file. Each included file is composed once per load, howeve
 from __future__ import annotations
 
 import copy
+import os
 import re
 from collections.abc import Iterable
 from datetime import datetime
@@ -251,10 +254,12 @@ class _Resolver:
             raise ConfigFileError(f"{where}: interpolation cycle {' -> '.join((*active, ref))}.")
         if ref.startswith("now:"):  # Hydra's resolver: the load's start time in a strftime pattern
             return self.now.strftime(ref[len("now:") :])
+        if ref.startswith("oc.env:"):
+            return environment_value(ref[len("oc.env:") :], where)
         if ":" in ref:
             raise ConfigFileError(
-                f"{where}: resolver interpolation ${{{ref}}} is not supported (only Hydra's ${{now:<strftime>}}); "
-                "write the value or a plain ${key}."
+                f"{where}: resolver interpolation ${{{ref}}} is not supported (only Hydra's ${{now:<strftime>}} and "
+                "OmegaConf's ${oc.env:NAME[,default]}); write the value or a plain ${key}."
             )
         node: Any = self.root
         for part in ref.split("."):
@@ -262,3 +267,20 @@ class _Resolver:
                 raise ConfigFileError(f"{where}: ${{{ref}}} refers to a key the config does not have ({part!r}).")
             node = node[part]
         return self.value(copy.deepcopy(node), ref, (*active, ref))
+
+
+def environment_value(arguments: str, where: str) -> str | None:
+    """OmegaConf's ``oc.env`` resolver on ``NAME`` or ``NAME,default`` (see the module docstring)."""
+    name, comma, default = (part.strip() for part in arguments.partition(","))
+    if name in os.environ:
+        return os.environ[name]
+    if not comma:
+        raise ConfigFileError(
+            f"{where}: ${{oc.env:{name}}} reads the environment variable {name!r}, which is not set; set it, or "
+            f"give a default: ${{oc.env:{name},<default>}}."
+        )
+    if default == "null":
+        return None
+    if len(default) >= 2 and default[0] == default[-1] and default[0] in "'\"":
+        return default[1:-1]
+    return default

@@ -64,12 +64,28 @@ def test_hydras_now_resolver_gives_one_time_to_the_whole_load(tmp_path):
     assert config["exp_name"] == f"run-{stamp}" and config["out"] == f"./out/{stamp}/x"
 
 
+def test_omegaconfs_env_resolver_reads_the_environment_or_the_default(tmp_path, monkeypatch):
+    """ROLL's wandb files read their key as ${oc.env:WANDB_API_KEY}."""
+    monkeypatch.setenv("RL_TEST_SET", "42")
+    monkeypatch.delenv("RL_TEST_UNSET", raising=False)
+    text = ("set: ${oc.env:RL_TEST_SET}\nset_default: ${oc.env:RL_TEST_SET,7}\nplain: ${oc.env:RL_TEST_UNSET,7}\n"
+            "quoted: ${oc.env:RL_TEST_UNSET,'a b'}\nnone: ${oc.env:RL_TEST_UNSET, null}\n"
+            "text: run-${oc.env:RL_TEST_SET}-x\n")  # fmt: skip
+    config = load_config(write(tmp_path, "c.yaml", text))
+    assert config == {"set": "42", "set_default": "42", "plain": "7", "quoted": "a b", "none": None, "text": "run-42-x"}
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [
         ("a: ${b}\nb: ${a}\n", r"interpolation cycle"),
         ("a: ${missing.key}\n", r"a: \$\{missing\.key\} refers to a key the config does not have \('missing'\)"),
-        ("a: ${oc.env:HOME}\n", r"resolver interpolation \$\{oc\.env:HOME\} is not supported \(only Hydra's"),
+        ("a: ${oc.decode:'1'}\n", r"resolver interpolation \$\{oc\.decode:'1'\} is not supported \(only Hydra's"),
+        (
+            "tracker_kwargs: {api_key: '${oc.env:RL_TEST_UNSET_VARIABLE}'}\n",
+            r"tracker_kwargs\.api_key: \$\{oc\.env:RL_TEST_UNSET_VARIABLE\} reads the environment variable "
+            r"'RL_TEST_UNSET_VARIABLE', which is not set; set it, or give a default",
+        ),
         ("defaults: [../x/nope@_here_]\n", r"nope\.yaml does not exist"),
         ("defaults: [{db: mysql}]\n", r"defaults entry \{'db': 'mysql'\} is not supported"),
         ("defaults: [other@pkg]\n", r"only @_here_"),

@@ -62,6 +62,10 @@ def test_the_worker_sections_of_a_real_roll_file_load():
         ({"model_args": "bf16"}, r"actor_train\.model_args must be a mapping"),
         ({"generating_args": {"num_beams": 4}}, r"actor_train\.generating_args\.num_beams=4"),
         ({"generating_args": {"top_p": 0}}, r"actor_train\.generating_args\.top_p must be in \(0, 1\]"),
+        (
+            {"generating_args": {"include_stop_str_in_output": False}},
+            r"actor_train\.generating_args\.include_stop_str_in_output=false is not supported: .* set it to true",
+        ),
         ({"infer_batch_size": True}, r"actor_train\.infer_batch_size must be int, got bool"),
         ({"device_mapping": "list(range(0,8)) + os.system('x')"}, r"actor_train\.device_mapping"),
         ({"training_args": {"max_grad_norm": -1}}, r"actor_train\.training_args\.max_grad_norm must be > 0 or null"),

@@ -122,7 +122,8 @@ def test_eos_and_stop_strings_end_a_response(strategy_name, tiny_model_dir):
     seed = next(s for s in range(200) if _clean_draw(sampler, prompts, s))
     sampled = _sample(sampler, prompts, seed)
     text = sampler.tokenizer.decode(sampled[1:3])
-    args = GeneratingArgs(max_new_tokens=8, seed=seed, stop_strings=[text])
+    # ROLL's include_stop_str_in_output: true (its default): the response keeps the tokens that formed the string
+    args = GeneratingArgs(max_new_tokens=8, seed=seed, stop_strings=[text], include_stop_str_in_output=True)
     by_string = sampler.generate(prompts, args)
     length = int(by_string.batch["response_mask"][0].sum())
     assert 1 <= length <= 3 and by_string.non_tensor_batch["finish_reasons"][0] == "stop"

@@ -256,6 +256,10 @@ class GeneratingArgs:
     """HF repetition penalty; 1.0 disables."""
     stop_strings: list[str] | None = None
     """Extra strings that end a response (besides the tokenizer's EOS)."""
+    include_stop_str_in_output: bool | None = None
+    """ROLL's switch for its vLLM / SGLang strategies (vLLM ``include_stop_str_in_output``, SGLang ``no_stop_trim``).
+    Here a response that ends at a stop string or EOS keeps the tokens that formed it, with every engine: ROLL's
+    default, and what ``true`` asks for. ``false`` (the engine trims the stop from what it returns) is refused."""
     seed: int | None = None
     """Sampling seed (offset by the worker's rank); with it a generate call is reproducible."""
 
@@ -271,6 +275,11 @@ class GeneratingArgs:
             raise WorkerConfigError(f"{prefix}.num_beams={self.num_beams}: RL rollouts need num_beams: 1.")
         if self.num_return_sequences < 1:
             raise WorkerConfigError(f"{prefix}.num_return_sequences must be >= 1, got {self.num_return_sequences}.")
+        if self.include_stop_str_in_output is False:
+            raise WorkerConfigError(
+                f"{prefix}.include_stop_str_in_output=false is not supported: responses keep the tokens of the stop "
+                "string or EOS that ended them (ROLL's default); remove the key or set it to true."
+            )
 
 
 PACKING_ALGORITHMS = ("none", "load_balance")
