@@ -38,6 +38,7 @@ from apps.rlvr.dynamic_sampling import DynamicSampler
 from apps.rlvr.preflight import preflight
 from apps.rlvr.rewards import Grade, RewardRouter, part_metrics
 from apps.rlvr.rollout import PromptSource
+from apps.rlvr.rollout_dump import dump_columns, write_dump
 from apps.rlvr.validation import Validator
 from apps.rlvr.video_data import VideoOptions
 from apps.rlvr.vl_data import image_processor, model_type
@@ -261,6 +262,8 @@ class RLVRPipeline:
         self._graded = {}
         with timer("rollout"):
             rollout = self.get_rollout(step=step)
+        if self.config.rollout_dump_dir is not None:
+            self._dump(rollout, step)
         grading: dict[str, float] = {}  # per reward section, inside the rollout phase (so not in time/step)
         for name, (start, end) in self._reward_spans:
             grading[f"time/reward/{name}"] = grading.get(f"time/reward/{name}", 0.0) + end - start
@@ -291,6 +294,13 @@ class RLVRPipeline:
         metrics.update(_response_metrics(rollout))
         metrics.update(staleness_metrics(rollout, step))
         return metrics
+
+    def _dump(self, rollout: RolloutBatch, step: int) -> None:
+        """ROLL's rollout_dump_dir: the step's scored rollouts as a JSON file (apps/rlvr/rollout_dump.py)."""
+        assert self.config.rollout_dump_dir is not None
+        records = [self.prompts.records[int(i)] for i in rollout.non_tensor_batch["record_index"]]
+        columns = dump_columns(rollout, records, self.tokenizer, self._generating(step), step)
+        write_dump(self.config.rollout_dump_dir, step, columns, self.log)
 
     def _sync_weights(self) -> dict[str, float]:
         """The trained weights to actor_infer (nothing when a replay left it off)."""

@@ -165,6 +165,8 @@ def test_the_small_config_passes():
         ({"system_envs": {"X": 1}}, WorkerConfigError, r"system_envs\.X must be a string"),
         ({"actor_train__system_envs": {"X": 1}}, WorkerConfigError, r"actor_train\.system_envs\.X must be a string"),
         ({"global_template": "vicuna"}, WorkerConfigError, r"global_template='vicuna' is not supported; use one of"),
+        ({"rollout_dump_dir": "./dumps"}, WorkerConfigError,
+         r"rollout_dump_dir='\./dumps' is not an absolute path: ROLL writes its rollout dumps only to an absolute one"),
         ({"profiler_timeline": True, "profiler_memory": True}, WorkerConfigError,
          r"profiler_timeline and profiler_memory are both true; profile one at a time"),
         ({"actor_train__use_dynamic_batching_in_train": True, "actor_train__max_tokens_per_microbatch_in_train": 1024},

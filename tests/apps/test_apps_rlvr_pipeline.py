@@ -26,9 +26,11 @@ LEAN = [*NO_KL, "actor_train.device_mapping=[0]"]
 @pytest.fixture(scope="module")
 def dumped(setup):
     """The config's run as it is (two GRPO steps, validation at each, output in ``out``), its rollouts dumped by
-    rl-replay's rollout_mock into ``dumps`` (train and validation): what the two tests below read."""
+    rl-replay's rollout_mock into ``dumps`` (train and validation), and ROLL's human-readable rollout dump into
+    ``rollout_dump``: what the tests below read."""
     dumps = setup / "dumps"
-    assert main(["--config_path", str(setup), "--config_name", "rlvr", *DUMP, f"+rollout_mock.dump_dir={dumps}"]) == 0
+    assert main(["--config_path", str(setup), "--config_name", "rlvr", *DUMP, f"+rollout_mock.dump_dir={dumps}",
+                 f"+rollout_dump_dir={setup / 'rollout_dump'}"]) == 0  # fmt: skip
     return setup / "out", dumps
 
 
@@ -66,6 +68,35 @@ def test_two_grpo_steps_run_and_log_metrics(setup, dumped):
     assert all(e["ph"] == "X" and e["dur"] > 0 for e in trace) and {e["args"]["step"] for e in trace} == {0, 1}
     events = read_metrics(str(setup / "out" / "tensorboard" / "tiny_rlvr"))
     assert sorted(events) == [0, 1] and "actor/pg_loss" in events[1]
+
+
+def test_rolls_rollout_dump_holds_each_steps_trained_responses_with_their_scores(setup, dumped):
+    """ROLL's rollout_dump_dir: a JSON object of columns a step, in ROLL's file names and column names; its
+    responses and scores are those of the rollouts the step trained on (rl-replay's exact dump of them)."""
+    from transformers import AutoTokenizer
+
+    from rl_replay import RolloutReplay
+
+    out, dumps = dumped
+    folder = setup / "rollout_dump"
+    assert sorted(p.name for p in folder.iterdir()) == [f"rollout_dump_data.step_{step}.jsonl" for step in (0, 1)]
+    replay = RolloutReplay.from_config({"enable": True, "mode": "mock", "dump_dir": str(dumps)})
+    assert replay is not None
+    tokenizer = AutoTokenizer.from_pretrained(str(setup / "model"))
+    records = {row["prompt"]: row["ground_truth"] for row in map(json.loads, (setup / "train.jsonl").open())}
+    for step, metrics in enumerate(_rows(out)):
+        (line,) = (folder / f"rollout_dump_data.step_{step}.jsonl").read_text().splitlines()
+        columns = json.loads(line)
+        assert list(columns) == ["global_step", "prompt", "ground_truth", "responses", "scores", "sampling_params"]
+        trained = replay.load(step)
+        mask = trained.batch["response_mask"].bool()
+        assert columns["global_step"] == [step] * len(trained)
+        assert columns["responses"] == [tokenizer.decode(row[keep], skip_special_tokens=True)
+                                        for row, keep in zip(trained.batch["responses"], mask)]  # fmt: skip
+        assert columns["scores"] == trained.batch["scores"].tolist()
+        assert sum(columns["scores"]) / len(trained) == pytest.approx(metrics["critic/score/mean"], abs=1e-6)
+        assert [records[prompt] for prompt in columns["prompt"]] == columns["ground_truth"]
+        assert json.loads(columns["sampling_params"][0])["max_new_tokens"] == 8
 
 
 def test_a_bad_config_exits_2_before_anything_starts(setup, capsys):

@@ -1,0 +1,63 @@
+"""ROLL's ``rollout_dump_dir``: each step's scored rollouts, human-readable, in ROLL's layout.
+
+One file a step, ``<rollout_dump_dir>/rollout_dump_data.step_<N>.jsonl``, holding one JSON object of columns (a list
+with a value per sample each): ``global_step``; the data's own ``id`` / ``source`` / ``difficulty`` / ``prompt`` /
+``messages`` / ``ground_truth`` / ``case_type`` / ``test_case_function`` / ``test_cases`` / ``tag`` / ``domain``
+columns, those every sample's record has; ``responses`` (decoded, special tokens skipped), ``scores`` (the verifiable
+score of each response) and ``sampling_params`` (the step's generating_args as JSON). ROLL writes it from a
+background process and a failed write does not stop its run; here the write is atomic (a temporary file renamed)
+and a failure is logged, naming the file, and the run goes on."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rl_core.batch import RolloutBatch
+from rl_engines.config import GeneratingArgs
+
+DATA_COLUMNS = ("id", "source", "difficulty", "prompt", "messages", "ground_truth", "case_type", "test_case_function",
+                "test_cases", "tag", "domain")  # fmt: skip
+"""ROLL's dumped data columns (its ``COLUMMNS_CONFIG``), in its order."""
+
+
+def dump_path(folder: str, step: int) -> Path:
+    """The file of ``step``'s rollouts."""
+    return Path(folder) / f"rollout_dump_data.step_{step}.jsonl"
+
+
+def dump_columns(
+    rollout: RolloutBatch, records: Sequence[dict[str, Any]], tokenizer: Any, generating: GeneratingArgs, step: int
+) -> dict[str, list[Any]]:
+    """The columns of ``step``'s dump (see the module docstring); ``records``: the data records of the samples."""
+    count = len(rollout)
+    columns: dict[str, list[Any]] = {"global_step": [step] * count}
+    for name in DATA_COLUMNS:
+        if records and all(name in record for record in records):
+            columns[name] = [record[name] for record in records]
+    mask = rollout.batch["response_mask"].bool()
+    responses = [row[keep].tolist() for row, keep in zip(rollout.batch["responses"], mask, strict=True)]
+    columns["responses"] = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    columns["scores"] = [float(score) for score in rollout.batch["scores"]]
+    columns["sampling_params"] = [json.dumps(dataclasses.asdict(generating))] * count
+    return columns
+
+
+def write_dump(folder: str, step: int, columns: dict[str, list[Any]], log: Callable[[str], None]) -> Path | None:
+    """Write ``columns`` to ``step``'s file, atomically; a failure is logged (the run goes on, as ROLL's does) and
+    leaves no partial file. Returns the file, or None when the write failed."""
+    path = dump_path(folder, step)
+    temporary = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary.write_text(json.dumps(columns, ensure_ascii=False, default=str) + "\n", encoding="utf-8")
+        os.replace(temporary, path)
+    except OSError as error:
+        temporary.unlink(missing_ok=True)
+        log(f"[rlvr] rollout_dump_dir: could not write {path} ({error}); step {step}'s rollouts are not dumped")
+        return None
+    return path
