@@ -6,9 +6,10 @@ ROLL runs on Hydra / OmegaConf; we read the same files without them:
 - ``${key}`` / ``${a.b}`` as a whole value is replaced by the referenced value (any type); inside a longer string it is
   substituted as text. Hydra's ``${now:%Y%m%d-%H%M%S}`` is the load's start time in that strftime pattern (one time
   for the whole load). OmegaConf's ``${oc.env:NAME}`` is that environment variable's value (a string), and
-  ``${oc.env:NAME,default}`` falls back to ``default`` when it is unset (a string, quotes removed; ``null`` gives
-  None); unset without a default fails naming the key and the variable, as OmegaConf does. References resolve
-  against the merged root, recursively; cycles and missing keys fail naming the key that refers.
+  ``${oc.env:NAME,default}`` falls back to ``default`` when it is unset (the string OmegaConf makes of it: quotes
+  removed, ``null`` None, ``true`` ``True``, ``1e3`` ``1000.0``); unset without a default fails naming the key and
+  the variable, as OmegaConf does. References resolve against the merged root, recursively and innermost first
+  (``${a.${b}}``); cycles and missing keys fail naming the key that refers.
 - the ``hydra:`` section (Hydra's own run settings) is dropped.
 
 A config is data that travels, so its size after expansion is bounded: YAML aliases (``*name``) and ``${...}``
@@ -237,9 +238,8 @@ class _Resolver:
         return node
 
     def string(self, text: str, where: str, active: tuple[str, ...]) -> Any:
-        whole = INTERPOLATION.fullmatch(text.strip())
-        if whole:
-            return self.lookup(whole.group(1).strip(), where, active)
+        """Innermost references first, until none is left: ``${a.${b}}`` or ``${oc.env:X,${y}}`` resolve as in
+        OmegaConf."""
 
         def substitute(match: re.Match[str]) -> str:
             ref = match.group(1).strip()
@@ -247,7 +247,14 @@ class _Resolver:
             self.spend(0, len(text), (*active, ref))
             return text
 
-        return INTERPOLATION.sub(substitute, text)
+        while True:
+            whole = INTERPOLATION.fullmatch(text.strip())
+            if whole:
+                return self.lookup(whole.group(1).strip(), where, active)
+            resolved = INTERPOLATION.sub(substitute, text)
+            if resolved == text or "${" not in resolved:
+                return resolved
+            text = resolved
 
     def lookup(self, ref: str, where: str, active: tuple[str, ...]) -> Any:
         if ref in active:
@@ -279,8 +286,30 @@ def environment_value(arguments: str, where: str) -> str | None:
             f"{where}: ${{oc.env:{name}}} reads the environment variable {name!r}, which is not set; set it, or "
             f"give a default: ${{oc.env:{name},<default>}}."
         )
-    if default == "null":
+    return _resolver_default(default, f"{where}: ${{oc.env:{arguments}}}")
+
+
+_UNSIGNED = r"(0|[1-9](_?[0-9])*)"  # OmegaConf's grammar: no leading zeros, single underscores between digits
+_POINT = rf"({_UNSIGNED}?\.[0-9](_?[0-9])*|{_UNSIGNED}\.)"
+OMEGACONF_INT = re.compile(rf"[+-]?{_UNSIGNED}")
+OMEGACONF_FLOAT = re.compile(rf"[+-]?({_POINT}|({_UNSIGNED}|{_POINT})[eE][+-]?[0-9](_?[0-9])*|inf|nan)", re.IGNORECASE)
+
+
+def _resolver_default(text: str, where: str) -> str | None:
+    """The string OmegaConf makes of an ``oc.env`` default: a quoted string unquoted, ``null`` None, and a bool /
+    int / float parsed as OmegaConf's grammar does, then ``str()`` of it (``true`` -> ``True``, ``1e3`` ->
+    ``1000.0``); anything else as written."""
+    if len(text) >= 2 and text[0] == text[-1] and text[0] in "'\"":
+        return text[1:-1].replace("\\" + text[0], text[0])
+    if "," in text:
+        raise ConfigFileError(f"{where}: oc.env takes a variable name and one default; quote a default with commas.")
+    lowered = text.lower()
+    if lowered == "null":
         return None
-    if len(default) >= 2 and default[0] == default[-1] and default[0] in "'\"":
-        return default[1:-1]
-    return default
+    if lowered in ("true", "false"):
+        return str(lowered == "true")
+    if OMEGACONF_INT.fullmatch(text):
+        return str(int(text))
+    if OMEGACONF_FLOAT.fullmatch(text):
+        return str(float(text))
+    return text

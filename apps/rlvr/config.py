@@ -115,7 +115,8 @@ class RLVRConfig(SharedConfig):
     rollout_dump_dir: str | None = None
     """ROLL's rollout dump: each step's scored rollouts as ``rollout_dump_data.step_<N>.jsonl`` in this folder (one
     JSON object of columns: the data's id / prompt / messages / ground_truth / tag ... columns, the decoded responses,
-    their scores and the sampling parameters; apps/rlvr/rollout_dump.py). An absolute path: ROLL writes only there."""
+    their scores and the sampling parameters; apps/rlvr/rollout_dump.py). An absolute path: ROLL writes only there;
+    null or empty: no dump."""
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> RLVRConfig:

@@ -29,7 +29,7 @@ def check_rlvr_ranges(config: Any) -> None:
             f"sequence_length ({config.sequence_length}) must be >= prompt_length + response_length "
             f"({config.prompt_length} + {config.response_length}); raise it or shorten the lengths."
         )
-    if config.rollout_dump_dir is not None and not config.rollout_dump_dir.startswith("/"):
+    if config.rollout_dump_dir and not config.rollout_dump_dir.startswith("/"):
         fail(
             f"rollout_dump_dir={config.rollout_dump_dir!r} is not an absolute path: ROLL writes its rollout dumps "
             "only to an absolute one (it skips any other); give an absolute path, or remove the key."

@@ -262,8 +262,9 @@ class RLVRPipeline:
         self._graded = {}
         with timer("rollout"):
             rollout = self.get_rollout(step=step)
-        if self.config.rollout_dump_dir is not None:
-            self._dump(rollout, step)
+        if self.config.rollout_dump_dir:
+            with timer("rollout_dump"):
+                self._dump(rollout, step)
         grading: dict[str, float] = {}  # per reward section, inside the rollout phase (so not in time/step)
         for name, (start, end) in self._reward_spans:
             grading[f"time/reward/{name}"] = grading.get(f"time/reward/{name}", 0.0) + end - start
@@ -297,9 +298,10 @@ class RLVRPipeline:
 
     def _dump(self, rollout: RolloutBatch, step: int) -> None:
         """ROLL's rollout_dump_dir: the step's scored rollouts as a JSON file (apps/rlvr/rollout_dump.py)."""
-        assert self.config.rollout_dump_dir is not None
+        assert self.config.rollout_dump_dir
         records = [self.prompts.records[int(i)] for i in rollout.non_tensor_batch["record_index"]]
-        columns = dump_columns(rollout, records, self.tokenizer, self._generating(step), step)
+        domains = [record_domain(record, self.router.section_for) for record in records]
+        columns = dump_columns(rollout, records, domains, self.tokenizer, self._generating(step), step)
         write_dump(self.config.rollout_dump_dir, step, columns, self.log)
 
     def _sync_weights(self) -> dict[str, float]:

@@ -1,12 +1,17 @@
 """ROLL's ``rollout_dump_dir``: each step's scored rollouts, human-readable, in ROLL's layout.
 
 One file a step, ``<rollout_dump_dir>/rollout_dump_data.step_<N>.jsonl``, holding one JSON object of columns (a list
-with a value per sample each): ``global_step``; the data's own ``id`` / ``source`` / ``difficulty`` / ``prompt`` /
-``messages`` / ``ground_truth`` / ``case_type`` / ``test_case_function`` / ``test_cases`` / ``tag`` / ``domain``
-columns, those every sample's record has; ``responses`` (decoded, special tokens skipped), ``scores`` (the verifiable
-score of each response) and ``sampling_params`` (the step's generating_args as JSON). ROLL writes it from a
-background process and a failed write does not stop its run; here the write is atomic (a temporary file renamed)
-and a failure is logged, naming the file, and the run goes on."""
+with a value per sample each), under ROLL's column names (its ``COLUMMNS_CONFIG``): ``global_step``; the data
+columns ``id`` / ``source`` / ``difficulty`` / ``prompt`` / ``messages`` / ``ground_truth`` / ``case_type`` /
+``test_case_function`` / ``test_cases`` / ``tag`` that any sample's record has (null where a record lacks it, as a
+dataset column is); ``domain`` always (the record's ``domain`` column, else its reward section: ROLL's default
+domain); ``responses`` (decoded, special tokens skipped); ``scores`` (the verifiable score of each response) and
+``sampling_params`` (as ROLL's, the step's request as JSON: ``global_step`` and ``generation_config``, the
+generating_args; ROLL's scheduler adds keys of its own). A value JSON cannot hold is written as its ``str()``.
+
+ROLL writes it from a background process and a failed write does not stop its run; here the write is atomic (a
+temporary file renamed), timed as ``time/rollout_dump``, and a failure is logged, naming the file, while the run
+goes on."""
 
 from __future__ import annotations
 
@@ -21,8 +26,8 @@ from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
 
 DATA_COLUMNS = ("id", "source", "difficulty", "prompt", "messages", "ground_truth", "case_type", "test_case_function",
-                "test_cases", "tag", "domain")  # fmt: skip
-"""ROLL's dumped data columns (its ``COLUMMNS_CONFIG``), in its order."""
+                "test_cases", "tag")  # fmt: skip
+"""ROLL's dumped data columns besides ``domain``."""
 
 
 def dump_path(folder: str, step: int) -> Path:
@@ -31,19 +36,29 @@ def dump_path(folder: str, step: int) -> Path:
 
 
 def dump_columns(
-    rollout: RolloutBatch, records: Sequence[dict[str, Any]], tokenizer: Any, generating: GeneratingArgs, step: int
+    rollout: RolloutBatch,
+    records: Sequence[dict[str, Any]],
+    domains: Sequence[str],
+    tokenizer: Any,
+    generating: GeneratingArgs,
+    step: int,
 ) -> dict[str, list[Any]]:
-    """The columns of ``step``'s dump (see the module docstring); ``records``: the data records of the samples."""
+    """The columns of ``step``'s dump (see the module docstring); ``records`` / ``domains``: the data records of the
+    samples and their domains."""
     count = len(rollout)
     columns: dict[str, list[Any]] = {"global_step": [step] * count}
     for name in DATA_COLUMNS:
-        if records and all(name in record for record in records):
-            columns[name] = [record[name] for record in records]
+        if any(name in record for record in records):
+            columns[name] = [record.get(name) for record in records]
+    columns["domain"] = list(domains)
     mask = rollout.batch["response_mask"].bool()
     responses = [row[keep].tolist() for row, keep in zip(rollout.batch["responses"], mask, strict=True)]
     columns["responses"] = tokenizer.batch_decode(responses, skip_special_tokens=True)
     columns["scores"] = [float(score) for score in rollout.batch["scores"]]
-    columns["sampling_params"] = [json.dumps(dataclasses.asdict(generating))] * count
+    config = dataclasses.asdict(generating)
+    if config["include_stop_str_in_output"] is None:  # ROLL's GeneratingArguments.to_dict() leaves it out then
+        del config["include_stop_str_in_output"]
+    columns["sampling_params"] = [json.dumps({"global_step": step, "generation_config": config})] * count
     return columns
 
 

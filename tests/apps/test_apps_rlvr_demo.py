@@ -74,8 +74,9 @@ def test_the_demo_config_trains_with_megatron(tmp_path):
 VL_STEPS = 26
 """The vision-language demo's guard run: its own config for 26 of its 40 GRPO steps. Measured on an AVX-512 AMD EPYC:
 the warm model's count probability 0.334, 0.696 after them (the sampled reward takes off near step 19; the 40 steps
-take it from 0.24 to 0.88). Twice the learning rate for 14 steps, the earlier guard (0.443 on the earlier machines),
-collapses on that machine (0.335, the sampled reward down to 0.05)."""
+take it from 0.24 to 0.88, as on the earlier machines, where these 26 steps were not measured). Twice the learning
+rate for 14 steps, the earlier guard (0.443 on the earlier machines), collapses on that machine (0.335, the sampled
+reward down to 0.05)."""
 VL_MIN_PROBABILITY = 0.42
 
 

@@ -87,16 +87,19 @@ def test_rolls_rollout_dump_holds_each_steps_trained_responses_with_their_scores
     for step, metrics in enumerate(_rows(out)):
         (line,) = (folder / f"rollout_dump_data.step_{step}.jsonl").read_text().splitlines()
         columns = json.loads(line)
-        assert list(columns) == ["global_step", "prompt", "ground_truth", "responses", "scores", "sampling_params"]
+        assert list(columns) == ["global_step", "prompt", "ground_truth", "domain", "responses", "scores",
+                                 "sampling_params"]  # fmt: skip
         trained = replay.load(step)
-        mask = trained.batch["response_mask"].bool()
         assert columns["global_step"] == [step] * len(trained)
-        assert columns["responses"] == [tokenizer.decode(row[keep], skip_special_tokens=True)
-                                        for row, keep in zip(trained.batch["responses"], mask)]  # fmt: skip
+        # ROLL decodes each whole padded row, skipping special tokens (EOS and the padding)
+        assert columns["responses"] == tokenizer.batch_decode(trained.batch["responses"], skip_special_tokens=True)
         assert columns["scores"] == trained.batch["scores"].tolist()
         assert sum(columns["scores"]) / len(trained) == pytest.approx(metrics["critic/score/mean"], abs=1e-6)
         assert [records[prompt] for prompt in columns["prompt"]] == columns["ground_truth"]
-        assert json.loads(columns["sampling_params"][0])["max_new_tokens"] == 8
+        assert columns["domain"] == ["math_rule"] * len(trained)  # the reward section (ROLL's default domain)
+        request = json.loads(columns["sampling_params"][0])
+        assert request["global_step"] == step and request["generation_config"]["max_new_tokens"] == 8
+        assert metrics["time/rollout_dump"] > 0
 
 
 def test_a_bad_config_exits_2_before_anything_starts(setup, capsys):

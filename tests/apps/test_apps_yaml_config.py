@@ -69,10 +69,16 @@ def test_omegaconfs_env_resolver_reads_the_environment_or_the_default(tmp_path, 
     monkeypatch.setenv("RL_TEST_SET", "42")
     monkeypatch.delenv("RL_TEST_UNSET", raising=False)
     text = ("set: ${oc.env:RL_TEST_SET}\nset_default: ${oc.env:RL_TEST_SET,7}\nplain: ${oc.env:RL_TEST_UNSET,7}\n"
-            "quoted: ${oc.env:RL_TEST_UNSET,'a b'}\nnone: ${oc.env:RL_TEST_UNSET, null}\n"
-            "text: run-${oc.env:RL_TEST_SET}-x\n")  # fmt: skip
+            "quoted: ${oc.env:RL_TEST_UNSET,'a, b'}\nnone: ${oc.env:RL_TEST_UNSET, NULL}\n"
+            "text: run-${oc.env:RL_TEST_SET}-x\nflag: ${oc.env:RL_TEST_UNSET,true}\n"
+            "float: ${oc.env:RL_TEST_UNSET,1e3}\nword: ${oc.env:RL_TEST_UNSET,007}\nname: tiny\n"
+            "nested: ${oc.env:RL_TEST_UNSET,${name}}\n")  # fmt: skip
     config = load_config(write(tmp_path, "c.yaml", text))
-    assert config == {"set": "42", "set_default": "42", "plain": "7", "quoted": "a b", "none": None, "text": "run-42-x"}
+    assert config == {"set": "42", "set_default": "42", "plain": "7", "quoted": "a, b", "none": None,
+                      "text": "run-42-x", "flag": "True", "float": "1000.0", "word": "007", "name": "tiny",
+                      "nested": "tiny"}  # OmegaConf's strings of these defaults  # fmt: skip
+    with pytest.raises(ConfigFileError, match=r"a: \$\{oc\.env:RL_TEST_UNSET,1,2\}: oc\.env takes a variable name"):
+        load_config(write(tmp_path, "bad.yaml", "a: ${oc.env:RL_TEST_UNSET,1,2}\n"))
 
 
 @pytest.mark.parametrize(

@@ -166,7 +166,7 @@ def assert_actor_step_equals(ours: list[dict[str, float]], theirs: dict[str, flo
     """A train step on several ranks (their metrics, as ``train_step`` returns them to the driver) equals one rank's
     (``theirs``, a strategy's own names): every rank reports the same metrics, pg_loss to 1e-6, the gradient norm and,
     with ``router``, the router's load-balancing loss (ROLL's ``actor_train/`` name) to a relative 1e-5."""
-    assert all(metrics == ours[0] for metrics in ours)
+    assert len(ours) > 1 and all(metrics == ours[0] for metrics in ours)
     assert ours[0]["actor/pg_loss"] == pytest.approx(theirs["pg_loss"], abs=1e-6)
     assert ours[0]["actor/grad_norm"] == pytest.approx(theirs["grad_norm"], rel=1e-5)
     if router:
