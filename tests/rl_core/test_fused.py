@@ -196,3 +196,23 @@ def test_a_compiler_failure_falls_back_to_eager_in_auto_mode_and_raises_when_ask
         assert call(double, FUSED_MIN_TOKENS, None, x).tolist() == [2.0] * 3
     assert "running it eagerly" in caplog.text
     assert not wants_fused(double, FUSED_MIN_TOKENS, None)  # remembered: no second attempt
+
+
+def test_on_cpu_the_fused_loss_keeps_only_its_inputs_for_the_backward():
+    """Inductor's CPU loops write bool tensors slowly, and the compiled forward saved one (the dual-clip branch) for
+    the backward; on CPU it saves nothing of the batch's size but its inputs, and the backward recomputes the rest."""
+    x = random_batch(b=16, t=FUSED_MIN_TOKENS // 16, seed=5)
+    current = x["current"].clone().requires_grad_(True)
+    inputs = {t.data_ptr() for t in (x["old"], current, x["advantages"], x["mask"])}
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss, _ = get_policy_loss("vanilla")(x["old"], current, x["advantages"], x["mask"])
+    loss.backward()
+    batch_sized = [t for t in saved if t.numel() == x["mask"].numel()]
+    assert batch_sized and all(t.data_ptr() in inputs for t in batch_sized), [t.dtype for t in batch_sized]
+    assert current.grad is not None and torch.isfinite(current.grad).all()
