@@ -299,9 +299,9 @@ class RLVRPipeline:
     def _dump(self, rollout: RolloutBatch, step: int) -> None:
         """ROLL's rollout_dump_dir: the step's scored rollouts as a JSON file (apps/rlvr/rollout_dump.py)."""
         assert self.config.rollout_dump_dir
-        records = [self.prompts.records[int(i)] for i in rollout.non_tensor_batch["record_index"]]
-        domains = [record_domain(record, self.router.section_for) for record in records]
-        columns = dump_columns(rollout, records, domains, self.tokenizer, self._generating(step), step)
+        records = self.prompts.records_of(rollout)
+        columns = dump_columns(rollout, records, self._record_domains(records), self.prompts.response_texts(rollout),
+                               self._generating(step), step)  # fmt: skip
         write_dump(self.config.rollout_dump_dir, step, columns, self.log)
 
     def _sync_weights(self) -> dict[str, float]:
@@ -312,10 +312,11 @@ class RLVRPipeline:
         """Each sample's domain when the batches are drawn by domain (``domain_interleave_probs``), else None."""
         if not isinstance(self.sampler, DomainSampler):
             return None
-        records = self.prompts.records
-        return [
-            record_domain(records[int(i)], self.router.section_for) for i in rollout.non_tensor_batch["record_index"]
-        ]
+        return self._record_domains(self.prompts.records_of(rollout))
+
+    def _record_domains(self, records: list[dict[str, Any]]) -> list[str]:
+        """Each record's domain: its ``domain`` column, else its reward section."""
+        return [record_domain(record, self.router.section_for) for record in records]
 
     def _score_with_roles(self, rollout: RolloutBatch) -> dict[str, float]:
         assert self.roles is not None

@@ -59,19 +59,28 @@ class PromptSource:
     def grade(self, rollout: RolloutBatch, router: RewardRouter, step: int = 0, max_steps: int = 0) -> None:
         """Grade every generated response: decoded here, graded by ``router.grade_many`` at once, into the batch's
         ``scores`` ``[B]`` (how right) and ``response_level_rewards`` ``[B]`` (what the policy is trained on)."""
-        responses, mask = rollout.batch["responses"], rollout.batch["response_mask"]  # [B, R]
-        lengths = [int(length) for length in mask.sum(dim=-1).tolist()]  # [B]
-        texts = [
-            str(self.tokenizer.decode(responses[row, :length].tolist(), skip_special_tokens=True))
-            for row, length in enumerate(lengths)
-        ]
-        records = [self.records[int(index)] for index in rollout.non_tensor_batch["record_index"]]
+        lengths = [int(length) for length in rollout.batch["response_mask"].sum(dim=-1).tolist()]  # [B]
+        texts = self.response_texts(rollout)
+        records = self.records_of(rollout)
         if self.image_processor is not None:
             visual = list(rollout.non_tensor_batch.get(VISUAL_KEY, [{}] * len(records)))
             records = graded_records(records, visual, self.image_processor, self.model_type, step, max_steps)
         grades = router.grade_many(texts, records, lengths)
         rollout.batch["scores"] = torch.tensor([g.score for g in grades], dtype=torch.float32)
         rollout.batch["response_level_rewards"] = torch.tensor([g.reward for g in grades], dtype=torch.float32)
+
+    def records_of(self, rollout: RolloutBatch) -> list[dict[str, Any]]:
+        """The data record of each sample."""
+        return [self.records[int(index)] for index in rollout.non_tensor_batch["record_index"]]
+
+    def response_texts(self, rollout: RolloutBatch) -> list[str]:
+        """Each sample's response decoded, special tokens skipped (what the rewards grade)."""
+        responses, mask = rollout.batch["responses"], rollout.batch["response_mask"]  # [B, R]
+        lengths = [int(length) for length in mask.sum(dim=-1).tolist()]
+        return [
+            str(self.tokenizer.decode(responses[row, :length].tolist(), skip_special_tokens=True))
+            for row, length in enumerate(lengths)
+        ]
 
     def column(self, rollout: RolloutBatch, key: str) -> np.ndarray:
         """Each sample's record value of ``key`` (a data column such as ``difficulty``); names the key if absent."""

@@ -39,21 +39,19 @@ def dump_columns(
     rollout: RolloutBatch,
     records: Sequence[dict[str, Any]],
     domains: Sequence[str],
-    tokenizer: Any,
+    responses: Sequence[str],
     generating: GeneratingArgs,
     step: int,
 ) -> dict[str, list[Any]]:
-    """The columns of ``step``'s dump (see the module docstring); ``records`` / ``domains``: the data records of the
-    samples and their domains."""
+    """The columns of ``step``'s dump (see the module docstring); ``records`` / ``domains`` / ``responses``: the
+    samples' data records, domains and decoded responses."""
     count = len(rollout)
     columns: dict[str, list[Any]] = {"global_step": [step] * count}
     for name in DATA_COLUMNS:
         if any(name in record for record in records):
             columns[name] = [record.get(name) for record in records]
     columns["domain"] = list(domains)
-    mask = rollout.batch["response_mask"].bool()
-    responses = [row[keep].tolist() for row, keep in zip(rollout.batch["responses"], mask, strict=True)]
-    columns["responses"] = tokenizer.batch_decode(responses, skip_special_tokens=True)
+    columns["responses"] = list(responses)
     columns["scores"] = [float(score) for score in rollout.batch["scores"]]
     config = dataclasses.asdict(generating)
     if config["include_stop_str_in_output"] is None:  # ROLL's GeneratingArguments.to_dict() leaves it out then

@@ -89,7 +89,7 @@ class Validator:
 
     def metrics(self, rollout: RolloutBatch) -> dict[str, float]:
         """``validation_metrics`` of the scored rollout."""
-        records = [self.prompts.records[int(i)] for i in rollout.non_tensor_batch["record_index"]]
+        records = self.prompts.records_of(rollout)
         return validation_metrics(rollout.batch["scores"].tolist(), records, self.router.section_for)
 
 
