@@ -234,6 +234,32 @@ def test_icepop_and_rejection_metrics_equal_verls():
     assert "rollout_rs_token_k3_seq_fraction_low" not in got  # k2 / k3 options have no lower bound
 
 
+def test_sequence_options_alone_count_rejected_rows_by_their_tokens():
+    """With only sequence options the statistics come from the rows (each weighed by its token count) instead of a
+    pass over the tokens; they equal the token path's. seq_sum_k1 = -sum(l): 0.3 for row 0 (kept by "0.5_1.6", whose
+    log bounds are -0.69 and 0.47), 0.7 for row 1 (rejected, 3 tokens); an empty third row is never rejected but
+    counts in the overall sequence fraction (every row, as verl)."""
+    old, rollout = torch.cat([OLD, OLD[:1]]), torch.cat([ROLLOUT, ROLLOUT[:1]])
+    mask = torch.cat([MASK, torch.zeros(1, 3)])
+    keys = {"rollout_rs": "seq_sum_k1", "rollout_rs_threshold": "0.5_1.6"}
+    high = math.log(1.6)
+    _, kept, rows = rollout_correction(old, rollout, mask, **keys)
+    assert kept.tolist() == [[1.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    got = {name.removeprefix("rollout_corr/"): value for name, value in rows.items()}
+    assert_metrics(got, {
+        "rollout_rs_masked_fraction": 0.6, "rollout_rs_seq_masked_fraction": 1 / 3,
+        "rollout_rs_seq_sum_k1_masked_fraction": 0.6, "rollout_rs_seq_sum_k1_seq_masked_fraction": 0.5,
+        "rollout_rs_seq_sum_k1_mean": (2 * 0.3 + 3 * 0.7) / 5,
+        "rollout_rs_seq_sum_k1_std": math.sqrt((2 * 0.3**2 + 3 * high**2) / 5 - ((2 * 0.3 + 3 * high) / 5) ** 2),
+    })  # fmt: skip  # the std clamps row 1's 0.7 to the upper bound
+    # a token option that keeps every token sends the overall statistics through the token path: the same numbers
+    _, kept_too, tokens = rollout_correction(old, rollout, mask, rollout_rs="seq_sum_k1,token_k2",
+                                             rollout_rs_threshold="0.5_1.6,100.0")  # fmt: skip
+    assert torch.equal(kept_too, kept)
+    for name, value in rows.items():
+        assert tokens[name] == pytest.approx(value, abs=1e-12), name
+
+
 def test_verls_pinned_metric_values():
     """verl's tests: IcePop std / ESS / out-of-band ratio; token_k1 rejection's masked fraction; the sequence
     fraction above the bound from raw per-row means; the sequence max over every row (an empty one gives 1)."""

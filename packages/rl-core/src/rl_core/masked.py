@@ -8,6 +8,23 @@ from __future__ import annotations
 import torch
 
 
+def is_set(mask: torch.Tensor) -> torch.Tensor:
+    """``mask`` as bool (non-zero: set; NaN counts as set, as in ``.bool()``). Written as a comparison rather than
+    ``.bool()``: in a compiled graph Inductor's CPU code turns the comparison into vector instructions, but a
+    float -> bool conversion into a scalar loop per vector (measured on a masked row sum at 128 x 4096, one
+    thread: 0.08 against 1.7 ms)."""
+    return mask != 0
+
+
+def any_set(mask: torch.Tensor) -> bool:
+    """Whether ``mask`` sets any entry (one device sync), read as the largest of its bytes: ``Tensor.any`` of a
+    128 x 4096 bool mask measured 0.37 ms on CPU (torch 2.13, one thread), the byte maximum 0.01 ms."""
+    if mask.numel() == 0:
+        return False
+    flags = mask if mask.dtype == torch.bool else is_set(mask)
+    return bool(flags.view(torch.uint8).max())
+
+
 def as_float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``mask`` as a 0/1 tensor of ``like``'s dtype and device."""
     return mask.to(device=like.device, dtype=like.dtype)
@@ -15,7 +32,7 @@ def as_float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of ``values`` where ``mask`` is set; masked-out NaN / Inf values do not leak in."""
-    m = mask.to(torch.bool)
+    m = is_set(mask)
     zeros = torch.zeros((), dtype=values.dtype, device=values.device)
     picked = torch.where(m, values, zeros)
     return picked.sum() if dim is None else picked.sum(dim=dim)
@@ -32,7 +49,7 @@ def segment_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per row of ``[B, T]`` ``values``: each run of consecutive set ``mask`` entries (a segment: one assistant turn
     of a multi-turn sample) replaced by its mean, broadcast over the run; 0 where the mask is not set. Gradients flow
     to every entry of a segment through its mean (ROLL's ``compute_segment_masked_mean``, vectorised)."""
-    m = mask.to(torch.bool)
+    m = is_set(mask)
     starts = m & ~torch.nn.functional.pad(m[:, :-1], (1, 0), value=False)
     # segment ids 1.. within a row, 0 outside the mask; rows offset so that one index_add serves the batch
     ids = torch.cumsum(starts.to(torch.long), dim=-1) * m
@@ -66,4 +83,4 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     whitened = (values - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
-    return torch.where(mask.to(torch.bool), whitened, torch.zeros_like(whitened))
+    return torch.where(is_set(mask), whitened, torch.zeros_like(whitened))

@@ -23,20 +23,24 @@ which its token-sum losses ignore). :func:`rollout_correction` runs both parts a
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
 from rl_core.fused import call as fused_call
-from rl_core.masked import masked_sum
+from rl_core.masked import any_set, is_set
 from rl_core.rollout_corr_metrics import (
     EPS,
     Metrics,
     is_metrics,
     masked_mean,
+    row_counts,
+    row_sums,
     rs_option_metrics,
     rs_overall_metrics,
 )
@@ -44,6 +48,8 @@ from rl_core.rollout_is_metrics import named_floats, stacked, to_floats
 
 SAFETY_BOUND = 20.0
 """|log ratio| is clamped to this before ``exp`` (verl's ``SAFETY_BOUND``)."""
+EXP_BOUNDS = (math.exp(-SAFETY_BOUND), math.exp(SAFETY_BOUND))
+"""``exp`` of the clamped log ratio's bounds (:func:`clamped_exp`)."""
 METRIC_PREFIX = "rollout_corr/"
 IS_LEVELS = ("token", "sequence")
 RS_OPTIONS = (
@@ -158,18 +164,26 @@ def _rs_bounds(option: str, spec: str) -> RSBounds:
 def row_sum(values: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
     """``[B]`` sums over each row's real tokens, accumulated in float64 and rounded back to ``values``' dtype (the
     same value whatever the order of the additions: eager and fused paths agree)."""
-    return masked_sum(values.double(), response_mask, dim=-1).to(values.dtype)
+    return row_sums(values, response_mask).to(values.dtype)
 
 
 # ---- IS weights -------------------------------------------------------------------------------------------------
+def clamped_exp(ratio: torch.Tensor) -> torch.Tensor:
+    """``exp(clamp(l, +-20))`` from ``ratio = exp(l)``: ``exp`` is monotonic, so clamping its value to
+    ``[e^-20, e^20]`` equals clamping its argument (to the last bit inside the bounds; at them the bound itself, the
+    float32 of ``math.exp``, where ``exp`` of the float bound may differ in the last bit). Every ``exp`` of the
+    log ratio in a correction is then the same ``exp(l)``, which the compiled graph computes once."""
+    return ratio.clamp(*EXP_BOUNDS)
+
+
 def raw_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str) -> torch.Tensor:
     """``[B, T]`` unbounded weights: per token ``exp(clamp(l))``, per sequence ``exp(clamp(sum of l))`` on every
     token of the row; 0 at padding."""
     if level not in IS_LEVELS:
         raise ValueError(f"Invalid rollout_is: {level!r}. Must be one of {list(IS_LEVELS)} (or null).")
-    valid = response_mask.bool()
+    valid = is_set(response_mask)
     if level == "token":
-        raw = torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND))
+        raw = clamped_exp(torch.exp(log_ratio))
     else:
         total = row_sum(log_ratio, response_mask)
         raw = torch.exp(total.clamp(-SAFETY_BOUND, SAFETY_BOUND)).unsqueeze(-1).expand_as(log_ratio)
@@ -216,7 +230,7 @@ def normalize_weights_across(
     """:func:`normalize_weights` with the mean taken over every rank's batch (verl's ``distributed_masked_mean``:
     the ranks' weight sums over their counts, token level over real tokens, sequence level over non-empty rows'
     mean weights). A rank without a real token contributes nothing but still joins the sum."""
-    mask = response_mask.bool()
+    mask = is_set(response_mask)
     if level == "token":
         values, counted = weights.double(), mask
     else:
@@ -257,10 +271,12 @@ def divergence(log_ratio: torch.Tensor, kind: str) -> torch.Tensor:
         return -clamped
     if kind == "k2":
         return 0.5 * clamped * clamped
-    return torch.exp(clamped) - 1.0 - clamped
+    return clamped_exp(torch.exp(log_ratio)) - 1.0 - clamped
 
 
-def _statistic(log_ratio: torch.Tensor, response_mask: torch.Tensor, option: str) -> torch.Tensor:
+def _statistic(
+    log_ratio: torch.Tensor, response_mask: torch.Tensor, option: str, counts: torch.Tensor | None = None
+) -> torch.Tensor:
     """The option's statistic, ``[B, T]`` (token options) or ``[B, 1]`` (sequence options)."""
     level, kind = option.rsplit("_", 1)
     values = divergence(log_ratio, kind)
@@ -269,8 +285,8 @@ def _statistic(log_ratio: torch.Tensor, response_mask: torch.Tensor, option: str
     if level == "seq_sum":
         return row_sum(values, response_mask).unsqueeze(-1)
     if level == "seq_mean":
-        return masked_mean(values, response_mask, dim=-1).to(values.dtype).unsqueeze(-1)
-    filled = values.masked_fill(~response_mask.bool(), -math.inf).amax(dim=-1, keepdim=True)
+        return masked_mean(values, response_mask, dim=-1, counts=counts).to(values.dtype).unsqueeze(-1)
+    filled = values.masked_fill(~is_set(response_mask), -math.inf).amax(dim=-1, keepdim=True)
     return torch.where(torch.isneginf(filled), torch.zeros_like(filled), filled)  # an empty row: 0
 
 
@@ -294,7 +310,7 @@ def rejection_mask(
     keep = torch.ones_like(log_ratio, dtype=torch.bool)
     for bounds in options:
         keep &= option_keep(_statistic(log_ratio, response_mask, bounds.option), bounds)
-    return (response_mask.bool() & keep).to(response_mask.dtype)
+    return (is_set(response_mask) & keep).to(response_mask.dtype)
 
 
 # ---- off-policy metrics ----------------------------------------------------------------------------------------
@@ -304,26 +320,35 @@ def offpolicy_metrics(
     """verl's ``compute_offpolicy_metrics`` (no prefix; verl logs them under ``rollout_corr/``): perplexities of the
     training (and rollout) policy per sequence averaged over all rows, ``kl`` (k1 of KL(rollout || train)),
     ``k3_kl``, log-perplexity differences, ``ppl_ratio``, ``chi2_token`` and ``chi2_seq``."""
-    if not bool(response_mask.bool().any()):
+    if not any_set(response_mask):
         raise ValueError("response_mask must contain at least one valid token.")
     return to_floats(offpolicy_tensors(old_log_prob, rollout_log_prob, response_mask))
 
 
 def offpolicy_tensors(
-    old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor | None, response_mask: torch.Tensor
+    old_log_prob: torch.Tensor,
+    rollout_log_prob: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    counts: torch.Tensor | None = None,
 ) -> Metrics:
-    """:func:`offpolicy_metrics` as 0-dim tensors (no device sync); ``response_mask`` must hold a real token."""
-    train_mean = masked_mean(old_log_prob, response_mask, dim=-1)
+    """:func:`offpolicy_metrics` as 0-dim tensors (no device sync); ``response_mask`` must hold a real token,
+    ``counts`` are its rows' token counts when the caller has them (:func:`row_counts`). ``kl`` is minus the mean
+    log ratio: ``rollout - old`` is exactly ``-(old - rollout)`` in floating point, so it shares the rows' sums of
+    the log ratio with ``chi2_seq``; ``chi2_token``'s ``exp(clamp(l, +-20))`` is :func:`clamped_exp` of ``k3_kl``'s
+    ``exp(l)`` (one ``exp`` per token)."""
+    counts = row_counts(response_mask) if counts is None else counts
+    train_mean = masked_mean(old_log_prob, response_mask, dim=-1, counts=counts)
     out = {"training_ppl": torch.exp(-train_mean).mean(), "training_log_ppl": (-train_mean).mean()}
     if rollout_log_prob is not None:
         log_ratio = old_log_prob - rollout_log_prob
-        rollout_mean = masked_mean(rollout_log_prob, response_mask, dim=-1)
+        rollout_mean = masked_mean(rollout_log_prob, response_mask, dim=-1, counts=counts)
         diff = rollout_mean - train_mean
-        clamped = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
-        seq_sum = masked_sum(log_ratio.double(), response_mask, dim=-1).clamp(-SAFETY_BOUND, SAFETY_BOUND)
+        ratio = torch.exp(log_ratio)
+        ratio_sums = row_sums(log_ratio, response_mask)
+        seq_sum = ratio_sums.clamp(-SAFETY_BOUND, SAFETY_BOUND)
         out.update(
-            kl=masked_mean(rollout_log_prob - old_log_prob, response_mask),
-            k3_kl=masked_mean(torch.exp(log_ratio) - log_ratio - 1.0, response_mask),
+            kl=-ratio_sums.sum() / (counts.sum() + EPS),
+            k3_kl=masked_mean(ratio - log_ratio - 1.0, response_mask, counts=counts),
             rollout_ppl=torch.exp(-rollout_mean).mean(),
             rollout_log_ppl=(-rollout_mean).mean(),
             log_ppl_diff=diff.mean(),
@@ -331,7 +356,7 @@ def offpolicy_tensors(
             log_ppl_diff_max=diff.max(),
             log_ppl_diff_min=diff.min(),
             ppl_ratio=torch.exp(diff).mean(),
-            chi2_token=masked_mean(torch.exp(clamped) ** 2, response_mask) - 1.0,
+            chi2_token=masked_mean(clamped_exp(ratio) ** 2, response_mask, counts=counts) - 1.0,
             chi2_seq=torch.exp(2.0 * seq_sum).mean() - 1.0,
         )
     return out
@@ -378,26 +403,27 @@ def correction_tensors(
     """The correction as pure tensor code, metrics as 0-dim tensors (one graph: :mod:`rl_core.fused` compiles it).
     ``response_mask`` must hold a real token."""
     log_ratio = old_log_prob - rollout_log_prob
+    counts = row_counts(response_mask)  # one sum of the mask serves every mean below
     metrics: Metrics = {}
     weights = None
     if spec.level is not None and spec.is_bounds is not None:
         raw = raw_weights(log_ratio, response_mask, spec.level)
         bounded = bound_weights(raw, spec.is_bounds)
-        metrics.update(is_metrics(bounded, raw, log_ratio, response_mask, spec.level, spec.is_bounds))
+        metrics.update(is_metrics(bounded, raw, log_ratio, response_mask, spec.level, spec.is_bounds, counts))
         weights = bounded.detach()
         if spec.batch_normalize:
             weights, metrics["rollout_is_batch_norm_factor"] = normalize_weights(weights, response_mask, spec.level)
     new_mask = response_mask.clone()
     if spec.rs:
-        keep = torch.ones_like(log_ratio, dtype=torch.bool)
+        kept = []  # per option: [B, T] for token options, [B, 1] for sequence ones
         for option in spec.rs:
-            stat = _statistic(log_ratio, response_mask, option.option)
-            kept = option_keep(stat, option).expand_as(log_ratio)
-            metrics.update(rs_option_metrics(stat, kept, response_mask, option))
-            keep = keep & kept
-        metrics.update(rs_overall_metrics(keep, response_mask))
-        new_mask = (response_mask.bool() & keep).to(response_mask.dtype)
-    metrics.update(offpolicy_tensors(old_log_prob, rollout_log_prob, response_mask))
+            stat = _statistic(log_ratio, response_mask, option.option, counts)
+            kept.append(option_keep(stat, option))
+            metrics.update(rs_option_metrics(stat, kept[-1], response_mask, option, counts))
+        keep = functools.reduce(operator.and_, kept)  # [B, 1] when every option is a sequence one
+        metrics.update(rs_overall_metrics(keep, response_mask, counts))
+        new_mask = (is_set(response_mask) & keep).to(response_mask.dtype)
+    metrics.update(offpolicy_tensors(old_log_prob, rollout_log_prob, response_mask, counts))
     return weights, new_mask, metrics
 
 
@@ -438,14 +464,12 @@ def rollout_correction(
     spec = correction_spec(
         rollout_is, rollout_is_threshold, rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold
     )
-    if not bool(response_mask.bool().any()):
+    if not any_set(response_mask):
         raise ValueError("response_mask must contain at least one valid token (1).")
     across = all_reduce is not None and spec.batch_normalize and spec.level is not None
     with torch.no_grad():
         inputs = (old_log_prob, rollout_log_prob, response_mask, _without_batch_normalize(spec) if across else spec)
-        weights, new_mask, names, values = fused_call(
-            correction_stacked, response_mask.numel(), fused, *inputs, float_masks=True
-        )
+        weights, new_mask, names, values = fused_call(correction_stacked, response_mask.numel(), fused, *inputs)
         metrics = named_floats(names, values, METRIC_PREFIX)
         if across and weights is not None and all_reduce is not None and spec.level is not None:
             # after the graph: a collective inside it would break it

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rl_core.masked import masked_sum
+from rl_core.masked import is_set
 
 if TYPE_CHECKING:
     from rl_core.rollout_corr import ISBounds, RSBounds
@@ -27,15 +27,39 @@ EPS = 1e-8
 """verl's ``masked_mean`` denominator guard and batch-normalisation floor."""
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def masked_mean(
+    values: torch.Tensor, mask: torch.Tensor, dim: int | None = None, counts: torch.Tensor | None = None
+) -> torch.Tensor:
     """verl's ``masked_mean``, denominator included: ``masked_sum / (count + 1e-8)`` (an empty row gives 0), where
     :func:`rl_core.masked.masked_mean` divides by ``max(count, 1)``. Accumulated and returned in float64: float32
     sums of a batch's tokens lose digits (gaps of +-1e4 next to 1e-2) in a way that depends on the order of the
-    additions, so the eager and the fused path would disagree; float64 makes both the correctly rounded value."""
-    values = values.double()
+    additions, so the eager and the fused path would disagree; float64 makes both the correctly rounded value.
+    ``counts``: the rows' real-token counts (:func:`row_counts`) when the caller has them: one sum of the mask
+    for every mean of a correction instead of one each."""
+    if counts is None:
+        counts = row_counts(mask)
     if dim is None:  # rows first: the compiled path then reads the batch once for all of a row's sums
-        return masked_sum(values, mask, -1).sum() / (mask.to(values.dtype).sum(-1).sum() + EPS)
-    return masked_sum(values, mask, dim) / (mask.to(values.dtype).sum(dim) + EPS)
+        return row_sums(values, mask).sum() / (counts.sum() + EPS)
+    if dim not in (-1, mask.dim() - 1):
+        raise ValueError(f"masked_mean over dim={dim}: only the last dimension (a row's tokens) is supported.")
+    return row_sums(values, mask) / (counts + EPS)
+
+
+def row_counts(mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` float64: each row's number of real tokens (counted as :func:`row_sums` counts a bool)."""
+    return row_sums(torch.ones_like(mask, dtype=torch.bool), mask)
+
+
+def row_sums(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B]`` float64 sums of each row's real tokens. The padding is zeroed in the values' own dtype and only then
+    widened: the same sums, but the compiled CPU loop selects one float32 vector instead of two float64 ones. Bool
+    ``values`` (a condition to count) are summed as float32 ones, exactly (a row holds far fewer than 2^24 tokens),
+    and widened after the sum."""
+    picked = is_set(mask)
+    if values.dtype == torch.bool:
+        return (picked & values).to(torch.float32).sum(-1).double()
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    return torch.where(picked, values, zero).double().sum(-1)
 
 
 def _valid_extreme(values: torch.Tensor, valid: torch.Tensor, largest: bool) -> torch.Tensor:
@@ -45,13 +69,16 @@ def _valid_extreme(values: torch.Tensor, valid: torch.Tensor, largest: bool) -> 
     return values.masked_fill(~valid, math.inf).amin(-1).amin()
 
 
-def _clamped_std(values: torch.Tensor, mask: torch.Tensor, low: float, high: float) -> torch.Tensor:
-    """Population std over real tokens of ``values`` clamped to ``[low, high]`` (0 with one token or none), as
-    ``sqrt(E[x^2] - E[x]^2)`` like verl but in float64: verl's float32 leaves noise of order 1e-6 where the spread is
-    0 (every value clamped to one bound), which would depend on the order of the sums."""
-    clamped = values.clamp(low, high).double()
-    variance = masked_mean(clamped * clamped, mask) - masked_mean(clamped, mask) ** 2
-    count = mask.to(clamped.dtype).sum(-1).sum()
+def _token_std(values: torch.Tensor, mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Population std over real tokens (0 with one token or none), as ``sqrt(E[x^2] - E[x]^2)`` like verl but in
+    float64: verl's float32 leaves noise of order 1e-6 where the spread is 0 (every value clamped to one bound), which
+    would depend on the order of the sums."""
+    values = values.double()
+    variance = masked_mean(values * values, mask, counts=counts) - masked_mean(values, mask, counts=counts) ** 2
+    return _population_std(variance, counts.sum())
+
+
+def _population_std(variance: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 1, variance.clamp_min(0.0).sqrt(), torch.zeros_like(variance))
 
 
@@ -82,17 +109,24 @@ class _Rows:
 
 def is_metrics(
     weights: torch.Tensor, raw: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, level: str,
-    bounds: ISBounds,
+    bounds: ISBounds, counts: torch.Tensor,
 ) -> Metrics:  # fmt: skip
     """``rollout_is_*`` of the bounded weights (before batch normalisation) and the raw ones (``raw``, 0 at padding);
     ``log_ratio`` feeds the sequence level's max / min / fractions (the rows' unclamped sums). ``mask`` must hold a
-    real token (the caller checks)."""
-    valid = mask.bool()
+    real token (the caller checks); ``counts``: its rows' token counts (:func:`row_counts`).
+
+    verl clamps the weights to ``[0, upper]`` for their std and effective sample size; bounded weights already lie
+    there (TIS truncates at ``upper``, IcePop keeps ``[lower, upper]`` or 0; NaN stays NaN either way), so their
+    first and second moments serve the mean, the std and the effective sample size alike."""
+    valid = is_set(mask)
     upper = bounds.upper
     lower = bounds.lower if bounds.lower is not None else 1.0 / upper
-    out: Metrics = {"rollout_is_mean": masked_mean(weights, mask)}
+    weight_rows = row_sums(weights, mask)
+    mean = weight_rows.sum() / (counts.sum() + EPS)
+    second = masked_mean(weights.double() ** 2, mask, counts=counts)
+    out: Metrics = {"rollout_is_mean": mean}
     if level == "sequence":
-        sums = masked_sum(log_ratio.double(), mask, dim=-1)  # exp in double, as verl's math.exp of a float
+        sums = row_sums(log_ratio, mask)  # exp in double, as verl's math.exp of a float
         out["rollout_is_max"] = torch.exp(sums.max().clamp(max=20.0))
         out["rollout_is_min"] = torch.exp(sums.min())
         out["rollout_is_ratio_fraction_high"] = (sums > math.log(upper)).double().mean()
@@ -100,11 +134,12 @@ def is_metrics(
     else:
         out["rollout_is_max"] = _valid_extreme(weights, valid, largest=True)
         out["rollout_is_min"] = _valid_extreme(weights, valid, largest=False)
-        out["rollout_is_ratio_fraction_high"] = masked_mean((raw > upper).to(weights.dtype), mask)
-        out["rollout_is_ratio_fraction_low"] = masked_mean((raw < lower).to(weights.dtype), mask)
-    out["rollout_is_std"] = _clamped_std(weights, mask, 0.0, upper)
-    out["rollout_is_eff_sample_size"] = _effective_sample_size(weights.clamp(0.0, upper), mask)
-    row_means = _Rows(masked_mean(weights, mask, dim=-1), torch.ones_like(weights[:, 0]))  # every row
+        out["rollout_is_ratio_fraction_high"] = masked_mean(raw > upper, mask, counts=counts)
+        out["rollout_is_ratio_fraction_low"] = masked_mean(raw < lower, mask, counts=counts)
+    out["rollout_is_std"] = _population_std(second - mean**2, counts.sum())
+    relative = second / (mean + EPS) ** 2  # 1 / ESS: mean((w / mean w)^2), verl's order; 0 when every weight is 0
+    out["rollout_is_eff_sample_size"] = torch.where(relative > 0, 1.0 / relative, torch.zeros_like(relative))
+    row_means = _Rows(weight_rows / (counts + EPS), torch.ones_like(counts))  # every row
     out.update(
         rollout_is_seq_mean=row_means.mean(),
         rollout_is_seq_std=row_means.std(),
@@ -112,47 +147,35 @@ def is_metrics(
         rollout_is_seq_min=row_means.extreme(largest=False),
         rollout_is_seq_max_deviation=(row_means.values - 1.0).abs().amax(),
     )
-    raw_means = masked_mean(raw, mask, dim=-1)
+    raw_means = masked_mean(raw, mask, dim=-1, counts=counts)
     out["rollout_is_seq_fraction_high"] = (raw_means > upper).to(weights.dtype).mean()
     out["rollout_is_seq_fraction_low"] = (raw_means < lower).to(weights.dtype).mean()
     if bounds.lower is not None:
         outside = (raw < bounds.lower) | (raw > upper)
-        out["rollout_is_oob_ratio"] = masked_mean(outside.to(weights.dtype), mask)
+        out["rollout_is_oob_ratio"] = masked_mean(outside, mask, counts=counts)
     return out
 
 
-def _effective_sample_size(weights: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``1 / mean((w / mean w)^2)`` over real tokens (0 when every weight is 0), as ``mean(w^2) / (mean w)^2``: one
-    pass over the batch instead of two (verl's order; the same value in float64)."""
-    mean = masked_mean(weights, mask)
-    second = masked_mean(weights * weights, mask) / (mean + EPS) ** 2
-    return torch.where(second > 0, 1.0 / second, torch.zeros_like(second))
-
-
-def rs_option_metrics(stat: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor, bounds: RSBounds) -> Metrics:
-    """``rollout_rs_<option>_*`` of one option: its statistic ``stat`` (``[B, T]`` for token options, ``[B, 1]`` for
-    sequence ones) and the tokens it keeps. ``mask`` must hold a real token (the caller checks)."""
+def rs_option_metrics(
+    stat: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor, bounds: RSBounds, counts: torch.Tensor
+) -> Metrics:
+    """``rollout_rs_<option>_*`` of one option: its statistic ``stat`` and what it keeps, ``keep`` (both ``[B, T]``
+    for token options, ``[B, 1]`` for sequence ones). ``mask`` must hold a real token (the caller checks);
+    ``counts``: its rows' token counts. A sequence option's token-weighted statistics weigh each row's value by its
+    count (the same sums as over its tokens, without a pass over them)."""
     k1 = bounds.lower is not None
     high = math.log(bounds.upper) if k1 else bounds.upper
     low = math.log(bounds.lower) if bounds.lower is not None else 0.0
-    sequence = bounds.option.startswith("seq_")
-    per_token = stat.expand_as(mask).float()
-    valid = mask.bool()
-    rows = valid.any(dim=-1).float()  # the per-row statistics run over rows with a real token
-    row_values = _Rows(stat[:, 0].double() if sequence else masked_mean(per_token, mask, dim=-1), rows)
     name = f"rollout_rs_{bounds.option}_"
-    zero = per_token.new_zeros(())
-    out: Metrics = {f"{name}mean": masked_mean(per_token, mask)}
-    if sequence:
-        out[f"{name}max"], out[f"{name}min"] = row_values.extreme(largest=True), row_values.extreme(largest=False)
-        out[f"{name}fraction_high"] = row_values.fraction(row_values.values > high)
-        out[f"{name}fraction_low"] = row_values.fraction(row_values.values < low) if k1 else zero
+    rows = (counts > 0).to(torch.float32)  # the per-row statistics run over rows with a real token
+    if bounds.option.startswith("seq_"):
+        row_values = _Rows(stat[:, 0].double(), rows)
+        out = _rs_sequence_token_metrics(stat[:, 0], keep[:, 0], counts, row_values, name, (low, high), k1)
+        rejected_rows = ~keep[:, 0]
     else:
-        out[f"{name}max"] = _valid_extreme(per_token, valid, largest=True)
-        out[f"{name}min"] = _valid_extreme(per_token, valid, largest=False)
-        out[f"{name}fraction_high"] = masked_mean((per_token > high).float(), mask)
-        out[f"{name}fraction_low"] = masked_mean((per_token < low).float(), mask) if k1 else zero
-    out[f"{name}std"] = _clamped_std(per_token, mask, low if k1 else 0.0, high)
+        row_values = _Rows(masked_mean(stat, mask, dim=-1, counts=counts), rows)
+        out = _rs_token_metrics(stat, keep, mask, counts, name, (low, high), k1)
+        rejected_rows = row_sums(~keep, mask) > 0
     out.update({
         f"{name}seq_mean": row_values.mean(), f"{name}seq_std": row_values.std(),
         f"{name}seq_max": row_values.extreme(largest=True), f"{name}seq_min": row_values.extreme(largest=False),
@@ -161,16 +184,68 @@ def rs_option_metrics(stat: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor
     })  # fmt: skip
     if k1:
         out[f"{name}seq_fraction_low"] = row_values.fraction(row_values.values < low)
-    rejected = valid & ~keep
-    out[f"{name}masked_fraction"] = masked_mean(rejected.float(), mask)
-    out[f"{name}seq_masked_fraction"] = row_values.fraction(rejected.any(dim=-1))
+    out[f"{name}seq_masked_fraction"] = row_values.fraction(rejected_rows)
     return out
 
 
-def rs_overall_metrics(keep: torch.Tensor, mask: torch.Tensor) -> Metrics:
-    """``rollout_rs_masked_fraction`` (token-weighted) and ``rollout_rs_seq_masked_fraction`` (over every row)."""
-    rejected = mask.bool() & ~keep
+def _rs_token_metrics(
+    stat: torch.Tensor, keep: torch.Tensor, mask: torch.Tensor, counts: torch.Tensor, name: str,
+    bounds: tuple[float, float], k1: bool,
+) -> Metrics:  # fmt: skip
+    """A token option's token-level statistics: over its real tokens."""
+    low, high = bounds
+    valid = is_set(mask)
+    zero = stat.new_zeros(())
     return {
-        "rollout_rs_masked_fraction": masked_mean(rejected.float(), mask),
-        "rollout_rs_seq_masked_fraction": rejected.any(dim=-1).float().mean(),
+        f"{name}mean": masked_mean(stat, mask, counts=counts),
+        f"{name}max": _valid_extreme(stat, valid, largest=True),
+        f"{name}min": _valid_extreme(stat, valid, largest=False),
+        f"{name}fraction_high": masked_mean(stat > high, mask, counts=counts),
+        f"{name}fraction_low": masked_mean(stat < low, mask, counts=counts) if k1 else zero,
+        f"{name}std": _token_std(stat.clamp(low if k1 else 0.0, high), mask, counts),
+        f"{name}masked_fraction": masked_mean(~keep, mask, counts=counts),
+    }
+
+
+def _rs_sequence_token_metrics(
+    stat: torch.Tensor, keep: torch.Tensor, counts: torch.Tensor, row_values: _Rows, name: str,
+    bounds: tuple[float, float], k1: bool,
+) -> Metrics:  # fmt: skip
+    """A sequence option's token-level statistics from its ``[B]`` row values ``stat`` and ``keep``, each row counted
+    once per real token."""
+    low, high = bounds
+    zero = stat.new_zeros(())
+    clamped = stat.clamp(low if k1 else 0.0, high).double()
+    variance = _count_weighted_mean(clamped * clamped, counts) - _count_weighted_mean(clamped, counts) ** 2
+    return {
+        f"{name}mean": _count_weighted_mean(stat.double(), counts),
+        f"{name}max": row_values.extreme(largest=True),
+        f"{name}min": row_values.extreme(largest=False),
+        f"{name}fraction_high": row_values.fraction(row_values.values > high),
+        f"{name}fraction_low": row_values.fraction(row_values.values < low) if k1 else zero,
+        f"{name}std": _population_std(variance, counts.sum()),
+        f"{name}masked_fraction": _count_weighted_mean((~keep).double(), counts),
+    }
+
+
+def _count_weighted_mean(row_values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The mean over real tokens of ``[B]`` row values, each on every real token of its row (empty rows left out,
+    whatever their value)."""
+    weighted = torch.where(counts > 0, row_values * counts, torch.zeros_like(row_values))
+    return weighted.sum() / (counts.sum() + EPS)
+
+
+def rs_overall_metrics(keep: torch.Tensor, mask: torch.Tensor, counts: torch.Tensor) -> Metrics:
+    """``rollout_rs_masked_fraction`` (token-weighted) and ``rollout_rs_seq_masked_fraction`` (over every row);
+    ``keep`` is ``[B, T]``, or ``[B, 1]`` when every option is a sequence one."""
+    if keep.shape[-1] == 1 and keep.shape != mask.shape:
+        rejected_rows = ~keep[:, 0] & (counts > 0)
+        return {
+            "rollout_rs_masked_fraction": _count_weighted_mean((~keep[:, 0]).double(), counts),
+            "rollout_rs_seq_masked_fraction": rejected_rows.double().mean(),
+        }
+    rejected = row_sums(~keep, mask)  # each row's rejected real tokens
+    return {
+        "rollout_rs_masked_fraction": rejected.sum() / (counts.sum() + EPS),
+        "rollout_rs_seq_masked_fraction": (rejected > 0).double().mean(),
     }

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rl_core.masked import is_set
 from rl_core.registry import Registry
 
 
@@ -33,7 +34,7 @@ class GlobalBatchInfo:
     @classmethod
     def from_mask(cls, response_mask: torch.Tensor, norm_length: float | None = None) -> GlobalBatchInfo:
         """Build from the full mini-batch mask ``[B, T]`` (concatenate DP ranks' masks, or all-reduce sums)."""
-        mask = response_mask.to(torch.bool)
+        mask = is_set(response_mask)
         return cls(
             num_tokens=float(mask.sum().item()),
             num_seqs=float(mask.any(dim=-1).sum().item()),
@@ -135,6 +136,6 @@ def agg_loss(
             "both must be [batch, response_length]"
         )
     aggregate = LOSS_AGGREGATIONS.get(loss_agg_mode)
-    mask = loss_mask.to(torch.bool)
+    mask = is_set(loss_mask)
     clean = torch.where(mask, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device))
     return aggregate(clean, mask.to(clean.dtype), global_batch)

@@ -26,7 +26,7 @@ import torch
 from rl_core.fused import call as fused_call
 from rl_core.losses.aggregation import GlobalBatchInfo, aggregate_masked
 from rl_core.losses.config import PolicyLossConfig
-from rl_core.masked import masked_mean, segment_mean
+from rl_core.masked import is_set, masked_mean, segment_mean
 from rl_core.registry import Registry
 
 Metrics = dict[str, torch.Tensor]
@@ -76,7 +76,7 @@ class LossInputs:
         response_mask: torch.Tensor,
     ) -> None:
         self.check_shapes(old_log_prob, log_prob, advantages, response_mask)
-        self.mask = response_mask.to(torch.bool)
+        self.mask = is_set(response_mask)
         self.maskf = self.mask.to(log_prob.dtype)
         self.num_valid = self.maskf.sum().clamp(min=1.0)
         self._zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)

@@ -26,6 +26,7 @@ import torch
 from rl_core.losses.aggregation import GlobalBatchInfo
 from rl_core.losses.config import PolicyLossConfig
 from rl_core.losses.policy import LossInputs, Metrics, apply_is_weights, compute_policy_loss_vanilla
+from rl_core.masked import any_set
 from rl_core.rollout_corr import AllReduce, rollout_correction
 from rl_core.rollout_corr_config import RolloutCorrectionConfig
 
@@ -60,7 +61,7 @@ def compute_policy_loss_bypass_mode(
     weights: torch.Tensor | None = None
     kept, corr_metrics = response_mask, dict[str, float]()
     all_reduce = _data_parallel_sum(correction)
-    if bool(response_mask.bool().any()):
+    if any_set(response_mask):
         with torch.no_grad():
             weights, kept, corr_metrics = rollout_correction(
                 log_prob.detach(), old_log_prob.detach(), response_mask,

@@ -8,7 +8,7 @@ import torch
 
 from rl_core.kl import kl_penalty
 from rl_core.losses.aggregation import GlobalBatchInfo, agg_loss
-from rl_core.masked import masked_mean
+from rl_core.masked import is_set, masked_mean
 
 
 def compute_value_loss(
@@ -26,7 +26,7 @@ def compute_value_loss(
     Shapes ``[B, T]``. ``value_clip=None`` (ROLL ``value_clip: ~``) gives the plain squared error.
     Metrics: vf_clipfrac (share of tokens where the clipped branch was larger).
     """
-    mask = response_mask.to(torch.bool)
+    mask = is_set(response_mask)
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     values = torch.where(mask, values, zero)
     old_values = torch.where(mask, old_values.detach(), zero)
@@ -73,7 +73,7 @@ def compute_kl_loss(
     global_batch: GlobalBatchInfo | None = None,
 ) -> torch.Tensor:
     """KL-to-reference as a loss term (GRPO's ``use_kl_loss``), with any estimator of :mod:`rl_core.kl`."""
-    mask = response_mask.to(torch.bool)
+    mask = is_set(response_mask)
     zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
     kl = kl_penalty(torch.where(mask, log_prob, zero), torch.where(mask, ref_log_prob.detach(), zero), kl_loss_type)
     return agg_loss(kl, mask, loss_agg_mode, global_batch=global_batch)
