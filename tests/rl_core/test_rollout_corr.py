@@ -355,3 +355,25 @@ def test_bypass_on_a_micro_batch_without_a_real_token_trains_on_nothing_without_
     for loss_type in ("ppo_clip", "reinforce"):
         loss, metrics = compute_policy_loss_bypass_mode(*args, config=bypass(loss_type, rollout_is="token"))
         assert float(loss) == 0.0 and not any(name.startswith("rollout_corr/") for name in metrics)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_log_probs_give_the_float32_numbers_to_their_precision(dtype):
+    """e^20, the bound of an exp of a clamped log ratio, lies beyond float16's range: the correction still runs there
+    (its bound is then infinity, as exp(20) is in float16) and agrees with float32 on values both represent."""
+    g = torch.Generator().manual_seed(0)
+    old = (torch.randn(4, 16, generator=g) * 0.5 - 2.0).to(dtype)
+    rollout = (old.float() + 0.1 * torch.randn(4, 16, generator=g)).to(dtype)
+    mask = torch.arange(16).unsqueeze(0) < torch.tensor([[16], [9], [1], [12]])
+    keys = {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token_k3,seq_mean_k3",
+            "rollout_rs_threshold": "1.0,0.5"}  # fmt: skip
+    weights, kept, half = rollout_correction(old, rollout, mask, **keys)
+    weights32, kept32, full = rollout_correction(old.float(), rollout.float(), mask, **keys)
+    assert weights is not None and weights.dtype == dtype and torch.equal(kept, kept32)
+    torch.testing.assert_close(weights.float(), weights32, rtol=1e-2, atol=1e-3)
+    assert half.keys() == full.keys()
+    for name, value in full.items():
+        assert half[name] == pytest.approx(value, rel=2e-2, abs=2e-3), name
+    old[0, 0], rollout[0, 1] = -30.0, -30.0  # log ratios of +-28: exp overflows float16, the weights are truncated
+    weights, _, _ = rollout_correction(old, rollout, mask, **keys)
+    assert weights is not None and weights[0, 1] == 2.0 and weights[0, 0] < 1e-7

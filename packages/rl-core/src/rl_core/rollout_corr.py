@@ -172,8 +172,10 @@ def clamped_exp(ratio: torch.Tensor) -> torch.Tensor:
     """``exp(clamp(l, +-20))`` from ``ratio = exp(l)``: ``exp`` is monotonic, so clamping its value to
     ``[e^-20, e^20]`` equals clamping its argument (to the last bit inside the bounds; at them the bound itself, the
     float32 of ``math.exp``, where ``exp`` of the float bound may differ in the last bit). Every ``exp`` of the
-    log ratio in a correction is then the same ``exp(l)``, which the compiled graph computes once."""
-    return ratio.clamp(*EXP_BOUNDS)
+    log ratio in a correction is then the same ``exp(l)``, which the compiled graph computes once. In a dtype whose
+    range ends below e^20 (float16) the upper bound is infinity, as ``exp(20)`` is there."""
+    low, high = EXP_BOUNDS
+    return ratio.clamp(low, high if high <= torch.finfo(ratio.dtype).max else math.inf)
 
 
 def raw_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str) -> torch.Tensor:

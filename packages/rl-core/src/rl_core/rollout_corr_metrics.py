@@ -168,13 +168,14 @@ def rs_option_metrics(
     low = math.log(bounds.lower) if bounds.lower is not None else 0.0
     name = f"rollout_rs_{bounds.option}_"
     rows = (counts > 0).to(torch.float32)  # the per-row statistics run over rows with a real token
+    per_token = stat.float()  # the token-level statistics compare and clamp in float32, whatever the log-probs' dtype
     if bounds.option.startswith("seq_"):
         row_values = _Rows(stat[:, 0].double(), rows)
-        out = _rs_sequence_token_metrics(stat[:, 0], keep[:, 0], counts, row_values, name, (low, high), k1)
+        out = _rs_sequence_token_metrics(per_token[:, 0], keep[:, 0], counts, row_values, name, (low, high), k1)
         rejected_rows = ~keep[:, 0]
     else:
-        row_values = _Rows(masked_mean(stat, mask, dim=-1, counts=counts), rows)
-        out = _rs_token_metrics(stat, keep, mask, counts, name, (low, high), k1)
+        row_values = _Rows(masked_mean(per_token, mask, dim=-1, counts=counts), rows)
+        out = _rs_token_metrics(per_token, keep, mask, counts, name, (low, high), k1)
         rejected_rows = row_sums(~keep, mask) > 0
     out.update({
         f"{name}seq_mean": row_values.mean(), f"{name}seq_std": row_values.std(),
