@@ -39,7 +39,8 @@ class AlgorithmSettings:
     actor: ActorObjective
     critic: CriticObjective
     correction: RolloutCorrectionConfig | None = None
-    """verl 0.9.1's rollout correction (``rollout_correction``), applied before the advantages."""
+    """verl 0.9.1's rollout correction (``rollout_correction``), applied after the advantages (see
+    :func:`_apply_correction`)."""
     train_infer: TrainInferCorrectionConfig | None = None
     """ROLL's train-infer correction (``train_infer_correction``), applied after the advantages as ROLL does."""
 
@@ -240,9 +241,11 @@ def _apply_correction(
     tensors: dict[str, torch.Tensor], weights: torch.Tensor | None, kept: torch.Tensor, metrics: dict[str, float]
 ) -> dict[str, float]:
     """After the advantages (computed on the mask as generated, so every sample's score still counts in its group,
-    as in verl where rewards sit on the generated tokens): rejected tokens leave ``response_mask`` and get no
-    advantage or return; the IS weights go into the batch. A batch left without a token reports
-    ``mask/final_mask_sum_eq_0`` (the pipelines then skip training, as for the sample masks)."""
+    as in verl's outcome estimators, which sum the rewards without the mask): rejected tokens leave
+    ``response_mask`` and get no advantage or return; the IS weights go into the batch. verl applies the rejection
+    before its advantages, which differs where an estimator reads the mask (docs/rollout-importance-sampling.md).
+    A batch left without a token reports ``mask/final_mask_sum_eq_0`` (the pipelines then skip training, as for the
+    sample masks)."""
     tensors["response_mask"] = kept
     keep = kept.to(tensors["advantages"].dtype)
     tensors["advantages"] = tensors["advantages"] * keep

@@ -201,8 +201,9 @@ class SharedConfig:
     rollout_correction: RolloutCorrectionConfig | None = None
     """verl 0.9.1's rollout correction (its ``algorithm.rollout_correction`` keys: rollout_is, rollout_is_threshold,
     rollout_is_batch_normalize, rollout_rs, rollout_rs_threshold, bypass_mode, loss_type; see
-    docs/rollout-importance-sampling.md): weights and rejections applied before the advantages, ``rollout_corr/``
-    metrics. Instead of the rollout_is_* keys above, not with them."""
+    docs/rollout-importance-sampling.md): weights and rejections applied after the advantages (verl: before; the
+    same advantages for grpo and rloo, see the doc), ``rollout_corr/`` metrics. Instead of the rollout_is_* keys
+    above, not with them."""
     train_infer_correction: TrainInferCorrectionConfig | None = None
     """ROLL's train-infer correction (``is_weight``: an IS weight on each token's policy loss from the training and
     inference engines' log-probs, at token / geometric / sequence / segment level, clamped; ``filters``: tokens whose

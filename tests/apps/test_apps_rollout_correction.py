@@ -1,5 +1,5 @@
 """verl 0.9.1's rollout correction in the apps (``rollout_correction``, both pipelines' shared keys): the section
-loads typed, bad values and combinations are refused naming the key, the targets step applies it before the
+loads typed, bad values and combinations are refused naming the key, the targets step applies it after the
 advantages (rejected tokens leave the mask and get no advantage; IS weights go into the batch) with verl's
 ``rollout_corr/`` metrics, and in bypass mode the actor's objective is verl's bypass-mode loss. (Runs of both modes:
 tests/apps/test_apps_rlvr_pipeline.py.)"""
@@ -87,7 +87,7 @@ def test_bad_sections_are_refused_naming_the_key(section, extra, message):
         RLVRConfig.from_dict({"rewards": REWARDS, "rollout_correction": section, **extra})
 
 
-def test_the_targets_step_applies_it_before_the_advantages():
+def test_the_targets_step_applies_it_after_the_advantages():
     """Row 0's tokens have pi_rollout / pi_train = e (outside [0.5, 2]): rejected, so they leave the mask and get
     no advantage; row 1 (e^-0.5) is kept. The weights are rl-core's (truncated at 1.5)."""
     config = RLVRConfig.from_dict({"adv_estimator": "reinforce", "rewards": REWARDS, "rollout_correction": CORRECTION})

@@ -377,3 +377,23 @@ def test_half_precision_log_probs_give_the_float32_numbers_to_their_precision(dt
     old[0, 0], rollout[0, 1] = -30.0, -30.0  # log ratios of +-28: exp overflows float16, the weights are truncated
     weights, _, _ = rollout_correction(old, rollout, mask, **keys)
     assert weights is not None and weights[0, 1] == 2.0 and weights[0, 0] < 1e-7
+
+
+def test_values_without_spread_have_a_std_of_exactly_zero_as_in_verl():
+    """On-policy (every weight 1, every divergence 0) and every weight / statistic clamped to one bound: verl's
+    float32 ``count + 1e-8`` is the count, so these stds are 0.0 there. Dividing the float64 moments by
+    ``count + 1e-8`` instead left |x| sqrt(1e-8 / N) (measured 1.1e-6 for rollout_is_std at 64 x 256)."""
+    old = torch.full((64, 256), -1.0)
+    mask = torch.ones(64, 256)
+    mask[0, 100:] = 0  # rows of different lengths
+    on_policy = {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token_k2,seq_sum_k2",
+                 "rollout_rs_threshold": 1.0}  # fmt: skip
+    _, _, metrics = rollout_correction(old, old.clone(), mask, **on_policy, fused=False)
+    clamped = {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token_k2,seq_sum_k2",
+               "rollout_rs_threshold": 0.1}  # fmt: skip
+    # log ratio 3 everywhere: every weight truncated at 2, every k2 (4.5) above its bound 0.1, every row's sum too
+    _, _, clamped_metrics = rollout_correction(old, old - 3.0, mask, **clamped, fused=False)
+    for got in (metrics, clamped_metrics):
+        for name in ("rollout_is_std", "rollout_rs_token_k2_std", "rollout_rs_seq_sum_k2_std"):
+            assert got[f"rollout_corr/{name}"] == 0.0, name
+    assert clamped_metrics["rollout_corr/rollout_is_mean"] == pytest.approx(2.0)  # the means keep verl's 1e-8

@@ -70,12 +70,19 @@ def _valid_extreme(values: torch.Tensor, valid: torch.Tensor, largest: bool) -> 
 
 
 def _token_std(values: torch.Tensor, mask: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Population std over real tokens (0 with one token or none), as ``sqrt(E[x^2] - E[x]^2)`` like verl but in
-    float64: verl's float32 leaves noise of order 1e-6 where the spread is 0 (every value clamped to one bound), which
-    would depend on the order of the sums."""
+    """Population std over real tokens (0 with one token or none), as ``sqrt(E[x^2] - E[x]^2)`` like verl, from
+    float64 sums (:func:`_moment_std`)."""
     values = values.double()
-    variance = masked_mean(values * values, mask, counts=counts) - masked_mean(values, mask, counts=counts) ** 2
-    return _population_std(variance, counts.sum())
+    return _moment_std(row_sums(values, mask).sum(), row_sums(values * values, mask).sum(), counts.sum())
+
+
+def _moment_std(total: torch.Tensor, total_sq: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Population std from the sum, the sum of squares and the count of the values (float64), the means divided by
+    the count itself: verl's float32 ``count + 1e-8`` is the count, so values without spread have std 0 there, where
+    float64's ``count + 1e-8`` would leave ``|x| sqrt(1e-8 / count)`` (1e-6 at 10^4 tokens). 0 with one value or
+    none."""
+    safe = count.clamp_min(1.0)
+    return _population_std(total_sq / safe - (total / safe) ** 2, count)
 
 
 def _population_std(variance: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
@@ -123,7 +130,8 @@ def is_metrics(
     lower = bounds.lower if bounds.lower is not None else 1.0 / upper
     weight_rows = row_sums(weights, mask)
     mean = weight_rows.sum() / (counts.sum() + EPS)
-    second = masked_mean(weights.double() ** 2, mask, counts=counts)
+    second_sum = row_sums(weights.double() ** 2, mask).sum()
+    second = second_sum / (counts.sum() + EPS)  # verl's masked_mean
     out: Metrics = {"rollout_is_mean": mean}
     if level == "sequence":
         sums = row_sums(log_ratio, mask)  # exp in double, as verl's math.exp of a float
@@ -136,7 +144,7 @@ def is_metrics(
         out["rollout_is_min"] = _valid_extreme(weights, valid, largest=False)
         out["rollout_is_ratio_fraction_high"] = masked_mean(raw > upper, mask, counts=counts)
         out["rollout_is_ratio_fraction_low"] = masked_mean(raw < lower, mask, counts=counts)
-    out["rollout_is_std"] = _population_std(second - mean**2, counts.sum())
+    out["rollout_is_std"] = _moment_std(weight_rows.sum(), second_sum, counts.sum())
     relative = second / (mean + EPS) ** 2  # 1 / ESS: mean((w / mean w)^2), verl's order; 0 when every weight is 0
     out["rollout_is_eff_sample_size"] = torch.where(relative > 0, 1.0 / relative, torch.zeros_like(relative))
     row_means = _Rows(weight_rows / (counts + EPS), torch.ones_like(counts))  # every row
@@ -217,14 +225,14 @@ def _rs_sequence_token_metrics(
     low, high = bounds
     zero = stat.new_zeros(())
     clamped = stat.clamp(low if k1 else 0.0, high).double()
-    variance = _count_weighted_mean(clamped * clamped, counts) - _count_weighted_mean(clamped, counts) ** 2
+    total, total_sq = _count_weighted_sum(clamped, counts), _count_weighted_sum(clamped * clamped, counts)
     return {
         f"{name}mean": _count_weighted_mean(stat.double(), counts),
         f"{name}max": row_values.extreme(largest=True),
         f"{name}min": row_values.extreme(largest=False),
         f"{name}fraction_high": row_values.fraction(row_values.values > high),
         f"{name}fraction_low": row_values.fraction(row_values.values < low) if k1 else zero,
-        f"{name}std": _population_std(variance, counts.sum()),
+        f"{name}std": _moment_std(total, total_sq, counts.sum()),
         f"{name}masked_fraction": _count_weighted_mean((~keep).double(), counts),
     }
 
@@ -232,8 +240,12 @@ def _rs_sequence_token_metrics(
 def _count_weighted_mean(row_values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The mean over real tokens of ``[B]`` row values, each on every real token of its row (empty rows left out,
     whatever their value)."""
-    weighted = torch.where(counts > 0, row_values * counts, torch.zeros_like(row_values))
-    return weighted.sum() / (counts.sum() + EPS)
+    return _count_weighted_sum(row_values, counts) / (counts.sum() + EPS)
+
+
+def _count_weighted_sum(row_values: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The sum over real tokens of ``[B]`` row values, each on every real token of its row (empty rows left out)."""
+    return torch.where(counts > 0, row_values * counts, torch.zeros_like(row_values)).sum()
 
 
 def rs_overall_metrics(keep: torch.Tensor, mask: torch.Tensor, counts: torch.Tensor) -> Metrics:
