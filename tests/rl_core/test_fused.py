@@ -219,3 +219,43 @@ def test_on_cpu_the_fused_loss_keeps_only_its_inputs_for_the_backward():
     assert batch_sized and len(copies) <= 1, [t.dtype for t in batch_sized]
     assert all(torch.equal(t, x["mask"].float()) for t in copies), [t.dtype for t in copies]
     assert current.grad is not None and torch.isfinite(current.grad).all()
+
+
+def _compiled_exp(x: torch.Tensor) -> torch.Tensor:
+    return torch.compile(fused_module.exp, fullgraph=True, dynamic=False)(x)
+
+
+def test_the_compiled_cpu_exp_is_within_one_ulp_of_the_exact_value():
+    """Inside a compiled CPU graph, rl_core.fused.exp is a polynomial (no call to a vector exp in the loop): on a
+    dense grid of float32 over [-86, 88.7] it stays within one float32 ulp of exp computed in float64."""
+    x = torch.linspace(-86.0, 88.72, 400_001)
+    y = _compiled_exp(x)
+    exact = torch.exp(x.double())
+    ulp = torch.exp(x).double() * 2.0**-23  # the float32 spacing at the result, to a factor of 2
+    assert ((y.double() - exact).abs() / ulp).max() <= 1.0
+    assert not torch.equal(y, torch.exp(x))  # the polynomial ran: some last bits differ from torch.exp's
+
+
+def test_the_compiled_cpu_exp_keeps_the_special_values_of_exp():
+    """NaN stays NaN; +inf and anything past ln(FLT_MAX) overflow to inf; -inf and anything below -86 give 0 (where
+    torch.exp gives values below 4.5e-38); the largest finite results and exp(0) = 1 exactly."""
+    special = torch.tensor([math.nan, math.inf, -math.inf, 1e30, -1e30, 88.72283935546875, 88.7228, 0.0, -86.0, -86.5])
+    y = _compiled_exp(special)
+    assert math.isnan(y[0]) and y[1] == math.inf and y[2] == 0.0 and y[3] == math.inf and y[4] == 0.0
+    exact = torch.exp(special.double())
+    assert y[5] == math.inf and math.isfinite(y[6]) and float(y[6]) == pytest.approx(float(exact[6]), rel=2e-7)
+    assert y[7] == 1.0 and float(y[8]) == pytest.approx(float(exact[8]), rel=2e-7) and y[9] == 0.0
+
+
+def test_the_compiled_cpu_exp_has_the_gradient_of_exp():
+    x = torch.linspace(-30.0, 30.0, 1001, requires_grad=True)
+    torch.compile(lambda v: fused_module.exp(v).sum(), fullgraph=True, dynamic=False)(x).backward()
+    assert x.grad is not None
+    torch.testing.assert_close(x.grad, torch.exp(x.detach()), rtol=3e-7, atol=0.0)
+
+
+def test_outside_a_compiled_graph_and_off_float32_exp_is_torch_exp():
+    x = torch.linspace(-20.0, 20.0, 101)
+    assert torch.equal(fused_module.exp(x), torch.exp(x))
+    compiled_torch_exp = torch.compile(torch.exp, fullgraph=True, dynamic=False)
+    assert torch.equal(_compiled_exp(x.double()), compiled_torch_exp(x.double()))

@@ -33,6 +33,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from rl_core.fused import call as fused_call
+from rl_core.fused import exp as token_exp
 from rl_core.masked import any_set, is_set
 from rl_core.rollout_corr_metrics import (
     EPS,
@@ -178,14 +179,16 @@ def clamped_exp(ratio: torch.Tensor) -> torch.Tensor:
     return ratio.clamp(low, high if high <= torch.finfo(ratio.dtype).max else math.inf)
 
 
-def raw_weights(log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str) -> torch.Tensor:
+def raw_weights(
+    log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str, ratio: torch.Tensor | None = None
+) -> torch.Tensor:
     """``[B, T]`` unbounded weights: per token ``exp(clamp(l))``, per sequence ``exp(clamp(sum of l))`` on every
-    token of the row; 0 at padding."""
+    token of the row; 0 at padding. ``ratio``: ``exp(log_ratio)`` when the caller has it (one exp per token)."""
     if level not in IS_LEVELS:
         raise ValueError(f"Invalid rollout_is: {level!r}. Must be one of {list(IS_LEVELS)} (or null).")
     valid = is_set(response_mask)
     if level == "token":
-        raw = clamped_exp(torch.exp(log_ratio))
+        raw = clamped_exp(token_exp(log_ratio) if ratio is None else ratio)
     else:
         total = row_sum(log_ratio, response_mask)
         raw = torch.exp(total.clamp(-SAFETY_BOUND, SAFETY_BOUND)).unsqueeze(-1).expand_as(log_ratio)
@@ -266,22 +269,24 @@ def rollout_correction_weights(
 
 
 # ---- rejection sampling -------------------------------------------------------------------------------------
-def divergence(log_ratio: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token ``k1 = -l``, ``k2 = l^2 / 2`` or ``k3 = exp(l) - 1 - l`` of ``l = clamp(log_ratio, +-20)``."""
+def divergence(log_ratio: torch.Tensor, kind: str, ratio: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token ``k1 = -l``, ``k2 = l^2 / 2`` or ``k3 = exp(l) - 1 - l`` of ``l = clamp(log_ratio, +-20)``
+    (``ratio``: ``exp(log_ratio)`` when the caller has it)."""
     clamped = log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)
     if kind == "k1":
         return -clamped
     if kind == "k2":
         return 0.5 * clamped * clamped
-    return clamped_exp(torch.exp(log_ratio)) - 1.0 - clamped
+    return clamped_exp(token_exp(log_ratio) if ratio is None else ratio) - 1.0 - clamped
 
 
 def _statistic(
-    log_ratio: torch.Tensor, response_mask: torch.Tensor, option: str, counts: torch.Tensor | None = None
-) -> torch.Tensor:
+    log_ratio: torch.Tensor, response_mask: torch.Tensor, option: str, counts: torch.Tensor | None = None,
+    ratio: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
     """The option's statistic, ``[B, T]`` (token options) or ``[B, 1]`` (sequence options)."""
     level, kind = option.rsplit("_", 1)
-    values = divergence(log_ratio, kind)
+    values = divergence(log_ratio, kind, ratio)
     if level == "token":
         return values
     if level == "seq_sum":
@@ -332,6 +337,7 @@ def offpolicy_tensors(
     rollout_log_prob: torch.Tensor | None,
     response_mask: torch.Tensor,
     counts: torch.Tensor | None = None,
+    ratio: torch.Tensor | None = None,
 ) -> Metrics:
     """:func:`offpolicy_metrics` as 0-dim tensors (no device sync); ``response_mask`` must hold a real token,
     ``counts`` are its rows' token counts when the caller has them (:func:`row_counts`). ``kl`` is minus the mean
@@ -345,7 +351,7 @@ def offpolicy_tensors(
         log_ratio = old_log_prob - rollout_log_prob
         rollout_mean = masked_mean(rollout_log_prob, response_mask, dim=-1, counts=counts)
         diff = rollout_mean - train_mean
-        ratio = torch.exp(log_ratio)
+        ratio = token_exp(log_ratio) if ratio is None else ratio
         ratio_sums = row_sums(log_ratio, response_mask)
         seq_sum = ratio_sums.clamp(-SAFETY_BOUND, SAFETY_BOUND)
         out.update(
@@ -405,11 +411,12 @@ def correction_tensors(
     """The correction as pure tensor code, metrics as 0-dim tensors (one graph: :mod:`rl_core.fused` compiles it).
     ``response_mask`` must hold a real token."""
     log_ratio = old_log_prob - rollout_log_prob
+    ratio = token_exp(log_ratio)  # the one exp per token that every part below reads
     counts = row_counts(response_mask)  # one sum of the mask serves every mean below
     metrics: Metrics = {}
     weights = None
     if spec.level is not None and spec.is_bounds is not None:
-        raw = raw_weights(log_ratio, response_mask, spec.level)
+        raw = raw_weights(log_ratio, response_mask, spec.level, ratio)
         bounded = bound_weights(raw, spec.is_bounds)
         metrics.update(is_metrics(bounded, raw, log_ratio, response_mask, spec.level, spec.is_bounds, counts))
         weights = bounded.detach()
@@ -419,13 +426,13 @@ def correction_tensors(
     if spec.rs:
         kept = []  # per option: [B, T] for token options, [B, 1] for sequence ones
         for option in spec.rs:
-            stat = _statistic(log_ratio, response_mask, option.option, counts)
+            stat = _statistic(log_ratio, response_mask, option.option, counts, ratio)
             kept.append(option_keep(stat, option))
             metrics.update(rs_option_metrics(stat, kept[-1], response_mask, option, counts))
         keep = functools.reduce(operator.and_, kept)  # [B, 1] when every option is a sequence one
         metrics.update(rs_overall_metrics(keep, response_mask, counts))
         new_mask = (is_set(response_mask) & keep).to(response_mask.dtype)
-    metrics.update(offpolicy_tensors(old_log_prob, rollout_log_prob, response_mask, counts))
+    metrics.update(offpolicy_tensors(old_log_prob, rollout_log_prob, response_mask, counts, ratio))
     return weights, new_mask, metrics
 
 
