@@ -132,7 +132,7 @@ _LN2_HI = 0.693359375  # ln 2 in 9 bits: n * _LN2_HI is exact in float32 for eve
 _LN2_LO = -2.1219444005469058e-4  # ln 2 - _LN2_HI
 _EXP_MAX = 88.72283935546875  # the smallest float32 whose exp overflows (ln(FLT_MAX) = 88.7228390...)
 _EXP_MIN = -86.0  # below this (exp < 4.5e-38) the result is 0, where torch.exp gives tiny or subnormal values
-_TAYLOR = (1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0)  # 1/5! .. 1/0!, after 1/7! and 1/6!
+_TAYLOR = (1 / 5040, 1 / 720, 1 / 120, 1 / 24, 1 / 6, 1 / 2, 1.0, 1.0)  # 1/7! .. 1/0!
 
 
 def _polynomial_exp(x: torch.Tensor) -> torch.Tensor:
@@ -143,8 +143,8 @@ def _polynomial_exp(x: torch.Tensor) -> torch.Tensor:
     clamped = x.clamp(_EXP_MIN, _EXP_MAX)
     n = torch.floor(clamped * _LOG2E + 0.5)
     r = clamped - n * _LN2_HI - n * _LN2_LO
-    poly = r * (1 / 5040) + 1 / 720
-    for coefficient in _TAYLOR:
+    poly = r * _TAYLOR[0] + _TAYLOR[1]
+    for coefficient in _TAYLOR[2:]:
         poly = poly * r + coefficient
     half_scale = ((n.to(torch.int32) + 126) * (1 << 23)).view(torch.float32)  # 2^(n-1): n = 128 stays finite
     y = poly * half_scale * 2.0

@@ -179,6 +179,11 @@ def clamped_exp(ratio: torch.Tensor) -> torch.Tensor:
     return ratio.clamp(low, high if high <= torch.finfo(ratio.dtype).max else math.inf)
 
 
+def _exp_of(log_ratio: torch.Tensor, ratio: torch.Tensor | None) -> torch.Tensor:
+    """``ratio`` (``exp(log_ratio)``, when the caller has computed it) or ``exp(log_ratio)``."""
+    return token_exp(log_ratio) if ratio is None else ratio
+
+
 def raw_weights(
     log_ratio: torch.Tensor, response_mask: torch.Tensor, level: str, ratio: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -188,7 +193,7 @@ def raw_weights(
         raise ValueError(f"Invalid rollout_is: {level!r}. Must be one of {list(IS_LEVELS)} (or null).")
     valid = is_set(response_mask)
     if level == "token":
-        raw = clamped_exp(token_exp(log_ratio) if ratio is None else ratio)
+        raw = clamped_exp(_exp_of(log_ratio, ratio))
     else:
         total = row_sum(log_ratio, response_mask)
         raw = torch.exp(total.clamp(-SAFETY_BOUND, SAFETY_BOUND)).unsqueeze(-1).expand_as(log_ratio)
@@ -277,7 +282,7 @@ def divergence(log_ratio: torch.Tensor, kind: str, ratio: torch.Tensor | None = 
         return -clamped
     if kind == "k2":
         return 0.5 * clamped * clamped
-    return clamped_exp(token_exp(log_ratio) if ratio is None else ratio) - 1.0 - clamped
+    return clamped_exp(_exp_of(log_ratio, ratio)) - 1.0 - clamped
 
 
 def _statistic(
@@ -340,10 +345,10 @@ def offpolicy_tensors(
     ratio: torch.Tensor | None = None,
 ) -> Metrics:
     """:func:`offpolicy_metrics` as 0-dim tensors (no device sync); ``response_mask`` must hold a real token,
-    ``counts`` are its rows' token counts when the caller has them (:func:`row_counts`). ``kl`` is minus the mean
-    log ratio: ``rollout - old`` is exactly ``-(old - rollout)`` in floating point, so it shares the rows' sums of
-    the log ratio with ``chi2_seq``; ``chi2_token``'s ``exp(clamp(l, +-20))`` is :func:`clamped_exp` of ``k3_kl``'s
-    ``exp(l)`` (one ``exp`` per token)."""
+    ``counts`` are its rows' token counts (:func:`row_counts`) and ``ratio`` is ``exp(old - rollout)``, when the
+    caller has them. ``kl`` is minus the mean log ratio: ``rollout - old`` is exactly ``-(old - rollout)`` in
+    floating point, so it shares the rows' sums of the log ratio with ``chi2_seq``; ``chi2_token``'s
+    ``exp(clamp(l, +-20))`` is :func:`clamped_exp` of ``k3_kl``'s ``exp(l)`` (one ``exp`` per token)."""
     counts = row_counts(response_mask) if counts is None else counts
     train_mean = masked_mean(old_log_prob, response_mask, dim=-1, counts=counts)
     out = {"training_ppl": torch.exp(-train_mean).mean(), "training_log_ppl": (-train_mean).mean()}
@@ -351,7 +356,7 @@ def offpolicy_tensors(
         log_ratio = old_log_prob - rollout_log_prob
         rollout_mean = masked_mean(rollout_log_prob, response_mask, dim=-1, counts=counts)
         diff = rollout_mean - train_mean
-        ratio = token_exp(log_ratio) if ratio is None else ratio
+        ratio = _exp_of(log_ratio, ratio)
         ratio_sums = row_sums(log_ratio, response_mask)
         seq_sum = ratio_sums.clamp(-SAFETY_BOUND, SAFETY_BOUND)
         out.update(
