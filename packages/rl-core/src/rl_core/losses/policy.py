@@ -25,7 +25,7 @@ import torch
 
 from rl_core.fused import call as fused_call
 from rl_core.fused import exp as token_exp
-from rl_core.losses.aggregation import GlobalBatchInfo, aggregate_masked
+from rl_core.losses.aggregation import GlobalBatchInfo, aggregate_masked, total
 from rl_core.losses.config import PolicyLossConfig
 from rl_core.masked import is_set, masked_mean, segment_mean
 from rl_core.registry import Registry
@@ -79,7 +79,7 @@ class LossInputs:
         self.check_shapes(old_log_prob, log_prob, advantages, response_mask)
         self.mask = is_set(response_mask)
         self.maskf = self.mask.to(log_prob.dtype)
-        self.num_valid = self.maskf.sum().clamp(min=1.0)
+        self.num_valid = total(self.maskf).clamp(min=1.0)
         self._zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
         self._raw_log_prob = log_prob
         self._raw_old_log_prob = old_log_prob
@@ -118,7 +118,7 @@ class LossInputs:
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
         """Token mean over valid tokens of a detached quantity that is finite at padding (for metrics)."""
-        return (values.detach().to(self.maskf.dtype) * self.maskf).sum() / self.num_valid
+        return total(values.detach().to(self.maskf.dtype) * self.maskf) / self.num_valid
 
     def aggregate(
         self, pg_losses: torch.Tensor, loss_agg_mode: str, global_batch: GlobalBatchInfo | None
@@ -207,7 +207,7 @@ def _vanilla(
     x = LossInputs(old_log_prob, log_prob, advantages, response_mask)
     log_ratio = x.log_ratio()
     info = None if num_tokens is None else GlobalBatchInfo(num_tokens, num_seqs, norm_length)  # type: ignore[arg-type]
-    return _ppo(x, clip, token_exp(log_ratio), log_ratio, loss_agg_mode, rollout_is_weights, info)
+    return _ppo(x, clip, token_exp(log_ratio, small=True), log_ratio, loss_agg_mode, rollout_is_weights, info)
 
 
 @POLICY_LOSSES.register("sequence_ppo", "seq_ppo")
