@@ -199,6 +199,27 @@ def test_a_compiler_failure_falls_back_to_eager_in_auto_mode_and_raises_when_ask
     assert not wants_fused(double, FUSED_MIN_TOKENS, None)  # remembered: no second attempt
 
 
+def test_past_the_recompile_limit_auto_mode_runs_eagerly_and_a_forced_call_raises(monkeypatch, caplog):
+    """Each new option value compiles one more graph; past RECOMPILE_LIMIT graphs for one function Dynamo refuses
+    (fullgraph=True), and the automatic choice then runs the function eagerly, with the right result, instead of
+    failing the caller (measured: Dynamo's default limit of 8 failed the vanilla loss's tests run all fused)."""
+
+    def scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
+        return t * factor
+
+    monkeypatch.setattr(fused_module, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(fused_module, "_broken", set())
+    monkeypatch.delenv("RL_CORE_FUSED", raising=False)
+    x = torch.ones(3)
+    assert call(scaled, FUSED_MIN_TOKENS, None, x, 2.0).tolist() == [2.0] * 3  # the one graph allowed
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):
+        call(scaled, FUSED_MIN_TOKENS, True, x, 3.0)
+    with caplog.at_level(logging.WARNING, logger="rl_core.fused"):
+        assert call(scaled, FUSED_MIN_TOKENS, None, x, 4.0).tolist() == [4.0] * 3
+    assert "running it eagerly" in caplog.text
+    assert not wants_fused(scaled, FUSED_MIN_TOKENS, None)
+
+
 def test_on_cpu_the_fused_loss_keeps_only_its_inputs_for_the_backward():
     """Inductor's CPU loops write bool tensors slowly, and the compiled forward saved one (the dual-clip branch) for
     the backward; on CPU it saves nothing of the batch's size but its inputs (the mask as the float32 copy the fused

@@ -9,9 +9,10 @@ order of floating-point sums and, on CPU, in the last bit of ``exp``; tested to 
   ``RL_CORE_FUSED`` overrides it (``1`` always fused, ``0`` never).
 - ``True`` / ``False``: fused / eager; ``True`` raises when the compile fails instead of falling back.
 
-An automatic choice whose compile fails (no C++ compiler, an unsupported platform) logs one warning and runs eager
-from then on. Shapes are compiled as dynamic: new batch or response lengths reuse the compiled graph; new option
-values (a threshold, a loss mode) compile once more each.
+An automatic choice whose compile fails (no C++ compiler, an unsupported platform, more than
+:data:`RECOMPILE_LIMIT` graphs for one function) logs one warning and runs that function eagerly from then on.
+Shapes are compiled as dynamic: new batch or response lengths reuse the compiled graph; new option values (a
+threshold, a loss mode) compile once more each.
 
 On CPU, Inductor's loops handle bool tensors slowly: reading one or converting a float to one (``.bool()``) runs a
 scalar loop per vector (measured at 128 x 4096, one thread: 1.2 ms per bool mask read against 0.1 ms to copy it
@@ -51,6 +52,11 @@ logger = logging.getLogger(__name__)
 FUSED_MIN_TOKENS = 1 << 16
 """Auto mode fuses inputs with at least this many elements ([B, T] = 65536, e.g. 16 x 4096)."""
 ENV_VAR = "RL_CORE_FUSED"
+
+RECOMPILE_LIMIT = 32
+"""Graphs one function may compile per process: one per combination of option values and input dtypes (Dynamo's
+default limit, 8, is per code object, and a fused caller past it would fail: ``fullgraph=True``)."""
+_COMPILE_FAILURES = (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.FailOnRecompileLimitHit)
 
 F = TypeVar("F", bound=Callable[..., Any])
 _compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
@@ -120,9 +126,9 @@ def call(fn: Callable[..., Any], numel: int, fused: bool | None, *args: Any) -> 
     args = tuple(_float_mask(arg) for arg in args)
     _dynamic_shapes(args)
     try:
-        with _inputs_only_on_cpu(args):
+        with _inputs_only_on_cpu(args), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             return compiled(fn)(*args)
-    except torch._dynamo.exc.BackendCompilerFailed as error:  # the compiler itself, not the math, failed
+    except _COMPILE_FAILURES as error:  # the compiler, not the math, failed
         if fused is True or _env_choice() is True:
             raise
         _broken.add(fn)
