@@ -207,7 +207,8 @@ def test_past_the_recompile_limit_auto_mode_runs_eagerly_and_a_forced_call_raise
     def scaled(t: torch.Tensor, factor: float) -> torch.Tensor:
         return t * factor
 
-    monkeypatch.setattr(fused_module, "RECOMPILE_LIMIT", 1)
+    # rl-core raises Dynamo's limit to RECOMPILE_LIMIT around its calls (never lowers it): here, to 1
+    monkeypatch.setattr(fused_module, "_recompile_limit", lambda: torch._dynamo.config.patch(recompile_limit=1))
     monkeypatch.setattr(fused_module, "_broken", set())
     monkeypatch.delenv("RL_CORE_FUSED", raising=False)
     x = torch.ones(3)
@@ -218,6 +219,16 @@ def test_past_the_recompile_limit_auto_mode_runs_eagerly_and_a_forced_call_raise
         assert call(scaled, FUSED_MIN_TOKENS, None, x, 4.0).tolist() == [4.0] * 3
     assert "running it eagerly" in caplog.text
     assert not wants_fused(scaled, FUSED_MIN_TOKENS, None)
+
+
+def test_around_its_calls_rl_core_raises_dynamos_recompile_limit_and_restores_it():
+    config = torch._dynamo.config
+    before = config.recompile_limit
+    with fused_module._recompile_limit():
+        assert config.recompile_limit == max(before, fused_module.RECOMPILE_LIMIT) >= 32
+    assert config.recompile_limit == before
+    with config.patch(recompile_limit=100), fused_module._recompile_limit():
+        assert config.recompile_limit == 100  # a higher limit of the user's stays
 
 
 def test_on_cpu_the_fused_loss_keeps_only_its_inputs_for_the_backward():

@@ -42,7 +42,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -116,6 +116,19 @@ def _float_mask(arg: Any) -> Any:
     return arg
 
 
+@contextlib.contextmanager
+def _recompile_limit() -> Iterator[None]:
+    """Dynamo's recompile limit at least :data:`RECOMPILE_LIMIT` around a compiled call (set and restored directly:
+    4.5 us a call, where ``torch._dynamo.config.patch`` measured 15 us)."""
+    config = torch._dynamo.config
+    previous = config.recompile_limit
+    config.recompile_limit = max(previous, RECOMPILE_LIMIT)
+    try:
+        yield
+    finally:
+        config.recompile_limit = previous
+
+
 def call(fn: Callable[..., Any], numel: int, fused: bool | None, *args: Any) -> Any:
     """``fn(*args)``, fused or eager as :func:`wants_fused` decides for ``numel`` input elements. The fused path
     gets CPU bool tensors as float32 0 / 1 (see the module docstring): ``fn`` reads masks with
@@ -126,7 +139,7 @@ def call(fn: Callable[..., Any], numel: int, fused: bool | None, *args: Any) -> 
     args = tuple(_float_mask(arg) for arg in args)
     _dynamic_shapes(args)
     try:
-        with _inputs_only_on_cpu(args), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with _inputs_only_on_cpu(args), _recompile_limit():
             return compiled(fn)(*args)
     except _COMPILE_FAILURES as error:  # the compiler, not the math, failed
         if fused is True or _env_choice() is True:
