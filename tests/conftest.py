@@ -31,6 +31,7 @@ def _harness_start_up() -> None:
     workers, subprocesses)."""
     import runpy
 
+    os.environ.setdefault("RL_TEST_WORKER_ZYGOTE", "1")  # Ray workers fork from zygotes: harness_site/worker_zygote.py
     runpy.run_path(str(HARNESS_SITE / "sitecustomize.py"))
     paths = [str(HARNESS_SITE), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
