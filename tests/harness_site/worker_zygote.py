@@ -248,6 +248,8 @@ class Zygote:
         signal.set_wakeup_fd(self.wake_write, warn_on_full_buffer=False)
         raylet = os.environ.get("RAY_RAYLET_PID", "")
         self.raylet = os.pidfd_open(int(raylet)) if raylet.isdigit() else None
+        self.watched = [self.wake_read, *([self.raylet] if self.raylet is not None else [])]
+        """What :meth:`serve` waits on beside the listener: a child's exit, the raylet's."""
 
     def preload(self) -> None:
         import gc
@@ -275,8 +277,7 @@ class Zygote:
 
         idle_since = time.monotonic()
         while True:
-            waited = [self.listener, self.wake_read, *([self.raylet] if self.raylet is not None else [])]
-            ready, _, _ = select.select(waited, [], [], 1.0)
+            ready, _, _ = select.select([self.listener, *self.watched], [], [], 1.0)
             if self.wake_read in ready:
                 os.read(self.wake_read, 4096)
             self._reap()
@@ -332,7 +333,7 @@ class Zygote:
     def _become_child(self) -> None:
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        for handle in (self.wake_read, self.wake_write, *([self.raylet] if self.raylet is not None else [])):
+        for handle in (*self.watched, self.wake_write):
             os.close(handle)
         self.listener.close()
         for other in self.children.values():
