@@ -233,8 +233,8 @@ def test_around_its_calls_rl_core_raises_dynamos_recompile_limit_and_restores_it
 
 def test_on_cpu_the_fused_loss_keeps_only_its_inputs_for_the_backward():
     """Inductor's CPU loops write bool tensors slowly, and the compiled forward saved one (the dual-clip branch) for
-    the backward; on CPU it saves nothing of the batch's size but its inputs (the mask as the float32 copy the fused
-    path reads), and the backward recomputes the rest."""
+    the backward; on CPU it saves nothing of the batch's size but its inputs (the bool mask as the byte view the
+    fused path reads: the caller's memory, no copy), and the backward recomputes the rest."""
     x = random_batch(b=16, t=FUSED_MIN_TOKENS // 16, seed=5)
     current = x["current"].clone().requires_grad_(True)
     inputs = {t.data_ptr() for t in (x["old"], current, x["advantages"], x["mask"])}
@@ -248,10 +248,53 @@ def test_on_cpu_the_fused_loss_keeps_only_its_inputs_for_the_backward():
         loss, _ = get_policy_loss("vanilla")(x["old"], current, x["advantages"], x["mask"])
     loss.backward()
     batch_sized = [t for t in saved if t.numel() == x["mask"].numel()]
-    copies = [t for t in batch_sized if t.data_ptr() not in inputs]  # the fused path's float32 copy of the mask
-    assert batch_sized and len(copies) <= 1, [t.dtype for t in batch_sized]
-    assert all(torch.equal(t, x["mask"].float()) for t in copies), [t.dtype for t in copies]
+    assert batch_sized and all(t.data_ptr() in inputs for t in batch_sized), [t.dtype for t in batch_sized]
+    assert torch.uint8 in {t.dtype for t in batch_sized}  # the mask, as bytes
     assert current.grad is not None and torch.isfinite(current.grad).all()
+
+
+def test_on_cpu_a_fused_function_gets_bool_masks_as_bytes_and_the_caller_gets_bool_back(monkeypatch):
+    """The masks cross into the compiled graph as byte views of the caller's memory (no float copy in, none out),
+    and the correction's rejection mask comes back as bool holding exactly the eager path's tokens."""
+    seen: list[torch.Tensor] = []
+    real = fused_module.compiled
+
+    def recording(fn):
+        compiled = real(fn)
+
+        def run(*args):
+            seen.extend(a for a in args if isinstance(a, torch.Tensor))
+            return compiled(*args)
+
+        return run
+
+    monkeypatch.setattr(fused_module, "compiled", recording)
+    x = random_batch(8, 64, seed=11)
+    options = CORRECTIONS["token_tis_with_token_and_seq_mean_rs"]
+    eager = rollout_correction(x["old"], x["rollout"], x["mask"], **options, fused=False)
+    fused = rollout_correction(x["old"], x["rollout"], x["mask"], **options, fused=True)
+    masks = [t for t in seen if t.data_ptr() == x["mask"].data_ptr()]
+    assert [t.dtype for t in masks] == [torch.uint8]
+    assert fused[1].dtype == torch.bool and torch.equal(fused[1], eager[1])
+    assert not torch.equal(fused[1], x["mask"])  # some tokens were rejected: the mask was written, not passed on
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.float32])
+def test_masks_read_and_written_in_a_compiled_graph_equal_eager(dtype):
+    """is_set / mask_as compiled (bytes through float32 on CPU) give the eager values for every mask dtype."""
+    from rl_core.masked import is_set, mask_as
+
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(5, 37, generator=g)
+    mask = (torch.rand(5, 37, generator=g) > 0.4).to(dtype)
+
+    def kept(v: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        picked = is_set(m)
+        return mask_as(picked & (v < 0.5), m.dtype), torch.where(picked, v, 0.0).sum(-1)
+
+    (got_mask, got_sums), (want_mask, want_sums) = torch.compile(kept, fullgraph=True)(values, mask), kept(values, mask)
+    assert got_mask.dtype == dtype and torch.equal(got_mask, want_mask)
+    torch.testing.assert_close(got_sums, want_sums)  # float32 sums in another order: equal to rounding
 
 
 def _compiled_exp(x: torch.Tensor, small: bool = False) -> torch.Tensor:

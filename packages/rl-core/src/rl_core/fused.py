@@ -14,12 +14,15 @@ An automatic choice whose compile fails (no C++ compiler, an unsupported platfor
 Shapes are compiled as dynamic: new batch or response lengths reuse the compiled graph; new option values (a
 threshold, a loss mode) compile once more each.
 
-On CPU, Inductor's loops handle bool tensors slowly: reading one or converting a float to one (``.bool()``) runs a
-scalar loop per vector (measured at 128 x 4096, one thread: 1.2 ms per bool mask read against 0.1 ms to copy it
-as float32; a masked row sum 1.7 ms with ``.bool()``, 0.08 ms with ``mask != 0``), and writing one 4.7 ms against
-0.18 ms for float32. So the fused path hands the function its CPU bool tensors as float32 0 / 1, and the
-function reads masks as comparisons (:func:`rl_core.masked.is_set`), which compile to vector instructions; it
-computes the same either way. A graph with a backward keeps only its inputs for it, and the backward recomputes
+On CPU, Inductor's loops handle bool and byte tensors slowly: reading one, comparing one or converting a float to
+one (``.bool()``) runs a scalar loop per vector (measured at 128 x 4096, one thread: a masked row sum 1.2 ms
+reading a bool mask, 1.6 ms comparing a byte mask, 0.06 ms with a float32 one; writing a bool mask 4.7 ms against
+0.18 ms for float32), but a conversion between bytes and float32 is vector code both ways. So the fused path hands
+the function its CPU bool tensors as bytes (a ``uint8`` view: no copy), the function reads masks with
+:func:`rl_core.masked.is_set` (bytes -> float32 -> comparison) and writes the masks it returns with
+:func:`rl_core.masked.mask_as` (float32 0 / 1 -> bytes), and :func:`restore_mask` gives the caller its bool dtype
+back as a view. A graph
+with a backward keeps only its inputs for it, and the backward recomputes
 what it needs from them (AOTAutograd's ``activation_memory_budget`` 0): the loss's forward would otherwise save
 its dual-clip branch as a bool tensor. Measured on the vanilla loss at 128 x 4096, one thread: forward 13.6 ->
 1.45 ms with it. Neither on GPU, where bool tensors cost no more than their bytes.
@@ -109,11 +112,19 @@ def _inputs_only_on_cpu(args: tuple[Any, ...]) -> contextlib.AbstractContextMana
     return contextlib.nullcontext()
 
 
-def _float_mask(arg: Any) -> Any:
-    """A CPU bool tensor as float32 0 / 1 (read through a uint8 view: one fast eager pass, 0.04 ms at 128 x 4096)."""
+def _byte_mask(arg: Any) -> Any:
+    """A CPU bool tensor as its bytes (a view, see the module docstring); anything else as it is."""
     if isinstance(arg, torch.Tensor) and arg.dtype == torch.bool and arg.device.type == "cpu":
-        return arg.view(torch.uint8).to(torch.float32)
+        return arg.view(torch.uint8)
     return arg
+
+
+def restore_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A mask a fused function returned (bytes for a bool mask it was given) in the caller's ``dtype``: a bool view
+    of 0 / 1 bytes (no copy), otherwise a conversion."""
+    if mask.dtype == torch.uint8 and dtype == torch.bool:
+        return mask.view(torch.bool)
+    return mask.to(dtype)
 
 
 @contextlib.contextmanager
@@ -131,12 +142,12 @@ def _recompile_limit() -> Iterator[None]:
 
 def call(fn: Callable[..., Any], numel: int, fused: bool | None, *args: Any) -> Any:
     """``fn(*args)``, fused or eager as :func:`wants_fused` decides for ``numel`` input elements. The fused path
-    gets CPU bool tensors as float32 0 / 1 (see the module docstring): ``fn`` reads masks with
-    :func:`rl_core.masked.is_set` and returns masks in the dtype of the ones it was given, which the caller casts
-    back."""
+    gets CPU bool tensors as bytes (see the module docstring): ``fn`` reads masks with :func:`rl_core.masked.is_set`
+    and returns masks in the dtype of the ones it was given, written with :func:`rl_core.masked.mask_as`, which the
+    caller turns back with :func:`restore_mask`."""
     if not wants_fused(fn, numel, fused):
         return fn(*args)
-    args = tuple(_float_mask(arg) for arg in args)
+    args = tuple(_byte_mask(arg) for arg in args)
     _dynamic_shapes(args)
     try:
         with _inputs_only_on_cpu(args), _recompile_limit():

@@ -34,7 +34,8 @@ import torch
 
 from rl_core.fused import call as fused_call
 from rl_core.fused import exp as token_exp
-from rl_core.masked import any_set, is_set
+from rl_core.fused import restore_mask
+from rl_core.masked import any_set, is_set, mask_as
 from rl_core.rollout_corr_metrics import (
     EPS,
     Metrics,
@@ -436,7 +437,7 @@ def correction_tensors(
             metrics.update(rs_option_metrics(stat, kept[-1], response_mask, option, counts))
         keep = functools.reduce(operator.and_, kept)  # [B, 1] when every option is a sequence one
         metrics.update(rs_overall_metrics(keep, response_mask, counts))
-        new_mask = (is_set(response_mask) & keep).to(response_mask.dtype)
+        new_mask = mask_as(is_set(response_mask) & keep, response_mask.dtype)
     metrics.update(offpolicy_tensors(old_log_prob, rollout_log_prob, response_mask, counts, ratio))
     return weights, new_mask, metrics
 
@@ -489,5 +490,5 @@ def rollout_correction(
             # after the graph: a collective inside it would break it
             weights, factor = normalize_weights_across(weights, response_mask, spec.level, all_reduce)
             metrics[f"{METRIC_PREFIX}rollout_is_batch_norm_factor"] = float(factor)
-    # the fused path on CPU reads a bool mask as float (rl_core.fused): the caller gets its own dtype back
-    return weights, new_mask.to(response_mask.dtype), metrics
+    # the fused path on CPU reads a bool mask as bytes (rl_core.fused): the caller gets its own dtype back
+    return weights, restore_mask(new_mask, response_mask.dtype), metrics
