@@ -90,9 +90,9 @@ def record_compiled(monkeypatch) -> list[str]:
     used: list[str] = []
     real = fused_module.compiled
 
-    def recording(fn):
+    def recording(fn, *options):
         used.append(fn.__name__)
-        return real(fn)
+        return real(fn, *options)
 
     monkeypatch.setattr(fused_module, "compiled", recording)
     return used
@@ -178,7 +178,7 @@ def test_a_training_size_batch_takes_the_fused_path_by_itself(monkeypatch):
 
 
 def test_a_compiler_failure_falls_back_to_eager_in_auto_mode_and_raises_when_asked_for(monkeypatch, caplog):
-    def broken_compile(fn):
+    def broken_compile(fn, *options):
         def run(*args):
             raise torch._dynamo.exc.BackendCompilerFailed(fn, RuntimeError("no C++ compiler"), None)
 
@@ -259,8 +259,8 @@ def test_on_cpu_a_fused_function_gets_bool_masks_as_bytes_and_the_caller_gets_bo
     seen: list[torch.Tensor] = []
     real = fused_module.compiled
 
-    def recording(fn):
-        compiled = real(fn)
+    def recording(fn, *options):
+        compiled = real(fn, *options)
 
         def run(*args):
             seen.extend(a for a in args if isinstance(a, torch.Tensor))

@@ -62,7 +62,14 @@ default limit, 8, is per code object, and a fused caller past it would fail: ``f
 _COMPILE_FAILURES = (torch._dynamo.exc.BackendCompilerFailed, torch._dynamo.exc.FailOnRecompileLimitHit)
 
 F = TypeVar("F", bound=Callable[..., Any])
-_compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+_compiled: dict[tuple[Callable[..., Any], bool], Callable[..., Any]] = {}
+
+CPU_INDUCTOR_OPTIONS = {"reorder_for_locality": False}
+"""Inductor's options for a graph of CPU tensors. Its locality pass moves each op next to its first user, and its
+scheduler fuses no two loops whose ops lie more than 64 apart: the correction's off-policy row sums, whose users
+are the graph's last ops, were moved away from the row loop that reads the same tensors and took passes over the
+batch of their own (two more loops over the tokens). Without the pass they share that loop (measured at 128 x
+4096, one thread, in one process, in turn: correction 1.21 -> 1.12 ms, the loss unchanged)."""
 _broken: set[Callable[..., Any]] = set()
 
 
@@ -86,11 +93,13 @@ def wants_fused(fn: Callable[..., Any], numel: int, fused: bool | None) -> bool:
     return fused and not torch.compiler.is_compiling()  # inside a caller's compiled graph: inline, no nesting
 
 
-def compiled(fn: F) -> F:
-    """``fn`` compiled once per process as one graph with dynamic shapes."""
-    if fn not in _compiled:
-        _compiled[fn] = torch.compile(fn, fullgraph=True)
-    return _compiled[fn]  # type: ignore[return-value]
+def compiled(fn: F, on_cpu: bool = False) -> F:
+    """``fn`` compiled once per process as one graph with dynamic shapes (for CPU tensors with
+    :data:`CPU_INDUCTOR_OPTIONS`)."""
+    key = (fn, on_cpu)
+    if key not in _compiled:
+        _compiled[key] = torch.compile(fn, fullgraph=True, options=dict(CPU_INDUCTOR_OPTIONS) if on_cpu else None)
+    return _compiled[key]  # type: ignore[return-value]
 
 
 def _dynamic_shapes(args: tuple[Any, ...]) -> None:
@@ -103,10 +112,13 @@ def _dynamic_shapes(args: tuple[Any, ...]) -> None:
                 torch._dynamo.maybe_mark_dynamic(arg, dim)
 
 
-def _inputs_only_on_cpu(args: tuple[Any, ...]) -> contextlib.AbstractContextManager[Any]:
-    """Where the tensors are on the CPU: compile with nothing but the inputs saved for the backward (see the module
-    docstring)."""
-    if any(isinstance(arg, torch.Tensor) and arg.device.type == "cpu" for arg in args):
+def _on_cpu(args: tuple[Any, ...]) -> bool:
+    return any(isinstance(arg, torch.Tensor) and arg.device.type == "cpu" for arg in args)
+
+
+def _inputs_only_on_cpu(on_cpu: bool) -> contextlib.AbstractContextManager[Any]:
+    """For CPU tensors: compile with nothing but the inputs saved for the backward (see the module docstring)."""
+    if on_cpu:
         patch: contextlib.AbstractContextManager[Any] = torch._functorch.config.patch(activation_memory_budget=0.0)
         return patch
     return contextlib.nullcontext()
@@ -149,9 +161,10 @@ def call(fn: Callable[..., Any], numel: int, fused: bool | None, *args: Any) -> 
         return fn(*args)
     args = tuple(_byte_mask(arg) for arg in args)
     _dynamic_shapes(args)
+    on_cpu = _on_cpu(args)
     try:
-        with _inputs_only_on_cpu(args), _recompile_limit():
-            return compiled(fn)(*args)
+        with _inputs_only_on_cpu(on_cpu), _recompile_limit():
+            return compiled(fn, on_cpu)(*args)
     except _COMPILE_FAILURES as error:  # the compiler, not the math, failed
         if fused is True or _env_choice() is True:
             raise

@@ -419,6 +419,8 @@ def correction_tensors(
     log_ratio = old_log_prob - rollout_log_prob
     ratio = token_exp(log_ratio)  # the one exp per token that every part below reads
     counts = row_counts(response_mask)  # one sum of the mask serves every mean below
+    # first: in the compiled graph its row sums then lie next to the others (rl_core.fused.CPU_INDUCTOR_OPTIONS)
+    offpolicy = offpolicy_tensors(old_log_prob, rollout_log_prob, response_mask, counts, ratio)
     metrics: Metrics = {}
     weights = None
     if spec.level is not None and spec.is_bounds is not None:
@@ -438,7 +440,7 @@ def correction_tensors(
         keep = functools.reduce(operator.and_, kept)  # [B, 1] when every option is a sequence one
         metrics.update(rs_overall_metrics(keep, response_mask, counts))
         new_mask = mask_as(is_set(response_mask) & keep, response_mask.dtype)
-    metrics.update(offpolicy_tensors(old_log_prob, rollout_log_prob, response_mask, counts, ratio))
+    metrics.update(offpolicy)
     return weights, new_mask, metrics
 
 
