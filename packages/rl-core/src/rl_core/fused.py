@@ -21,11 +21,10 @@ reading a bool mask, 1.6 ms comparing a byte mask, 0.06 ms with a float32 one; w
 the function its CPU bool tensors as bytes (a ``uint8`` view: no copy), the function reads masks with
 :func:`rl_core.masked.is_set` (bytes -> float32 -> comparison) and writes the masks it returns with
 :func:`rl_core.masked.mask_as` (float32 0 / 1 -> bytes), and :func:`restore_mask` gives the caller its bool dtype
-back as a view. A graph
-with a backward keeps only its inputs for it, and the backward recomputes
-what it needs from them (AOTAutograd's ``activation_memory_budget`` 0): the loss's forward would otherwise save
-its dual-clip branch as a bool tensor. Measured on the vanilla loss at 128 x 4096, one thread: forward 13.6 ->
-1.45 ms with it. Neither on GPU, where bool tensors cost no more than their bytes.
+back as a view. A graph with a backward keeps only its inputs for it, and the backward recomputes what it needs
+from them (AOTAutograd's ``activation_memory_budget`` 0): the loss's forward would otherwise save its dual-clip
+branch as a bool tensor. Measured on the vanilla loss at 128 x 4096, one thread: forward 13.6 -> 1.45 ms with it.
+Neither on GPU, where bool tensors cost no more than their bytes.
 
 The per-token ``exp`` of a log ratio goes through :func:`exp`: in a compiled CPU graph in float32 it is a
 polynomial written as element-wise ops (:func:`_polynomial_exp`, within one ulp of the exact value), which
