@@ -20,6 +20,7 @@ from rl_core.fused import FUSED_MIN_TOKENS, call, wants_fused
 from rl_core.losses import get_policy_loss
 from rl_core.losses.aggregation import GlobalBatchInfo
 from rl_core.losses.config import PolicyLossConfig
+from rl_core.masked import is_set, mask_as
 from rl_core.rollout_corr import rollout_correction
 
 CORRECTIONS = {
@@ -85,14 +86,22 @@ def close(eager: torch.Tensor | None, fused: torch.Tensor | None) -> None:
         torch.testing.assert_close(fused, eager, rtol=1e-6, atol=1e-6, equal_nan=True)
 
 
-def record_compiled(monkeypatch) -> list[str]:
-    """The names of the functions that take the compiled path from now on (the real compile still runs)."""
+def record_compiled(monkeypatch, tensors: list[torch.Tensor] | None = None) -> list[str]:
+    """The names of the functions that take the compiled path from now on (the real compile still runs); with
+    ``tensors``, the tensor arguments each compiled call gets are appended to it."""
     used: list[str] = []
     real = fused_module.compiled
 
     def recording(fn, *options):
         used.append(fn.__name__)
-        return real(fn, *options)
+        compiled = real(fn, *options)
+
+        def run(*args):
+            if tensors is not None:
+                tensors.extend(a for a in args if isinstance(a, torch.Tensor))
+            return compiled(*args)
+
+        return run
 
     monkeypatch.setattr(fused_module, "compiled", recording)
     return used
@@ -257,18 +266,7 @@ def test_on_cpu_a_fused_function_gets_bool_masks_as_bytes_and_the_caller_gets_bo
     """The masks cross into the compiled graph as byte views of the caller's memory (no float copy in, none out),
     and the correction's rejection mask comes back as bool holding exactly the eager path's tokens."""
     seen: list[torch.Tensor] = []
-    real = fused_module.compiled
-
-    def recording(fn, *options):
-        compiled = real(fn, *options)
-
-        def run(*args):
-            seen.extend(a for a in args if isinstance(a, torch.Tensor))
-            return compiled(*args)
-
-        return run
-
-    monkeypatch.setattr(fused_module, "compiled", recording)
+    record_compiled(monkeypatch, seen)
     x = random_batch(8, 64, seed=11)
     options = CORRECTIONS["token_tis_with_token_and_seq_mean_rs"]
     eager = rollout_correction(x["old"], x["rollout"], x["mask"], **options, fused=False)
@@ -282,8 +280,6 @@ def test_on_cpu_a_fused_function_gets_bool_masks_as_bytes_and_the_caller_gets_bo
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.bool, torch.float32])
 def test_masks_read_and_written_in_a_compiled_graph_equal_eager(dtype):
     """is_set / mask_as compiled (bytes through float32 on CPU) give the eager values for every mask dtype."""
-    from rl_core.masked import is_set, mask_as
-
     g = torch.Generator().manual_seed(3)
     values = torch.randn(5, 37, generator=g)
     mask = (torch.rand(5, 37, generator=g) > 0.4).to(dtype)
