@@ -86,6 +86,11 @@ def close(eager: torch.Tensor | None, fused: torch.Tensor | None) -> None:
         torch.testing.assert_close(fused, eager, rtol=1e-6, atol=1e-6, equal_nan=True)
 
 
+def compiled_graphs() -> int:
+    """How many graphs Dynamo has compiled in this process so far."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 def record_compiled(monkeypatch, tensors: list[torch.Tensor] | None = None) -> list[str]:
     """The names of the functions that take the compiled path from now on (the real compile still runs); with
     ``tensors``, the tensor arguments each compiled call gets are appended to it."""
@@ -111,6 +116,7 @@ def record_compiled(monkeypatch, tensors: list[torch.Tensor] | None = None) -> l
 def test_fused_correction_equals_eager_on_random_and_adversarial_inputs(options, monkeypatch):
     used = record_compiled(monkeypatch)
     batches = {"random": random_batch(), "long": random_batch(4, 300, seed=7), **adversarial_batches()}
+    graphs = compiled_graphs()
     for name, x in batches.items():
         eager = rollout_correction(x["old"], x["rollout"], x["mask"], **options, fused=False)
         fused = rollout_correction(x["old"], x["rollout"], x["mask"], **options, fused=True)
@@ -119,6 +125,7 @@ def test_fused_correction_equals_eager_on_random_and_adversarial_inputs(options,
         close_metrics(eager[2], fused[2])
     assert len(eager[2]) > 40  # IS, per-option and overall rejection, off-policy metrics
     assert set(used) == {"correction_stacked"}  # the fused calls did run compiled
+    assert compiled_graphs() - graphs <= 1  # one graph for both shapes (none when an earlier test compiled it)
 
 
 def loss_and_grad(x: dict[str, torch.Tensor], weights: torch.Tensor | None, **kwargs) -> tuple:
@@ -140,7 +147,9 @@ LOSS_CASES = {
 def test_fused_vanilla_loss_equals_eager_forward_and_backward(case, monkeypatch):
     used = record_compiled(monkeypatch)
     config = PolicyLossConfig(clip_ratio=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
-    batches = {"random": random_batch(), "clipped": random_batch(gap=1.0, seed=4), **adversarial_batches()}
+    batches = {"random": random_batch(), "clipped": random_batch(gap=1.0, seed=4), "long": random_batch(4, 300, seed=7),
+               **adversarial_batches()}  # fmt: skip
+    graphs = compiled_graphs()
     for count, (name, x) in enumerate(batches.items()):
         weights = torch.rand(x["old"].shape, generator=torch.Generator().manual_seed(count)) * 2
         kwargs = dict(loss_agg_mode=case["loss_agg_mode"], config=config)
@@ -157,6 +166,7 @@ def test_fused_vanilla_loss_equals_eager_forward_and_backward(case, monkeypatch)
         assert torch.isfinite(fused_grad).all(), name  # padding (NaN here) never reaches the gradient
     assert metrics["pg_clipfrac"] > 0  # the clipped branch was exercised
     assert used.count("_vanilla") == len(batches)  # each RL_CORE_FUSED=1 call ran compiled, no RL_CORE_FUSED=0 one
+    assert compiled_graphs() - graphs <= 1  # a new batch or response length reuses the graph
 
 
 def test_the_automatic_choice_fuses_large_inputs_only(monkeypatch):

@@ -88,8 +88,10 @@ class LossInputs:
 
     @staticmethod
     def check_shapes(*tensors: torch.Tensor) -> None:
-        """old_log_prob, log_prob, advantages and response_mask share one ``[B, T]`` shape."""
-        if len({tuple(t.shape) for t in tensors}) != 1:
+        """old_log_prob, log_prob, advantages and response_mask share one ``[B, T]`` shape. Compared with ``!=``, not
+        hashed: in a compiled graph that keeps the sizes symbolic (a set of shapes would fix them to the first call's
+        sizes, and every new batch or response length would compile the graph again)."""
+        if any(t.shape != tensors[0].shape for t in tensors[1:]):
             raise ValueError(
                 "old_log_prob, log_prob, advantages and response_mask must share one [batch, response_length] "
                 f"shape, got {', '.join(str(tuple(t.shape)) for t in tensors)}"
