@@ -8,7 +8,6 @@ cover every branch: token and sequence IS, TIS and IcePop bounds, batch normalis
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 
@@ -301,55 +300,3 @@ def test_masks_read_and_written_in_a_compiled_graph_equal_eager(dtype):
     (got_mask, got_sums), (want_mask, want_sums) = torch.compile(kept, fullgraph=True)(values, mask), kept(values, mask)
     assert got_mask.dtype == dtype and torch.equal(got_mask, want_mask)
     torch.testing.assert_close(got_sums, want_sums)  # float32 sums in another order: equal to rounding
-
-
-def _compiled_exp(x: torch.Tensor, small: bool = False) -> torch.Tensor:
-    return torch.compile(functools.partial(fused_module.exp, small=small), fullgraph=True, dynamic=False)(x)
-
-
-@pytest.mark.parametrize(("small", "low", "high"), [(False, -86.0, 88.72), (True, -21.0, 21.0)])
-def test_the_compiled_cpu_exp_is_within_one_ulp_of_the_exact_value(small, low, high):
-    """Inside a compiled CPU graph, rl_core.fused.exp is a polynomial (no call to a vector exp in the loop): on a
-    dense grid of float32 over its range ([-86, 88.7]; [-21, 21] with ``small``, whose 2^n comes from integer
-    shifts) it stays within one float32 ulp of exp computed in float64."""
-    x = torch.linspace(low, high, 400_001)
-    y = _compiled_exp(x, small)
-    exact = torch.exp(x.double())
-    ulp = torch.exp(x).double() * 2.0**-23  # the float32 spacing at the result, to a factor of 2
-    assert ((y.double() - exact).abs() / ulp).max() <= 1.0
-    assert not torch.equal(y, torch.exp(x))  # the polynomial ran: some last bits differ from torch.exp's
-
-
-def test_the_compiled_cpu_exp_keeps_the_special_values_of_exp():
-    """NaN stays NaN; +inf and anything past ln(FLT_MAX) overflow to inf; -inf and anything below -86 give 0 (where
-    torch.exp gives values below 4.5e-38); the largest finite results and exp(0) = 1 exactly."""
-    special = torch.tensor([math.nan, math.inf, -math.inf, 1e30, -1e30, 88.72283935546875, 88.7228, 0.0, -86.0, -86.5])
-    y = _compiled_exp(special)
-    assert math.isnan(y[0]) and y[1] == math.inf and y[2] == 0.0 and y[3] == math.inf and y[4] == 0.0
-    exact = torch.exp(special.double())
-    assert y[5] == math.inf and math.isfinite(y[6]) and float(y[6]) == pytest.approx(float(exact[6]), rel=2e-7)
-    assert y[7] == 1.0 and float(y[8]) == pytest.approx(float(exact[8]), rel=2e-7) and y[9] == 0.0
-
-
-def test_the_small_compiled_cpu_exp_keeps_nan_and_the_ends_of_its_range():
-    """``small``: NaN stays NaN (whatever scale its integer part gives); exp(0) = 1 exactly; +-20 (the loss's clamp)
-    and +-21 within one ulp."""
-    special = torch.tensor([math.nan, 0.0, 20.0, -20.0, 21.0, -21.0])
-    y = _compiled_exp(special, small=True)
-    assert math.isnan(y[0]) and y[1] == 1.0
-    torch.testing.assert_close(y[2:], torch.exp(special[2:].double()).float(), rtol=1.2e-7, atol=0.0)
-
-
-@pytest.mark.parametrize(("small", "bound"), [(False, 30.0), (True, 20.0)])
-def test_the_compiled_cpu_exp_has_the_gradient_of_exp(small, bound):
-    x = torch.linspace(-bound, bound, 1001, requires_grad=True)
-    torch.compile(lambda v: fused_module.exp(v, small).sum(), fullgraph=True, dynamic=False)(x).backward()
-    assert x.grad is not None
-    torch.testing.assert_close(x.grad, torch.exp(x.detach()), rtol=3e-7, atol=0.0)
-
-
-def test_outside_a_compiled_graph_and_off_float32_exp_is_torch_exp():
-    x = torch.linspace(-20.0, 20.0, 101)
-    assert torch.equal(fused_module.exp(x), torch.exp(x))
-    compiled_torch_exp = torch.compile(torch.exp, fullgraph=True, dynamic=False)
-    assert torch.equal(_compiled_exp(x.double()), compiled_torch_exp(x.double()))

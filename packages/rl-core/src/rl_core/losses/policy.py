@@ -24,7 +24,6 @@ from typing import NamedTuple, Protocol
 import torch
 
 from rl_core.fused import call as fused_call
-from rl_core.fused import exp as token_exp
 from rl_core.losses.aggregation import GlobalBatchInfo, aggregate_masked, total
 from rl_core.losses.config import PolicyLossConfig
 from rl_core.masked import is_set, masked_mean, segment_mean
@@ -209,7 +208,7 @@ def _vanilla(
     x = LossInputs(old_log_prob, log_prob, advantages, response_mask)
     log_ratio = x.log_ratio()
     info = None if num_tokens is None else GlobalBatchInfo(num_tokens, num_seqs, norm_length)  # type: ignore[arg-type]
-    return _ppo(x, clip, token_exp(log_ratio, small=True), log_ratio, loss_agg_mode, rollout_is_weights, info)
+    return _ppo(x, clip, torch.exp(log_ratio), log_ratio, loss_agg_mode, rollout_is_weights, info)
 
 
 @POLICY_LOSSES.register("sequence_ppo", "seq_ppo")
