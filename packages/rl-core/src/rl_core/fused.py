@@ -113,12 +113,20 @@ def _on_cpu(args: tuple[Any, ...]) -> bool:
     return any(isinstance(arg, torch.Tensor) and arg.device.type == "cpu" for arg in args)
 
 
-def _inputs_only_on_cpu(on_cpu: bool) -> contextlib.AbstractContextManager[Any]:
-    """For CPU tensors: compile with nothing but the inputs saved for the backward (see the module docstring)."""
-    if on_cpu:
-        patch: contextlib.AbstractContextManager[Any] = torch._functorch.config.patch(activation_memory_budget=0.0)
-        return patch
-    return contextlib.nullcontext()
+@contextlib.contextmanager
+def _inputs_only_on_cpu(on_cpu: bool) -> Iterator[None]:
+    """For CPU tensors: compile with nothing but the inputs saved for the backward (see the module docstring). Set
+    and restored directly, as :func:`_recompile_limit` does: 3.5 us a call, where ``config.patch`` measured 13."""
+    if not on_cpu:
+        yield
+        return
+    config = torch._functorch.config
+    previous = config.activation_memory_budget
+    config.activation_memory_budget = 0.0
+    try:
+        yield
+    finally:
+        config.activation_memory_budget = previous
 
 
 def _byte_mask(arg: Any) -> Any:
