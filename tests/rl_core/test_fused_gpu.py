@@ -1,6 +1,7 @@
 """The fused fast path on a CUDA device (torch.compile -> Triton kernels) against the eager path on the same device:
 the rollout correction and the vanilla PPO loss (forward and gradient) on random, adversarial and full-size
-(128 x 4096) inputs, and the automatic choice taking the fused path there. Skipped without CUDA."""
+(128 x 4096) inputs, one graph for both sizes, and the automatic choice taking the fused path there. Skipped without
+CUDA."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from tests.rl_core.test_fused import (
     adversarial_batches,
     close,
     close_metrics,
+    compiled_graphs,
     loss_and_grad,
     random_batch,
     record_compiled,
@@ -33,6 +35,7 @@ def batches() -> dict[str, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("options", CORRECTIONS.values(), ids=CORRECTIONS.keys())
 def test_fused_correction_on_gpu_equals_eager(options, monkeypatch):
     used = record_compiled(monkeypatch)
+    graphs = compiled_graphs()
     for name, x in batches().items():
         eager = rollout_correction(x["old"], x["rollout"], x["mask"], **options, fused=False)
         fused = rollout_correction(x["old"], x["rollout"], x["mask"], **options, fused=True)
@@ -40,10 +43,12 @@ def test_fused_correction_on_gpu_equals_eager(options, monkeypatch):
         assert torch.equal(eager[1], fused[1]), name
         close_metrics(eager[2], fused[2])
     assert set(used) == {"correction_stacked"}
+    assert compiled_graphs() - graphs <= 1  # 6 x 40 and 128 x 4096: one graph with symbolic sizes
 
 
 def test_fused_vanilla_loss_on_gpu_equals_eager(monkeypatch):
     used = record_compiled(monkeypatch)
+    graphs = compiled_graphs()
     for name, x in batches().items():
         weights = torch.rand(x["old"].shape, device="cuda") * 2
         results = []
@@ -56,6 +61,7 @@ def test_fused_vanilla_loss_on_gpu_equals_eager(monkeypatch):
         close(grad, fused_grad)
         assert torch.isfinite(fused_grad).all(), name
     assert set(used) == {"_vanilla"}
+    assert compiled_graphs() - graphs <= 1  # 6 x 40 and 128 x 4096: one graph with symbolic sizes
 
 
 def test_a_full_size_batch_takes_the_fused_path_by_itself(monkeypatch):
