@@ -45,13 +45,12 @@ from rl_engines.strategies.model_io import (
 )
 from rl_engines.strategies.train_utils import (
     MetricAccumulator,
+    TrainScoring,
     build_optimizer,
     build_scheduler,
     check_minibatch,
     check_objective,
     minibatch_info,
-    require_causal_lm,
-    require_value_head,
     run_minibatches,
     token_share,
 )
@@ -72,7 +71,7 @@ def import_deepspeed() -> Any:
 
 
 @STRATEGIES.register("deepspeed_train")
-class DeepSpeedTrainStrategy:
+class DeepSpeedTrainStrategy(TrainScoring):
     """Train one role's model with a DeepSpeed engine over all ranks of the worker's process group."""
 
     kind = "train"
@@ -165,21 +164,6 @@ class DeepSpeedTrainStrategy:
             out = plan.map(batch, lambda micro: self._outputs(micro, plan, **kwargs))
         out.meta_info["metrics"] = plan.dynamic_batching_metrics(pass_name(self.role, method, disable_adapter))
         return out
-
-    def compute_log_probs(
-        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False,
-        disable_adapter: bool = False,
-    ) -> RolloutBatch:  # fmt: skip
-        """``log_probs [B, R]`` (and ``entropy``) of the responses under the current weights, no gradients.
-        ``disable_adapter`` (LoRA): under the base model alone, i.e. the reference policy (ROLL's meta_info key)."""
-        require_causal_lm(self.role, self.value_head)
-        return self._infer(batch, "compute_log_probs", temperature=temperature, with_entropy=with_entropy,
-                           disable_adapter=disable_adapter)  # fmt: skip
-
-    def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
-        """Critic ``values [B, R]``."""
-        require_value_head(self.role, self.value_head)
-        return self._infer(batch, "compute_values", temperature=1.0, with_entropy=False)
 
     # ---- training ------------------------------------------------------------------------------------------
     def train_step(self, batch: RolloutBatch, objective: Objective) -> dict[str, float]:

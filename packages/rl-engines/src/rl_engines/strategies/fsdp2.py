@@ -46,6 +46,7 @@ from rl_engines.strategies.model_io import (
 from rl_engines.strategies.tiled_mlp import TILED_MLP_KEYS, apply_tiled_mlp, check_tiled_mlp
 from rl_engines.strategies.train_utils import (
     MetricAccumulator,
+    TrainScoring,
     build_optimizer,
     build_scheduler,
     check_minibatch,
@@ -54,8 +55,6 @@ from rl_engines.strategies.train_utils import (
     minibatch_info,
     offload_optimizer_state,
     reload_optimizer_state,
-    require_causal_lm,
-    require_value_head,
     run_minibatches,
     token_share,
 )
@@ -96,7 +95,7 @@ DTYPE_ALIASES = {**TORCH_DTYPES, "float32": torch.float32, "bfloat16": torch.bfl
 
 
 @STRATEGIES.register("fsdp2_train")
-class Fsdp2TrainStrategy:
+class Fsdp2TrainStrategy(TrainScoring):
     """Train one role's model with FSDP2 over all ranks of the worker's process group."""
 
     kind = "train"
@@ -318,21 +317,6 @@ class Fsdp2TrainStrategy:
         metrics = plan.dynamic_batching_metrics(pass_name(self.role, method, disable_adapter), counted=self._counted)
         return RolloutBatch({key: value[own] for key, value in out.batch.items()},
                             meta_info={**batch.meta_info, "metrics": metrics})  # fmt: skip
-
-    def compute_log_probs(
-        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False,
-        disable_adapter: bool = False,
-    ) -> RolloutBatch:  # fmt: skip
-        """``log_probs [B, R]`` (and ``entropy``) of the responses under the current weights, no gradients.
-        ``disable_adapter`` (LoRA): under the base model alone, i.e. the reference policy (ROLL's meta_info key)."""
-        require_causal_lm(self.role, self.value_head)
-        return self._infer(batch, "compute_log_probs", temperature=temperature, with_entropy=with_entropy,
-                           disable_adapter=disable_adapter)  # fmt: skip
-
-    def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
-        """Critic ``values [B, R]``."""
-        require_value_head(self.role, self.value_head)
-        return self._infer(batch, "compute_values", temperature=1.0, with_entropy=False)
 
     # ---- training ------------------------------------------------------------------------------------------
     def train_step(self, batch: RolloutBatch, objective: Objective) -> dict[str, float]:

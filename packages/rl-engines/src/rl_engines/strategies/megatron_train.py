@@ -66,6 +66,7 @@ from rl_engines.strategies.model_io import (
 )
 from rl_engines.strategies.train_utils import (
     MetricAccumulator,
+    TrainScoring,
     build_optimizer,
     build_scheduler,
     check_minibatch,
@@ -74,8 +75,6 @@ from rl_engines.strategies.train_utils import (
     minibatch_info,
     offload_optimizer_state,
     reload_optimizer_state,
-    require_causal_lm,
-    require_value_head,
     run_minibatches,
     token_share,
 )
@@ -84,7 +83,7 @@ logger = logging.getLogger(__name__)
 
 
 @STRATEGIES.register("megatron_train")
-class MegatronTrainStrategy:
+class MegatronTrainStrategy(TrainScoring):
     """Megatron-core TP x PP x DP training of a dense decoder (or its critic, with a ``score`` value head), or of a
     Qwen3-MoE / Qwen2-MoE model with its experts split over ``expert_model_parallel_size`` ranks."""
 
@@ -233,21 +232,6 @@ class MegatronTrainStrategy:
                 f"{self.role}: disable_adapter asks for the base model, but {self.role} has no LoRA adapters."
             )
         return self.adapters.disabled()
-
-    def compute_log_probs(
-        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False,
-        disable_adapter: bool = False,
-    ) -> RolloutBatch:  # fmt: skip
-        """``log_probs [B, R]`` (and ``entropy``) of the responses (vocabulary-parallel log-softmax), no gradients;
-        ``disable_adapter`` (LoRA): under the base model alone, i.e. the reference policy."""
-        require_causal_lm(self.role, self.value_head)
-        return self._infer(batch, "compute_log_probs", temperature=temperature, with_entropy=with_entropy,
-                           disable_adapter=disable_adapter)  # fmt: skip
-
-    def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
-        """Critic ``values [B, R]``."""
-        require_value_head(self.role, self.value_head)
-        return self._infer(batch, "compute_values", temperature=1.0, with_entropy=False)
 
     # ---- training ------------------------------------------------------------------------------------------
     def train_step(self, batch: RolloutBatch, objective: Objective) -> dict[str, float]:

@@ -75,6 +75,34 @@ def require_value_head(role: str, value_head: bool) -> None:
         raise RuntimeError(f"{role} is a causal LM without a value head; set it up as the critic role")
 
 
+class TrainScoring:
+    """The scoring surface every train strategy shares: ``compute_log_probs`` / ``compute_values`` check the model
+    kind and run the strategy's ``_infer`` (its no-grad pass over the infer micro-batch plan) under the method's
+    name, which names the pass in the dynamic-batching metrics."""
+
+    role: str
+    value_head: bool
+
+    def _infer(self, batch: RolloutBatch, method: str, *, temperature: float, with_entropy: bool,
+               disable_adapter: bool = False) -> RolloutBatch:  # fmt: skip
+        raise NotImplementedError
+
+    def compute_log_probs(
+        self, batch: RolloutBatch, *, temperature: float = 1.0, with_entropy: bool = False,
+        disable_adapter: bool = False,
+    ) -> RolloutBatch:  # fmt: skip
+        """``log_probs [B, R]`` (and ``entropy``) of the responses under the current weights, no gradients.
+        ``disable_adapter`` (LoRA): under the base model alone, i.e. the reference policy (ROLL's meta_info key)."""
+        require_causal_lm(self.role, self.value_head)
+        return self._infer(batch, "compute_log_probs", temperature=temperature, with_entropy=with_entropy,
+                           disable_adapter=disable_adapter)  # fmt: skip
+
+    def compute_values(self, batch: RolloutBatch) -> RolloutBatch:
+        """Critic ``values [B, R]``."""
+        require_value_head(self.role, self.value_head)
+        return self._infer(batch, "compute_values", temperature=1.0, with_entropy=False)
+
+
 def check_objective(role: str, objective: Objective, value_head: bool) -> None:
     """The objective must train what the model outputs: ``values`` for a value head, ``log_probs`` otherwise."""
     if (objective.output == "values") != value_head:
