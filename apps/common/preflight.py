@@ -296,8 +296,9 @@ def check_token_budgets(sections: dict[str, WorkerConfig], longest: int, what: s
 
 
 def _check_packed_lengths(role: str, section: WorkerConfig, longest: int, what: str) -> None:
-    """``load_balance`` packing: ``max_packed_sequence_length_*`` must hold the longest sample (ROLL asserts it
-    against the batch's padded length when the pass runs; here it fails before anything starts)."""
+    """``load_balance`` packing: ``max_packed_sequence_length_*`` must hold the longest sample, and a training
+    role's ``min_num_micro_batches_train`` must not ask for more micro-batches than a mini-batch has samples (ROLL
+    asserts both when the pass runs; here they fail before anything starts)."""
     args = section.sequence_packing_args
     if not section.use_sequence_packing or args.algorithm != "load_balance":
         return
@@ -308,6 +309,15 @@ def _check_packed_lengths(role: str, section: WorkerConfig, longest: int, what: 
                 f"{role}.sequence_packing_args.max_packed_sequence_length_{phase}={length} is shorter than one "
                 f"sample of {what} = {longest} tokens; raise it to at least {longest}."
             )
+    training = section.training_args
+    samples = training.per_device_train_batch_size * training.gradient_accumulation_steps
+    if role in TRAIN_ROLES and args.min_num_micro_batches_train > samples:
+        raise PreflightError(
+            f"{role}.sequence_packing_args.min_num_micro_batches_train={args.min_num_micro_batches_train} asks for "
+            f"more micro-batches than the {samples} samples of a mini-batch (per_device_train_batch_size "
+            f"{training.per_device_train_batch_size} x gradient_accumulation_steps "
+            f"{training.gradient_accumulation_steps}); lower it to at most {samples}."
+        )
 
 
 def plan_training(

@@ -178,6 +178,12 @@ def test_the_small_config_passes():
          r"actor_train\.sequence_packing_args\.max_packed_sequence_length_train=512 is shorter than one sample of "
          r"prompt_length \+ response_length = 1040 tokens"),
         ({"actor_train__use_sequence_packing": True, "actor_train__sequence_packing_args": {
+            "algorithm": "load_balance", "max_packed_sequence_length_train": 2048,
+            "max_packed_sequence_length_forward": 2048, "min_num_micro_batches_train": 5}}, PreflightError,
+         r"actor_train\.sequence_packing_args\.min_num_micro_batches_train=5 asks for more micro-batches than the 4 "
+         r"samples of a mini-batch \(per_device_train_batch_size 2 x gradient_accumulation_steps 2\); lower it to "
+         r"at most 4"),
+        ({"actor_train__use_sequence_packing": True, "actor_train__sequence_packing_args": {
             "algorithm": "load_balance", "max_packed_sequence_length_train": 2048}}, ValueError,
          r"actor_train\.sequence_packing_args\.max_packed_sequence_length_forward is not set"),
         ({"reference": {"device_mapping": [0, 1], "strategy_args": {"strategy_name": "hf_infer"},

@@ -97,8 +97,8 @@ def test_fsdp2_infer_refuses_training_keys_and_roles(tiny_model_dir):
     with pytest.raises(ValueError, match=r"actor_train.strategy_args.strategy_name='fsdp2_infer' is an inference"):
         check_strategy("actor_train", config)
     config = worker_config(tiny_model_dir, "reference", strategy_args={"strategy_name": "fsdp2_infer"},
-                           use_dynamic_batching_in_train=True, max_tokens_per_microbatch_in_train=64)  # fmt: skip
-    with pytest.raises(ValueError, match=r"reference.use_dynamic_batching_in_train is set, but reference does not"):
+                           model_args={"freeze_module_prefix": "model.embed_tokens"})  # fmt: skip
+    with pytest.raises(ValueError, match=r"reference.model_args.freeze_module_prefix is set, but reference does not"):
         create_strategy(config, "reference")
     misspelt = {"strategy_name": "fsdp2_infer", "strategy_config": {"fsdp_sise": 2}}
     config = worker_config(tiny_model_dir, "reference", strategy_args=misspelt)

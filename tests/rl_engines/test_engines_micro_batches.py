@@ -8,6 +8,7 @@ update of the fixed, padded micro-batches (fp32, in-process).
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -113,15 +114,30 @@ def test_bad_dynamic_batching_keys_name_the_key(tiny_model_dir, values, message)
 
 
 def test_strategies_that_cannot_honour_the_keys_refuse_them(tiny_model_dir):
-    """vLLM / SGLang schedule their own batches; an inference strategy has no training passes."""
+    """vLLM / SGLang schedule their own batches: a log-prob budget or packing is refused, naming the key."""
     for name in ("vllm", "sglang"):
         config = worker_config(tiny_model_dir, "actor_infer", strategy_args={"strategy_name": name}, **DYNAMIC)
-        with pytest.raises(ValueError, match=rf"actor_infer.use_dynamic_batching_in_train is set, but {name} sched"):
+        with pytest.raises(ValueError, match=rf"actor_infer.use_dynamic_batching_in_infer is set, but {name} sched"):
             create_strategy(config, "actor_infer")
-    for name in ("hf_infer", "megatron_infer"):
-        config = worker_config(tiny_model_dir, "reference", strategy_args={"strategy_name": name}, **DYNAMIC)
-        with pytest.raises(ValueError, match=r"reference.use_dynamic_batching_in_train is set, but reference does no"):
-            create_strategy(config, "reference")
+        config = worker_config(tiny_model_dir, "actor_infer", strategy_args={"strategy_name": name}, **PACKED)
+        with pytest.raises(ValueError, match=rf"actor_infer.use_sequence_packing is set, but {name} schedules"):
+            create_strategy(config, "actor_infer")
+
+
+def test_a_training_budget_on_an_inference_role_is_noted_and_changes_no_pass(tiny_model_dir, caplog):
+    """ROLL's own files set use_dynamic_batching_in_train on an inference reference (agentic_deepeyes), where
+    ROLL ignores it: accepted with a warning; the passes stay the fixed ones and the log-probs the padded ones."""
+    train_only = {key: value for key, value in DYNAMIC.items() if key.endswith("_train")}
+    batch = varied_batch(seed=3)
+    expected = make("hf_infer", tiny_model_dir, "reference").compute_log_probs(batch).batch["log_probs"]
+    with caplog.at_level(logging.WARNING, logger="rl_engines.strategies.micro_batches"):
+        strategy = make("hf_infer", tiny_model_dir, "reference", **train_only)
+    assert ("reference.use_dynamic_batching_in_train has no effect: reference does not train (hf_infer)"
+            in caplog.text)  # fmt: skip
+    seen = passes(strategy, "hf_infer")
+    torch.testing.assert_close(strategy.compute_log_probs(batch).batch["log_probs"], expected, atol=0, rtol=0)
+    width = batch.batch["input_ids"].shape[1]
+    assert seen == [(4, width), (4, width)]  # infer_batch_size samples per pass, every pass as wide as the batch
 
 
 # ---- the strategies ---------------------------------------------------------------------------------------------

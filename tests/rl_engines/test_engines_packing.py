@@ -103,16 +103,20 @@ def test_karmarkar_karp_cuts_every_sample_once_into_balanced_non_empty_groups():
 
 def test_load_balance_needs_as_many_micro_batches_as_the_tokens_and_orders_them_as_roll():
     lengths = [10, 20, 30, 40, 50, 60, 70, 80]  # rounded to 16: 16, 32, 32, 48, 64, 64, 80, 80 = 416 tokens
-    plan = LoadBalance(max_tokens=128, min_count=1, key="k")
+    plan = LoadBalance(max_tokens=128, min_count=1, key="k", min_key="m")
     parts = plan_load_balance(lengths, plan, None, agree=False)
     assert len(parts) == 4 and sorted(i for part in parts for i in part) == list(range(8))  # ceil(416 / 128)
     work = [sum(workload(-(-lengths[i] // 16) * 16) for i in part) for part in parts]
     assert work[0] <= work[1] and work[-1] <= work[-2]  # light micro-batches at both ends
-    assert len(plan_load_balance(lengths, LoadBalance(128, 6, "k"), None, agree=False)) == 6
-    assert len(plan_load_balance(lengths, LoadBalance(10_000, 1, "k"), None, agree=False)) == 1
+    assert len(plan_load_balance(lengths, LoadBalance(128, 6, "k", "m"), None, agree=False)) == 6
+    assert len(plan_load_balance(lengths, LoadBalance(10_000, 1, "k", "m"), None, agree=False)) == 1
     key = "actor_train.sequence_packing_args.max_packed_sequence_length_train"
     with pytest.raises(ValueError, match=rf"{key}=64 is shorter than a sample of 80 tokens"):
-        plan_load_balance(lengths, LoadBalance(64, 1, key), None, agree=False)
+        plan_load_balance(lengths, LoadBalance(64, 1, key, "m"), None, agree=False)
+    assert len(plan_load_balance(lengths, LoadBalance(128, 8, "k", "m"), None, agree=False)) == 8  # one per sample
+    min_key = "actor_train.sequence_packing_args.min_num_micro_batches_train"
+    with pytest.raises(ValueError, match=rf"{min_key}=9 asks for more micro-batches than the 8 samples .* at most 8"):
+        plan_load_balance(lengths, LoadBalance(128, 9, "k", min_key), None, agree=False)  # ROLL asserts; not capped
 
 
 # ---- config ------------------------------------------------------------------------------------------------------

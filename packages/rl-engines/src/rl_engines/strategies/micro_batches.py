@@ -36,6 +36,7 @@ its largest ones.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -56,6 +57,8 @@ from rl_engines.strategies.model_io import (
 from rl_engines.strategies.packing import PackedBatch, balanced_partitions, pack, packed_outputs
 from rl_engines.strategies.train_utils import all_reduce_sum
 from rl_engines.vision import is_visual, is_vl_model
+
+logger = logging.getLogger(__name__)
 
 Phase = str
 """``"train"`` (train_step's forward/backward passes) or ``"infer"`` (log-prob and value passes)."""
@@ -87,11 +90,12 @@ def token_budget(config: WorkerConfig, role: str, phase: Phase) -> TokenBudget |
 @dataclass(frozen=True)
 class LoadBalance:
     """ROLL's ``load_balance`` packing of one phase: micro-batch count from ``max_tokens`` (``key`` names it) and
-    ``min_count``."""
+    ``min_count`` (``min_key``)."""
 
     max_tokens: int
     min_count: int
     key: str
+    min_key: str
 
 
 PACKING_ROUND = 16
@@ -109,7 +113,8 @@ def load_balance(config: WorkerConfig, role: str, phase: Phase) -> LoadBalance |
     if max_tokens is None:
         raise ValueError(f"{key} is not set; sequence_packing_args.algorithm: load_balance needs it (the tokens of "
                          "one packed micro-batch, at least prompt_length + response_length).")  # fmt: skip
-    return LoadBalance(int(max_tokens), int(getattr(args, f"min_num_micro_batches_{name}")), key)
+    min_key = f"{role}.sequence_packing_args.min_num_micro_batches_{name}"
+    return LoadBalance(int(max_tokens), int(getattr(args, f"min_num_micro_batches_{name}")), key, min_key)
 
 
 def plan_load_balance(
@@ -121,8 +126,11 @@ def plan_load_balance(
     if max(lengths) > plan.max_tokens:
         raise ValueError(f"{plan.key}={plan.max_tokens} is shorter than a sample of {max(lengths)} tokens; raise it "
                          "to at least prompt_length + response_length.")  # fmt: skip
-    count = min(max(1, -(-sum(rounded) // plan.max_tokens)), len(lengths))
-    count = max(count, plan.min_count)
+    if plan.min_count > len(lengths):
+        raise ValueError(f"{plan.min_key}={plan.min_count} asks for more micro-batches than the {len(lengths)} "
+                         f"samples a pass plan has here (a micro-batch holds at least one sample); lower it to at "
+                         f"most {len(lengths)}.")  # fmt: skip
+    count = max(min(max(1, -(-sum(rounded) // plan.max_tokens)), len(lengths)), plan.min_count)
     if agree:
         count = agreed_count(count, group)
     work = [workload(length) for length in rounded]
@@ -338,12 +346,12 @@ def planner(
 
 
 def require_fixed_micro_batches(config: WorkerConfig, role: str, strategy: str) -> None:
-    """For a generation engine that batches by itself (vLLM, SGLang): refuse ``use_dynamic_batching_in_*``,
-    ``use_sequence_packing`` and ``use_remove_padding`` naming the key."""
+    """For a generation engine that batches by itself (vLLM, SGLang): refuse ``use_dynamic_batching_in_infer``,
+    ``use_sequence_packing`` and ``use_remove_padding`` naming the key (``use_dynamic_batching_in_train``: see
+    :func:`note_training_budget_unused`)."""
     require_no_ulysses(config, role, strategy)
-    keys = ["use_dynamic_batching_in_train", "use_dynamic_batching_in_infer", "use_sequence_packing",
-            "use_remove_padding"]  # fmt: skip
-    for key in keys:
+    note_training_budget_unused(config, role, strategy)
+    for key in ("use_dynamic_batching_in_infer", "use_sequence_packing", "use_remove_padding"):
         if getattr(config, key):
             raise ValueError(
                 f"{role}.{key} is set, but {strategy} schedules its own batches; dynamic batching and packing apply "
@@ -378,11 +386,21 @@ def require_text_inference(config: WorkerConfig, role: str, strategy: str) -> No
 
 
 def require_no_training(config: WorkerConfig, role: str, strategy: str) -> None:
-    """An inference strategy has no training passes: refuse ``use_dynamic_batching_in_train`` and
-    ``model_args.freeze_module_prefix`` naming the key."""
+    """An inference strategy has no training passes: refuse ``model_args.freeze_module_prefix`` naming the key
+    (``use_dynamic_batching_in_train``: see :func:`note_training_budget_unused`)."""
     if config.model_args.frozen_prefixes():
         raise ValueError(f"{role}.model_args.freeze_module_prefix is set, but {role} does not train ({strategy}); "
                          "set it on the training role (actor_train) only.")  # fmt: skip
+    note_training_budget_unused(config, role, strategy)
+
+
+def note_training_budget_unused(config: WorkerConfig, role: str, strategy: str) -> None:
+    """``use_dynamic_batching_in_train`` on a role that does not train: it cuts training passes, and this role has
+    none, so it changes nothing; ROLL's inference workers ignore it too, and ROLL's own files set it on such roles
+    (examples/agentic_deepeyes/deepeyes.yaml: the megatron_infer reference). Accepted, and logged."""
     if config.use_dynamic_batching_in_train:
-        raise ValueError(f"{role}.use_dynamic_batching_in_train is set, but {role} does not train ({strategy}); "
-                         "use use_dynamic_batching_in_infer for its log-prob passes.")  # fmt: skip
+        logger.warning(
+            "[engines] %s.use_dynamic_batching_in_train has no effect: %s does not train (%s), so it has no "
+            "training passes to cut (ROLL ignores it on an inference role too); its log-prob passes follow "
+            "use_dynamic_batching_in_infer.", role, role, strategy,
+        )  # fmt: skip
