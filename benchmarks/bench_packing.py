@@ -8,7 +8,7 @@ each mode in a fresh process so that its peak memory is its own:
 
 - ``padded``: fixed micro-batches of ``--micro`` samples, every one as wide as the batch (the baseline);
 - ``dynamic``: ``use_dynamic_batching_in_train`` / ``_in_infer`` with a budget of ``--micro`` x the median sample
-  length (rounded to 64), padding columns removed;
+  length (rounded to 64), a row per sample as wide as the longest in its pass (ROLL's layout);
 - ``packing``: ``use_sequence_packing`` with ``algorithm: load_balance`` and the same number of tokens per pass
   (``max_packed_sequence_length_*``): each pass one row of real tokens, attention kept within each sample.
 

@@ -59,8 +59,10 @@ def test_samples_are_grouped_by_length_within_the_budget():
     budget = TokenBudget(max_tokens=24, round_to=4, key="actor_train.max_tokens_per_microbatch_in_train")
     # sorted: 3 (4), 5 (8), 7 (8) fit 3 x 8 = 24; 10 (12) starts a new one; 12 (12) joins: 2 x 12 = 24
     assert plan_token_budget([(0, 10), (0, 3), (0, 7), (0, 12), (0, 5)], budget) == [[1, 4, 2], [0, 3]]
-    # a long prompt with a short response and a short prompt with a long one: 6 + 6 = 12 columns together
-    assert plan_token_budget([(5, 1), (1, 5), (1, 1)], budget) == [[2, 0], [1]]
+    # a long prompt with a short response and a short prompt with a long one: a row per sample (ROLL's layout) is 6
+    # wide for both, 3 x 8 = 24 together; with prompts left-padded and responses right-padded (trimmed) 6 + 6 = 12
+    assert plan_token_budget([(5, 1), (1, 5), (1, 1)], budget) == [[2, 0, 1]]
+    assert plan_token_budget([(5, 1), (1, 5), (1, 1)], budget, aligned=False) == [[2, 0], [1]]
 
 
 def test_every_plan_covers_each_sample_once_and_respects_the_budget():
@@ -69,10 +71,14 @@ def test_every_plan_covers_each_sample_once_and_respects_the_budget():
         spans = [(rng.randint(1, 20), rng.randint(0, 20)) for _ in range(rng.randint(1, 30))]
         lengths = [p + r for p, r in spans]
         budget = TokenBudget(max_tokens=rng.choice([40, 64, 128]), round_to=rng.choice([1, 4, 8]), key="k")
-        groups = plan_token_budget(spans, budget)
+        aligned = rng.random() < 0.5
+        groups = plan_token_budget(spans, budget, aligned=aligned)
         assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
         for group in groups:
-            width = max(spans[i][0] for i in group) + max(spans[i][1] for i in group)
+            if aligned:
+                width = max(lengths[i] for i in group)
+            else:
+                width = max(spans[i][0] for i in group) + max(spans[i][1] for i in group)
             assert len(group) * budget.rounded(width) <= budget.max_tokens
         count = rng.randint(len(groups), len(lengths))
         more = split_to_count(groups, count)
@@ -233,10 +239,33 @@ def test_token_counts_are_reported_only_with_a_budget_and_a_packed_pass_runs_its
     assert MicroBatchPlanner(size=1).dynamic_batching_metrics("x") == {}  # ROLL logs them with dynamic batching only
 
 
+def batch_of_spans(spans: list[tuple[int, int]], prompt_len: int = 12, resp_len: int = 20) -> RolloutBatch:
+    """Samples of the given (prompt, response) real lengths: prompts left-padded, responses right-padded."""
+    attention = torch.zeros(len(spans), prompt_len + resp_len, dtype=torch.long)
+    for row, (prompt, response) in enumerate(spans):
+        attention[row, prompt_len - prompt : prompt_len + response] = 1
+    ids = torch.randint(3, 250, attention.shape)
+    return RolloutBatch({"input_ids": ids, "attention_mask": attention, "responses": ids[:, prompt_len:]})
+
+
+def test_a_pass_is_as_wide_as_its_longest_sample_as_in_roll():
+    """A long prompt with a short response and a short prompt with a long one (14 tokens each) share one pass of
+    16 columns, each sample from column 0 (ROLL's layout), where left-padded prompts and right-padded responses
+    would need 24 columns, i.e. two passes under a 32-token budget; a batch with a sample that has no prompt token
+    cannot be laid out so and is planned and run by that wider rule."""
+    budget = TokenBudget(max_tokens=32, round_to=4, key="k")
+    planner = MicroBatchPlanner(size=1, budget=budget)
+    batch = batch_of_spans([(12, 2), (2, 12)])
+    assert planner.layout(batch) == "aligned" and planner.plan(batch) == [[0, 1]]
+    assert planner.dynamic_batching_metrics("x")["dynamic_batching/x/actual_tokens"] == 2 * 16
+    no_prompt = batch_of_spans([(12, 2), (0, 12)])
+    assert planner.layout(no_prompt) == "trimmed" and len(planner.plan(no_prompt)) == 2
+
+
 def test_a_fixed_planner_keeps_the_batch_order_and_sizes():
     batch = varied_batch(size=5)
     planner = MicroBatchPlanner(size=2)
-    assert [len(micro) for micro in planner.split(batch)] == [2, 2, 1] and planner.layout == "padded"
+    assert [len(micro) for micro in planner.split(batch)] == [2, 2, 1] and planner.layout(batch) == "padded"
     out = planner.map(batch, lambda micro: {"first": micro.batch["input_ids"][:, :1]})
     torch.testing.assert_close(out.batch["first"], batch.batch["input_ids"][:, :1])
 

@@ -40,6 +40,23 @@ def test_a_packed_row_holds_each_samples_real_tokens_with_restarting_positions()
     assert len(packed.targets) == int(batch.batch["response_mask"].sum())
 
 
+def test_a_row_per_sample_starts_each_sample_at_column_0_and_pads_after_it():
+    batch = varied_batch(size=5, seed=2)
+    mask = batch.batch["attention_mask"].bool()
+    lengths = mask.sum(dim=1).tolist()
+    packed = pack(batch, round_to=8, per_sample=True)
+    width = min(-(-max(lengths) // 8) * 8, mask.shape[1])
+    assert packed.input_ids.shape == packed.position_ids.shape == (5, width)
+    for row, length in enumerate(lengths):
+        torch.testing.assert_close(packed.input_ids[row, :length], batch.batch["input_ids"][row][mask[row]])
+        assert packed.input_ids[row, length:].eq(0).all() and packed.segments[row, length:].eq(-1).all()
+        assert packed.segments[row, :length].eq(row).all()
+    torch.testing.assert_close(packed.position_ids, torch.arange(width).expand(5, width))  # no restart: no mask
+    torch.testing.assert_close(packed.targets, batch.batch["responses"][packed.samples, packed.columns])
+    torch.testing.assert_close(packed.input_ids.flatten()[packed.rows + 1], packed.targets)
+    assert packed.segments.flatten()[packed.rows].eq(packed.samples).all()
+
+
 def test_scatter_puts_values_back_in_the_batch_layout_with_zeros_past_each_response():
     batch = varied_batch(size=4)
     packed = pack(batch)
@@ -74,6 +91,10 @@ def test_attention_never_crosses_a_sample_boundary(tiny_model_dir):
         alone = [packed_outputs(model, batch.index([row]), torch.device("cpu"), value_head=False, temperature=1.0,
                                 with_entropy=False)["log_probs"] for row in range(3)]  # fmt: skip
     torch.testing.assert_close(together, torch.cat(alone), atol=1e-6, rtol=0)
+    with torch.no_grad():  # a row per sample, the padding after each sample's tokens, no attention mask
+        rows = packed_outputs(model, batch, torch.device("cpu"), value_head=False, temperature=1.0,
+                              with_entropy=False, round_to=8, per_sample=True)["log_probs"]  # fmt: skip
+    torch.testing.assert_close(rows, torch.cat(alone), atol=1e-6, rtol=0)
 
 
 # ---- load-balanced micro-batches ---------------------------------------------------------------------------------

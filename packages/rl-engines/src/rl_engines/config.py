@@ -355,17 +355,17 @@ class WorkerConfig:
     """Environment variables of this role's worker processes, over the pipeline's own ``system_envs``."""
     use_dynamic_batching_in_train: bool = False
     """Training forward/backward passes cut by a token budget instead of per_device_train_batch_size samples:
-    samples sorted by length, padding columns removed (ROLL's dynamic batching). Mini-batches, and so the update,
-    are unchanged."""
+    samples sorted by length, each pass a row per sample as wide as its longest sample (ROLL's dynamic batching).
+    Mini-batches, and so the update, are unchanged."""
     max_tokens_per_microbatch_in_train: int = 0
-    """The training budget: samples x longest (rounded) per pass. ROLL recommends sequence_length x 2 x
+    """The training budget: samples x longest sample (rounded) per pass. ROLL recommends sequence_length x 2 x
     micro_batch_size."""
     sequence_length_round_in_train: int = 4
     """Sequence lengths are rounded up to a multiple of this in the training budget and the passes' width."""
     use_dynamic_batching_in_infer: bool = False
     """The same for log-prob and value passes (in place of infer_batch_size samples per pass)."""
     max_tokens_per_microbatch_in_infer: int | None = None
-    """The log-prob / value budget: samples x longest (rounded) per pass."""
+    """The log-prob / value budget: samples x longest sample (rounded) per pass."""
     sequence_length_round_in_infer: int = 4
     """Sequence lengths are rounded up to a multiple of this in the log-prob / value budget."""
 

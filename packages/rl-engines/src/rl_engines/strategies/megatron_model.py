@@ -319,8 +319,8 @@ class MegatronModel:
                 chunk: int = 0) -> torch.Tensor:  # fmt: skip
         """This stage's forward of ``batch`` (through model ``chunk``); the last one returns the outputs at the
         positions that predict the responses: ``[B, R, Vp/tp]`` logits (row t predicts response token t) or
-        ``[B, R, 1]`` values; ``[1, N, .]`` for a packed batch's N response tokens. Padding: prompts left, responses
-        right (see model_io)."""
+        ``[B, R, 1]`` values; ``[1, N, .]`` for a packed batch's N response tokens (one row, or a row per sample).
+        Padding: prompts left, responses right (see model_io)."""
         last = self.gives_output(chunk)
         if isinstance(batch, PackedBatch):
             if self.vision is not None:
@@ -330,7 +330,7 @@ class MegatronModel:
                 )
             segments = batch.segments.to(self.device)
             out = self.run(batch.input_ids.to(self.device), segments >= 0, hidden, segments, chunk)
-            return out[:, batch.rows.to(self.device)] if last else out
+            return batch.predicting(out).unsqueeze(0) if last else out
         inputs = model_inputs(batch, self.device)
         out = self.run(inputs["input_ids"], inputs["attention_mask"].bool(), hidden, chunk=chunk, source=batch)
         if not last:

@@ -6,12 +6,14 @@ Three plans (ROLL's keys, per worker):
 - *fixed*: micro-batches of a fixed number of samples (``training_args.per_device_train_batch_size`` in training,
   ``infer_batch_size`` in log-prob / value passes), every one as wide as the batch.
 - *token budget* (``use_dynamic_batching_in_train`` / ``_in_infer``): the samples are sorted by length (prompt and
-  response) and grouped while ``samples x width`` stays within ``max_tokens_per_microbatch_in_*``, the width rounded
-  up to a multiple of ``sequence_length_round_in_*`` (ROLL's rule). Each micro-batch then runs without its padding
-  columns (:meth:`MicroBatchPlanner.forward`, layout *trimmed*), so memory per
-  micro-batch is bounded by the budget and short responses stop paying for the longest. Prompts are left-padded
-  and responses right-padded, so a pass is as wide as its longest prompt plus its longest response (ROLL's
-  right-padded layout makes that its longest sample).
+  response) and grouped while ``samples x width`` stays within ``max_tokens_per_microbatch_in_*``, the width (the
+  longest sample) rounded up to a multiple of ``sequence_length_round_in_*`` (ROLL's rule). Each micro-batch then
+  runs a row per sample, its real tokens from column 0 and the padding after them (layout *aligned*, ROLL's
+  right-padded layout; :func:`rl_engines.strategies.packing.pack` with ``per_sample``), so memory per micro-batch
+  is bounded by the budget and short samples stop paying for the longest. A batch that cannot be laid out so (a
+  vision-language batch, whose pictures' positions follow the padded rows; a sample without a prompt token) runs
+  without its padding columns instead (layout *trimmed*): prompts stay left-padded and responses right-padded, so
+  its width, and the rule it is planned by, is the longest prompt plus the longest response.
 - *load balance* (``use_sequence_packing`` with ``sequence_packing_args.algorithm: load_balance``): as many
   micro-batches as the tokens need (their sum, each length rounded up to 16 as ROLL does, over
   ``max_packed_sequence_length_*``, at least ``min_num_micro_batches_*``, at most one per sample, the largest count
@@ -22,8 +24,8 @@ Three plans (ROLL's keys, per worker):
 With a token budget the planner also counts what its passes cost (ROLL's ``dynamic_batching/<role>/<method>/*``
 metrics, :meth:`MicroBatchPlanner.dynamic_batching_metrics`).
 
-Three layouts a micro-batch runs in: *padded* (as the batch is), *trimmed* (without its padding columns; dynamic
-batching) and *packed* (``use_sequence_packing`` or ``use_remove_padding``: one row of real tokens, see
+Four layouts a micro-batch runs in: *padded* (as the batch is), *aligned* or *trimmed* (dynamic batching, above)
+and *packed* (``use_sequence_packing`` or ``use_remove_padding``: one row of real tokens, see
 :mod:`rl_engines.strategies.packing`).
 
 A training step keeps its mini-batches as they are (``per_device_train_batch_size x gradient_accumulation_steps``
@@ -54,7 +56,7 @@ from rl_engines.strategies.model_io import (
     widen,
     without_padding_columns,
 )
-from rl_engines.strategies.packing import PackedBatch, balanced_partitions, pack, packed_outputs
+from rl_engines.strategies.packing import PackedBatch, balanced_partitions, can_pack, pack, packed_outputs
 from rl_engines.strategies.train_utils import all_reduce_sum
 from rl_engines.vision import is_visual, is_vl_model
 
@@ -153,14 +155,17 @@ def sequence_spans(batch: RolloutBatch) -> list[tuple[int, int]]:
     return list(zip(prompt.tolist(), response.tolist(), strict=True))
 
 
-def plan_token_budget(spans: Sequence[tuple[int, int]], budget: TokenBudget) -> list[list[int]]:
+def plan_token_budget(
+    spans: Sequence[tuple[int, int]], budget: TokenBudget, *, aligned: bool = True
+) -> list[list[int]]:
     """Sample indices per micro-batch: ascending length, a new micro-batch whenever one more sample would make
-    ``samples x width`` exceed the budget, the width being the longest prompt plus the longest response, rounded.
-    Raises naming ``budget.key`` when one sample alone does."""
+    ``samples x width`` exceed the budget, the width being the longest sample (``aligned``, ROLL's rule) or the
+    longest prompt plus the longest response (the trimmed layout), rounded. Raises naming ``budget.key`` when one
+    sample alone does."""
     groups: list[list[int]] = []
-    prompt = response = 0
+    prompt = response = 0  # the current micro-batch's longest prompt and response (aligned: longest sample)
     for index in sorted(range(len(spans)), key=lambda i: sum(spans[i])):
-        p, r = spans[index]
+        p, r = (0, sum(spans[index])) if aligned else spans[index]
         need = budget.rounded(p + r)
         if need > budget.max_tokens:
             raise ValueError(
@@ -205,8 +210,8 @@ def agreed_count(count: int, group: dist.ProcessGroup | None = None) -> int:
 @dataclass
 class TokenCounts:
     """What the passes a planner laid out cost, in tokens (ROLL's dynamic-batching counts): ``valid`` real tokens,
-    ``origin`` as the batches came (samples x batch width), ``actual`` as they ran (samples x width of each trimmed
-    micro-batch; a packed one runs its real tokens)."""
+    ``origin`` as the batches came (samples x batch width), ``actual`` as they ran (samples x width of each aligned
+    or trimmed micro-batch; a packed one runs its real tokens)."""
 
     valid: int = 0
     origin: int = 0
@@ -216,7 +221,7 @@ class TokenCounts:
 @dataclass
 class MicroBatchPlanner:
     """Cuts a rank's batch into micro-batches for one phase (fixed ``size`` samples, by ``budget``, or by
-    ``balance``) and runs them in their layout (``packed``; trimmed with a budget; else padded).
+    ``balance``) and runs them in their layout (``packed``; aligned or trimmed with a budget; else padded).
 
     ``group`` is the data-parallel process group whose ranks must agree on the number of micro-batches (only with
     a budget or a balance, and only when ``agree`` is set: a train step's passes run collectives, an inference pass
@@ -231,20 +236,25 @@ class MicroBatchPlanner:
     agree: bool = True
     counts: TokenCounts = field(default_factory=TokenCounts)
 
-    @property
-    def layout(self) -> str:
-        """``packed``, ``trimmed`` (padding columns removed: dynamic batching) or ``padded``."""
-        return "packed" if self.packed else "trimmed" if self.budget is not None else "padded"
+    def layout(self, batch: RolloutBatch) -> str:
+        """How ``batch``'s micro-batches run: ``packed``, ``aligned`` (a row per sample, padding after its tokens:
+        dynamic batching), ``trimmed`` (padding columns removed: dynamic batching of a batch that cannot be
+        aligned, see the module docstring) or ``padded``."""
+        if self.packed:
+            return "packed"
+        if self.budget is None:
+            return "padded"
+        return "aligned" if not is_visual(batch) and can_pack(batch) else "trimmed"
 
     @property
     def round_to(self) -> int:
-        """The width multiple of a trimmed micro-batch (``sequence_length_round_in_<phase>``)."""
+        """The width multiple of an aligned or trimmed micro-batch (``sequence_length_round_in_<phase>``)."""
         return self.budget.round_to if self.budget is not None else 1
 
     def plan(self, batch: RolloutBatch) -> list[list[int]]:
         """Sample indices of each micro-batch (with a token budget, their tokens counted in ``counts``)."""
         if self.budget is not None:
-            groups = plan_token_budget(sequence_spans(batch), self.budget)
+            groups = plan_token_budget(sequence_spans(batch), self.budget, aligned=self.layout(batch) != "trimmed")
             groups = split_to_count(groups, agreed_count(len(groups), self.group)) if self.agree else groups
             self._count(batch, groups)
             return groups
@@ -257,9 +267,13 @@ class MicroBatchPlanner:
         mask = batch.batch["attention_mask"]
         self.counts.valid += int(mask.sum())
         self.counts.origin += mask.numel()
+        layout = self.layout(batch)
         for group in groups:
-            if self.packed:
+            if layout == "packed":
                 self.counts.actual += int(mask[group].sum())
+            elif layout == "aligned":
+                longest = -(-int(mask[group].sum(dim=1).max()) // self.round_to) * self.round_to
+                self.counts.actual += len(group) * min(longest, mask.shape[1])
             else:
                 start, end = kept_columns(mask[group], response_length(batch), self.round_to)
                 self.counts.actual += len(group) * (end - start)
@@ -286,22 +300,27 @@ class MicroBatchPlanner:
     def forward(self, model: nn.Module, micro: RolloutBatch, device: torch.device, *, value_head: bool,
                 temperature: float, with_entropy: bool) -> dict[str, torch.Tensor]:  # fmt: skip
         """The model's outputs on ``micro`` in this planner's layout, ``[B, R]`` each (see model_io)."""
-        if self.packed:
+        layout = self.layout(micro)
+        if layout in ("packed", "aligned"):
             return packed_outputs(model, micro, device, value_head=value_head, temperature=temperature,
-                                  with_entropy=with_entropy)  # fmt: skip
-        run = without_padding_columns(micro, self.round_to) if self.budget is not None else micro
+                                  with_entropy=with_entropy, round_to=self.round_to if layout == "aligned" else 1,
+                                  per_sample=layout == "aligned")  # fmt: skip
+        run = without_padding_columns(micro, self.round_to) if layout == "trimmed" else micro
         outputs = forward_outputs(model, run, device, value_head=value_head, temperature=temperature,
                                   with_entropy=with_entropy)  # fmt: skip
         return widen(outputs, response_length(micro))
 
     def runs(self, micros: list[RolloutBatch]) -> list[RolloutBatch | PackedBatch]:
         """What the model runs for each micro-batch, for strategies that drive the forward themselves (Megatron's
-        pipeline schedule): packed, trimmed or as it is."""
+        pipeline schedule): packed (one row, or a row per sample: aligned), trimmed or as it is."""
         if self.packed:
             for micro in micros:
                 _refuse_visual(micro)
             return [pack(m) for m in micros]
-        return [without_padding_columns(m, self.round_to) if self.budget is not None else m for m in micros]
+        layouts = [self.layout(m) for m in micros]
+        return [pack(m, self.round_to, per_sample=True) if layout == "aligned"
+                else without_padding_columns(m, self.round_to) if layout == "trimmed" else m
+                for m, layout in zip(micros, layouts, strict=True)]  # fmt: skip
 
     def map(self, batch: RolloutBatch, forward: Callable[[RolloutBatch], dict[str, torch.Tensor]]) -> RolloutBatch:
         """``forward`` on each micro-batch; outputs concatenated on the CPU in the batch's own sample order."""

@@ -251,7 +251,7 @@ def forward_outputs(
     with_entropy: bool,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """``values`` of a value-head model, else ``log_probs`` (and ``entropy``); ``[B, R]`` each, on ``device``.
-    (:meth:`rl_engines.strategies.micro_batches.MicroBatchPlanner.forward` runs it trimmed or packed.)"""
+    (:meth:`rl_engines.strategies.micro_batches.MicroBatchPlanner.forward` runs it padded or trimmed.)"""
     if value_head:
         return {"values": forward_values(model, batch, device)}
     log_probs, entropy = forward_log_probs(model, batch, device, temperature=temperature, with_entropy=with_entropy)

@@ -8,6 +8,12 @@ at the rows that predict response tokens go back to the batch's ``[B, R]`` layou
 A vision-language micro-batch packs too (:func:`packed_visual_inputs`): its pictures in sample order and each token's
 multimodal RoPE position as the model computes it for the padded rows.
 
+``pack(batch, per_sample=True)`` lays the same tokens out one sample per row instead (ROLL's dynamic-batching
+layout): each row holds its sample's real tokens from column 0, padded on the right to the longest sample (rounded
+up), positions counting on through the padding, so a causal model needs no attention mask and the padding never
+reaches a real token. A dynamic-batching pass is then as wide as its longest sample, not its longest prompt plus its
+longest response.
+
 :func:`balanced_partitions` is the Karmarkar-Karp largest-differencing heuristic ROLL uses (``load_balance``) to cut
 a mini-batch into micro-batches of similar work, by ROLL's workload model (:func:`rl_core.seqlen_balance.workload`).
 """
@@ -28,10 +34,11 @@ from rl_engines.vision import ROPE_INPUTS, is_visual, token_types, visual_inputs
 
 @dataclass(frozen=True)
 class PackedBatch:
-    """A micro-batch packed into one row. ``input_ids`` / ``position_ids`` ``[1, T]``; ``segments [1, T]`` is the
-    sample each token belongs to (-1 for the fill that rounds ``T`` up). ``rows [N]`` are the packed positions
-    whose outputs predict a response token, ``targets [N]`` those tokens, ``samples [N]`` / ``columns [N]`` where
-    they sit in the ``[B, R]`` layout (``shape``)."""
+    """A micro-batch packed into one row, or one row per sample (``per_sample``). ``input_ids`` / ``position_ids``
+    ``[rows, T]``; ``segments [rows, T]`` is the sample each token belongs to (-1 for the fill that rounds ``T``
+    up). ``rows [N]`` are the packed positions (flat indices into ``[rows * T]``) whose outputs predict a response
+    token, ``targets [N]`` those tokens, ``samples [N]`` / ``columns [N]`` where they sit in the ``[B, R]`` layout
+    (``shape``)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -46,6 +53,10 @@ class PackedBatch:
     def tokens(self) -> int:
         """``T``: the packed row's length (fill included)."""
         return int(self.input_ids.shape[1])
+
+    def predicting(self, outputs: torch.Tensor) -> torch.Tensor:
+        """``outputs [rows, T, ...]`` of the packed rows -> ``[N, ...]``: those that predict the response tokens."""
+        return outputs.reshape(-1, *outputs.shape[2:])[self.rows.to(outputs.device)]
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """``values [N]`` (one per response token) into ``[B, R]``; 0 where a sample has no response token."""
@@ -65,37 +76,58 @@ def block_causal_mask(segments: torch.Tensor, window: int | None = None) -> torc
     return allowed
 
 
-def pack(batch: RolloutBatch, round_to: int = 1) -> PackedBatch:
+def pack(batch: RolloutBatch, round_to: int = 1, *, per_sample: bool = False) -> PackedBatch:
     """Pack ``batch`` (prompts left-padded, responses right-padded, see model_io) into one row, filled up to a
-    multiple of ``round_to`` with a separate run of padding tokens. Raises when a sample has no prompt token (the
-    first response token would have no position to be predicted from)."""
+    multiple of ``round_to`` with a separate run of padding tokens; ``per_sample``: one row per sample, each filled
+    up to the longest sample rounded up to ``round_to`` (not past the batch's width). Raises when a sample has no
+    prompt token (the first response token would have no position to be predicted from) or its position ids do not
+    start at 0 (see :func:`can_pack`)."""
     mask = batch.batch["attention_mask"].to(torch.bool)
     ids = batch.batch["input_ids"]
     total, width = mask.shape[1], response_length(batch)
-    prompts = total - width
-    prompt_lengths = mask[:, :prompts].sum(dim=1)
+    prompt_lengths = mask[:, : total - width].sum(dim=1)
+    response_lengths = mask[:, total - width :].sum(dim=1)
     if bool((prompt_lengths == 0).any()):
         raise ValueError("sequence packing needs at least one prompt token per sample; a sample has none")
-    response_lengths = mask[:, prompts:].sum(dim=1)
     positions = batch.batch["position_ids"] if "position_ids" in batch else position_ids_from_mask(mask)
     flat_ids, flat_positions = ids[mask], positions[mask]
     lengths = prompt_lengths + response_lengths
     starts = lengths.cumsum(0) - lengths
     if bool((flat_positions[starts] != 0).any()):
         raise ValueError("sequence packing needs position ids that start at 0 for every sample")
-    segments = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     columns = torch.arange(width).expand(len(lengths), width)
     valid = columns < response_lengths.unsqueeze(1)
-    rows = (starts + prompt_lengths - 1).unsqueeze(1) + columns
     samples = torch.arange(len(lengths)).unsqueeze(1).expand_as(columns)
-    fill = -len(flat_ids) % round_to
-    return PackedBatch(
-        input_ids=torch.cat([flat_ids, flat_ids.new_zeros(fill)]).unsqueeze(0),
-        position_ids=torch.cat([flat_positions, torch.arange(fill, dtype=flat_positions.dtype)]).unsqueeze(0),
-        segments=torch.cat([segments, segments.new_full((fill,), -1)]).unsqueeze(0),
-        rows=rows[valid], targets=flat_ids[rows[valid] + 1], samples=samples[valid], columns=columns[valid],
-        shape=(len(lengths), width),
-    )  # fmt: skip
+    if per_sample:
+        row_length = min(-(-int(lengths.max()) // round_to) * round_to, total)
+        real = torch.arange(row_length).unsqueeze(0) < lengths.unsqueeze(1)
+        starts = torch.arange(len(lengths)) * row_length  # each sample at the start of its own row
+        input_ids = ids.new_zeros(real.shape).masked_scatter(real, flat_ids)
+        position_ids = torch.arange(row_length, dtype=flat_positions.dtype).repeat(len(lengths), 1)
+        position_ids = position_ids.masked_scatter(real, flat_positions)
+        segments = torch.where(real, samples[:, :1], -1)
+    else:
+        fill = -len(flat_ids) % round_to
+        input_ids = torch.cat([flat_ids, flat_ids.new_zeros(fill)]).unsqueeze(0)
+        position_ids = torch.cat([flat_positions, torch.arange(fill, dtype=flat_positions.dtype)]).unsqueeze(0)
+        segments = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+        segments = torch.cat([segments, segments.new_full((fill,), -1)]).unsqueeze(0)
+    rows = ((starts + prompt_lengths - 1).unsqueeze(1) + columns)[valid]
+    return PackedBatch(input_ids=input_ids, position_ids=position_ids, segments=segments, rows=rows,
+                       targets=input_ids.flatten()[rows + 1], samples=samples[valid], columns=columns[valid],
+                       shape=(len(lengths), width))  # fmt: skip
+
+
+def can_pack(batch: RolloutBatch) -> bool:
+    """Whether :func:`pack` takes ``batch``: every sample has a prompt token, and its position ids (when given)
+    start at 0."""
+    mask = batch.batch["attention_mask"].to(torch.bool)
+    if not bool(mask[:, : mask.shape[1] - response_length(batch)].any(dim=1).all()):
+        return False
+    if "position_ids" not in batch or batch.batch["position_ids"].dim() != 2:
+        return "position_ids" not in batch
+    first = mask.long().argmax(dim=1)
+    return bool((batch.batch["position_ids"].gather(1, first.unsqueeze(1)) == 0).all())
 
 
 def packed_visual_inputs(
@@ -142,16 +174,19 @@ def _fill_empty(groups: list[list[int]], weights: Sequence[int]) -> list[list[in
 
 def packed_outputs(
     model: nn.Module, batch: RolloutBatch, device: torch.device, *, value_head: bool, temperature: float,
-    with_entropy: bool, round_to: int = 1,
+    with_entropy: bool, round_to: int = 1, per_sample: bool = False,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
-    """:func:`~rl_engines.strategies.model_io.forward_outputs` of ``batch`` run packed: ``values`` of a value-head
-    model, else ``log_probs`` (and ``entropy``), ``[B, R]`` each on ``device``, 0 past each sample's response."""
-    packed = pack(batch, round_to)
+    """:func:`~rl_engines.strategies.model_io.forward_outputs` of ``batch`` run packed (``per_sample``: a row per
+    sample, see :func:`pack`): ``values`` of a value-head model, else ``log_probs`` (and ``entropy``), ``[B, R]``
+    each on ``device``, 0 past each sample's response."""
+    if per_sample and is_visual(batch):
+        raise ValueError("a vision-language batch packs into one row only (its pictures' positions follow it)")
+    packed = pack(batch, round_to, per_sample=per_sample)
     inputs = {"input_ids": packed.input_ids.to(device), "position_ids": packed.position_ids.to(device)}
     if is_visual(batch):
         inputs.update(packed_visual_inputs(model, batch, packed, device))
     out = model(**inputs, use_cache=False)
-    rows = out.logits[0, packed.rows.to(device)]  # [N, V]: the outputs that predict the response tokens
+    rows = packed.predicting(out.logits)  # [N, V]: the outputs that predict the response tokens
     if value_head:
         return {"values": packed.scatter(rows[:, 0].float())}
     log_probs, entropy = response_log_probs(rows.unsqueeze(0), packed.targets.to(device).unsqueeze(0),
