@@ -292,7 +292,24 @@ def check_token_budgets(sections: dict[str, WorkerConfig], longest: int, what: s
                     f"{role}.sequence_length_round_in_{phase}={round_to}: its passes hold at most "
                     f"{budget - budget % round_to} tokens (lengths are rounded up to multiples of {round_to})."
                 )
+            if phase == "train" and role in TRAIN_ROLES:
+                notes.append(_train_budget_note(role, section))
     return notes
+
+
+def _train_budget_note(role: str, section: WorkerConfig) -> str:
+    """Where a training budget differs from ROLL's: ROLL regroups the rank's whole batch by length into optimizer
+    steps of ``gradient_accumulation_steps`` passes (its own TODO calls the changed step count a limitation); here
+    the mini-batches stay, as the update must equal the padded one."""
+    args = section.training_args
+    samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    return (
+        f"[preflight] {role}.use_dynamic_batching_in_train: the budget cuts each mini-batch ({samples} samples per "
+        f"rank: per_device_train_batch_size x gradient_accumulation_steps, one optimizer step) into passes, so each "
+        "update equals the padded one; ROLL instead sorts the rank's whole batch by length and makes an optimizer "
+        "step of every gradient_accumulation_steps passes, so its number of steps, and which samples share one, "
+        "follow the lengths."
+    )
 
 
 def _check_packed_lengths(role: str, section: WorkerConfig, longest: int, what: str) -> None:

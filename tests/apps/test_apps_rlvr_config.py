@@ -261,6 +261,19 @@ def test_a_token_budget_off_the_rounding_runs_with_a_note_as_in_roll():
     ]
 
 
+def test_a_training_budget_says_how_its_optimizer_steps_differ_from_rolls():
+    dynamic = {"actor_train__use_dynamic_batching_in_train": True,
+               "actor_train__max_tokens_per_microbatch_in_train": 2048}  # fmt: skip
+    report = preflight(RLVRConfig.from_dict(with_(base(), **dynamic)))
+    assert report.notes == [
+        "[preflight] actor_train.use_dynamic_batching_in_train: the budget cuts each mini-batch (4 samples per rank: "
+        "per_device_train_batch_size x gradient_accumulation_steps, one optimizer step) into passes, so each update "
+        "equals the padded one; ROLL instead sorts the rank's whole batch by length and makes an optimizer step of "
+        "every gradient_accumulation_steps passes, so its number of steps, and which samples share one, follow the "
+        "lengths."
+    ]
+
+
 REFERENCE = {"device_mapping": [0, 1], "strategy_args": {"strategy_name": "hf_infer"}}
 
 
