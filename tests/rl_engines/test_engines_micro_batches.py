@@ -21,6 +21,7 @@ from rl_engines.objectives import ActorObjective
 from rl_engines.strategies import create_strategy
 from rl_engines.strategies.micro_batches import MicroBatchPlanner, TokenBudget, plan_token_budget, split_to_count
 from rl_engines.strategies.model_io import without_padding_columns
+from rl_engines.strategies.packing import PackedBatch
 
 __all__ = ["tiny_model_dir"]
 
@@ -260,6 +261,18 @@ def test_a_pass_is_as_wide_as_its_longest_sample_as_in_roll():
     assert planner.dynamic_batching_metrics("x")["dynamic_batching/x/actual_tokens"] == 2 * 16
     no_prompt = batch_of_spans([(12, 2), (0, 12)])
     assert planner.layout(no_prompt) == "trimmed" and len(planner.plan(no_prompt)) == 2
+
+
+def test_actual_tokens_count_what_each_pass_runs():
+    """A pass without the prompt-less sample runs a row per sample even where its batch is planned by the wider rule:
+    the reported actual_tokens are the passes' own sizes either way."""
+    planner = MicroBatchPlanner(size=1, budget=TokenBudget(max_tokens=16, round_to=1, key="k"))
+    for spans in ([(1, 2), (0, 5), (4, 1), (3, 0), (6, 3), (2, 5)], [(1, 2), (7, 5), (4, 1), (3, 0), (6, 3)]):
+        batch = batch_of_spans(spans)
+        runs = planner.runs(planner.split(batch))
+        ran = sum(int(run.input_ids.numel() if isinstance(run, PackedBatch) else run.batch["input_ids"].numel())
+                  for run in runs)  # fmt: skip
+        assert planner.dynamic_batching_metrics("x")["dynamic_batching/x/actual_tokens"] == ran
 
 
 def test_a_fixed_planner_keeps_the_batch_order_and_sizes():

@@ -84,6 +84,27 @@ def test_the_metric_is_the_routers_loss_over_the_real_tokens(moe_dir):
     assert metrics["load_balancing_loss"] == pytest.approx(float(torch.stack(expected).mean()), abs=1e-6)
 
 
+def test_a_row_per_sample_pass_leaves_its_padding_out_of_the_router_loss(moe_dir):
+    """Dynamic batching runs a row per sample, the padding after each sample's tokens: the router's balancing loss
+    over those rows equals the one over the same samples packed into one row of real tokens (no padding at all)."""
+    from transformers import AutoModelForCausalLM
+
+    from rl_engines.strategies.moe import RouterLoss, router_recorder
+    from rl_engines.strategies.packing import pack, packed_outputs
+
+    model = AutoModelForCausalLM.from_pretrained(str(moe_dir), dtype=torch.float32).eval()
+    router = RouterLoss(model, 2, 1.0, *router_recorder(model))
+    batch = rollout_batch(4)
+    assert not bool(pack(batch, round_to=8, per_sample=True).real.all())  # the rows carry padding
+    losses = []
+    for per_sample in (False, True):
+        with torch.no_grad(), router.recording():
+            packed_outputs(model, batch, torch.device("cpu"), value_head=False, temperature=1.0, with_entropy=False,
+                           round_to=8 if per_sample else 1, per_sample=per_sample)  # fmt: skip
+            losses.append(router.layer_losses())
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-6, rtol=0)
+
+
 def skewed_copy(model_dir, path):
     """``model_dir`` with routers that favour experts 0 and 1 for every token (load_balancing_loss about 1.15)."""
     import shutil

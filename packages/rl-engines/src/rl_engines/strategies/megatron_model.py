@@ -329,7 +329,7 @@ class MegatronModel:
                     "set it to false (fsdp2_train packs them)."
                 )
             segments = batch.segments.to(self.device)
-            out = self.run(batch.input_ids.to(self.device), segments >= 0, hidden, segments, chunk)
+            out = self.run(batch.input_ids.to(self.device), batch.real.to(self.device), hidden, segments, chunk)
             return batch.predicting(out).unsqueeze(0) if last else out
         inputs = model_inputs(batch, self.device)
         out = self.run(inputs["input_ids"], inputs["attention_mask"].bool(), hidden, chunk=chunk, source=batch)

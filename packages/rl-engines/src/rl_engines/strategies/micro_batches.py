@@ -11,9 +11,10 @@ Three plans (ROLL's keys, per worker):
   runs a row per sample, its real tokens from column 0 and the padding after them (layout *aligned*, ROLL's
   right-padded layout; :func:`rl_engines.strategies.packing.pack` with ``per_sample``), so memory per micro-batch
   is bounded by the budget and short samples stop paying for the longest. A batch that cannot be laid out so (a
-  vision-language batch, whose pictures' positions follow the padded rows; a sample without a prompt token) runs
-  without its padding columns instead (layout *trimmed*): prompts stay left-padded and responses right-padded, so
-  its width, and the rule it is planned by, is the longest prompt plus the longest response.
+  vision-language batch, whose pictures' positions follow the padded rows; one with a sample without a prompt
+  token) is planned by the width of a pass without its padding columns (layout *trimmed*: prompts stay left-padded
+  and responses right-padded, so the longest prompt plus the longest response), and each micro-batch holding such
+  a sample runs that way (the others, narrower, a row per sample).
 - *load balance* (``use_sequence_packing`` with ``sequence_packing_args.algorithm: load_balance``): as many
   micro-batches as the tokens need (their sum, each length rounded up to 16 as ROLL does, over
   ``max_packed_sequence_length_*``, at least ``min_num_micro_batches_*``, at most one per sample, the largest count
@@ -267,8 +268,8 @@ class MicroBatchPlanner:
         mask = batch.batch["attention_mask"]
         self.counts.valid += int(mask.sum())
         self.counts.origin += mask.numel()
-        layout = self.layout(batch)
         for group in groups:
+            layout = self.layout(batch.index(group))  # as forward / runs decide it for the micro-batch
             if layout == "packed":
                 self.counts.actual += int(mask[group].sum())
             elif layout == "aligned":

@@ -9,10 +9,12 @@ A vision-language micro-batch packs too (:func:`packed_visual_inputs`): its pict
 multimodal RoPE position as the model computes it for the padded rows.
 
 ``pack(batch, per_sample=True)`` lays the same tokens out one sample per row instead (ROLL's dynamic-batching
-layout): each row holds its sample's real tokens from column 0, padded on the right to the longest sample (rounded
-up), positions counting on through the padding, so a causal model needs no attention mask and the padding never
-reaches a real token. A dynamic-batching pass is then as wide as its longest sample, not its longest prompt plus its
-longest response.
+layout): each row holds its sample's real tokens from column 0 (with their own positions), padded on the right to
+the longest sample (rounded up; the padding's positions are its column numbers). The model gets the padding mask
+of those rows: the padding comes after every real token, so causal attention would keep it out of the real tokens'
+outputs anyway, but a mixture-of-experts router's load-balancing loss must not count it, and flash-attention
+removes it (its varlen kernel). A dynamic-batching pass is then as wide as its longest sample, not its longest
+prompt plus its longest response.
 
 :func:`balanced_partitions` is the Karmarkar-Karp largest-differencing heuristic ROLL uses (``load_balance``) to cut
 a mini-batch into micro-batches of similar work, by ROLL's workload model (:func:`rl_core.seqlen_balance.workload`).
@@ -51,12 +53,19 @@ class PackedBatch:
 
     @property
     def tokens(self) -> int:
-        """``T``: the packed row's length (fill included)."""
+        """``T``: the length of each packed row (fill included)."""
         return int(self.input_ids.shape[1])
 
+    @property
+    def real(self) -> torch.Tensor:
+        """``[rows, T]`` True at the samples' tokens, False at the fill (the padding mask of the packed rows)."""
+        return self.segments >= 0
+
     def predicting(self, outputs: torch.Tensor) -> torch.Tensor:
-        """``outputs [rows, T, ...]`` of the packed rows -> ``[N, ...]``: those that predict the response tokens."""
-        return outputs.reshape(-1, *outputs.shape[2:])[self.rows.to(outputs.device)]
+        """``outputs [rows, >= T, ...]`` of the packed rows -> ``[N, ...]``: those that predict the response tokens
+        (indexed in place: a non-contiguous ``outputs`` is not copied)."""
+        rows = self.rows.to(outputs.device)
+        return outputs[rows // self.tokens, rows % self.tokens]
 
     def scatter(self, values: torch.Tensor) -> torch.Tensor:
         """``values [N]`` (one per response token) into ``[B, R]``; 0 where a sample has no response token."""
@@ -79,9 +88,9 @@ def block_causal_mask(segments: torch.Tensor, window: int | None = None) -> torc
 def pack(batch: RolloutBatch, round_to: int = 1, *, per_sample: bool = False) -> PackedBatch:
     """Pack ``batch`` (prompts left-padded, responses right-padded, see model_io) into one row, filled up to a
     multiple of ``round_to`` with a separate run of padding tokens; ``per_sample``: one row per sample, each filled
-    up to the longest sample rounded up to ``round_to`` (not past the batch's width). Raises when a sample has no
-    prompt token (the first response token would have no position to be predicted from) or its position ids do not
-    start at 0 (see :func:`can_pack`)."""
+    up to the longest sample rounded up to ``round_to`` (not past the batch's width), the fill's positions its column
+    numbers. Raises when a sample has no prompt token (the first response token would have no position to be
+    predicted from) or its position ids do not start at 0 (see :func:`can_pack`)."""
     mask = batch.batch["attention_mask"].to(torch.bool)
     ids = batch.batch["input_ids"]
     total, width = mask.shape[1], response_length(batch)
@@ -97,7 +106,8 @@ def pack(batch: RolloutBatch, round_to: int = 1, *, per_sample: bool = False) ->
         raise ValueError("sequence packing needs position ids that start at 0 for every sample")
     columns = torch.arange(width).expand(len(lengths), width)
     valid = columns < response_lengths.unsqueeze(1)
-    samples = torch.arange(len(lengths)).unsqueeze(1).expand_as(columns)
+    index = torch.arange(len(lengths)).unsqueeze(1)
+    samples = index.expand_as(columns)
     if per_sample:
         row_length = min(-(-int(lengths.max()) // round_to) * round_to, total)
         real = torch.arange(row_length).unsqueeze(0) < lengths.unsqueeze(1)
@@ -105,7 +115,7 @@ def pack(batch: RolloutBatch, round_to: int = 1, *, per_sample: bool = False) ->
         input_ids = ids.new_zeros(real.shape).masked_scatter(real, flat_ids)
         position_ids = torch.arange(row_length, dtype=flat_positions.dtype).repeat(len(lengths), 1)
         position_ids = position_ids.masked_scatter(real, flat_positions)
-        segments = torch.where(real, samples[:, :1], -1)
+        segments = torch.where(real, index, -1)
     else:
         fill = -len(flat_ids) % round_to
         input_ids = torch.cat([flat_ids, flat_ids.new_zeros(fill)]).unsqueeze(0)
@@ -183,6 +193,8 @@ def packed_outputs(
         raise ValueError("a vision-language batch packs into one row only (its pictures' positions follow it)")
     packed = pack(batch, round_to, per_sample=per_sample)
     inputs = {"input_ids": packed.input_ids.to(device), "position_ids": packed.position_ids.to(device)}
+    if per_sample:  # right padding: see the module docstring
+        inputs["attention_mask"] = packed.real.long().to(device)
     if is_visual(batch):
         inputs.update(packed_visual_inputs(model, batch, packed, device))
     out = model(**inputs, use_cache=False)
