@@ -90,9 +90,10 @@ def test_a_row_per_sample_pass_leaves_its_padding_out_of_the_router_loss(moe_dir
     from transformers import AutoModelForCausalLM
 
     from rl_engines.strategies.moe import RouterLoss, router_recorder
-    from rl_engines.strategies.packing import pack, packed_outputs
+    from rl_engines.strategies.packing import needs_padding_mask, pack, packed_outputs
 
     model = AutoModelForCausalLM.from_pretrained(str(moe_dir), dtype=torch.float32).eval()
+    assert needs_padding_mask(model)
     router = RouterLoss(model, 2, 1.0, *router_recorder(model))
     batch = rollout_batch(4)
     assert not bool(pack(batch, round_to=8, per_sample=True).real.all())  # the rows carry padding

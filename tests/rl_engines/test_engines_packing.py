@@ -81,7 +81,7 @@ def test_attention_never_crosses_a_sample_boundary(tiny_model_dir):
     """A packed row's log-probs equal each sample run alone (so they cannot depend on their neighbours)."""
     from transformers import AutoModelForCausalLM
 
-    from rl_engines.strategies.packing import packed_outputs
+    from rl_engines.strategies.packing import needs_padding_mask, packed_outputs
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     batch = varied_batch(size=3, seed=4)
@@ -91,10 +91,13 @@ def test_attention_never_crosses_a_sample_boundary(tiny_model_dir):
         alone = [packed_outputs(model, batch.index([row]), torch.device("cpu"), value_head=False, temperature=1.0,
                                 with_entropy=False)["log_probs"] for row in range(3)]  # fmt: skip
     torch.testing.assert_close(together, torch.cat(alone), atol=1e-6, rtol=0)
-    with torch.no_grad():  # a row per sample, the padding after each sample's tokens, no attention mask
+    assert not needs_padding_mask(model)  # dense, sdpa: a row per sample runs without a mask
+    with torch.no_grad():  # a row per sample, the padding after each sample's tokens
         rows = packed_outputs(model, batch, torch.device("cpu"), value_head=False, temperature=1.0,
                               with_entropy=False, round_to=8, per_sample=True)["log_probs"]  # fmt: skip
     torch.testing.assert_close(rows, torch.cat(alone), atol=1e-6, rtol=0)
+    model.config._attn_implementation = "flash_attention_2"  # flash-attention skips the padding it is shown
+    assert needs_padding_mask(model)
 
 
 # ---- load-balanced micro-batches ---------------------------------------------------------------------------------

@@ -10,11 +10,10 @@ multimodal RoPE position as the model computes it for the padded rows.
 
 ``pack(batch, per_sample=True)`` lays the same tokens out one sample per row instead (ROLL's dynamic-batching
 layout): each row holds its sample's real tokens from column 0 (with their own positions), padded on the right to
-the longest sample (rounded up; the padding's positions are its column numbers). The model gets the padding mask
-of those rows: the padding comes after every real token, so causal attention would keep it out of the real tokens'
-outputs anyway, but a mixture-of-experts router's load-balancing loss must not count it, and flash-attention
-removes it (its varlen kernel). A dynamic-batching pass is then as wide as its longest sample, not its longest
-prompt plus its longest response.
+the longest sample (rounded up; the padding's positions are its column numbers). The padding comes after every real
+token, so causal attention keeps it out of the real tokens' outputs without a mask; the model gets the rows'
+padding mask where something else would see the padding (:func:`needs_padding_mask`). A dynamic-batching pass is
+then as wide as its longest sample, not its longest prompt plus its longest response.
 
 :func:`balanced_partitions` is the Karmarkar-Karp largest-differencing heuristic ROLL uses (``load_balance``) to cut
 a mini-batch into micro-batches of similar work, by ROLL's workload model (:func:`rl_core.seqlen_balance.workload`).
@@ -30,7 +29,14 @@ from torch import nn
 
 from rl_core.batch import RolloutBatch
 from rl_core.seqlen_balance import largest_differencing
-from rl_engines.strategies.model_io import position_ids_from_mask, response_length, response_log_probs, unwrapped
+from rl_engines.strategies.model_io import (
+    is_varlen,
+    position_ids_from_mask,
+    response_length,
+    response_log_probs,
+    unwrapped,
+)
+from rl_engines.strategies.moe import expert_count, text_config
 from rl_engines.vision import ROPE_INPUTS, is_visual, token_types, visual_inputs, vl_config
 
 
@@ -182,6 +188,19 @@ def _fill_empty(groups: list[list[int]], weights: Sequence[int]) -> list[list[in
     return groups
 
 
+def needs_padding_mask(model: nn.Module) -> bool:
+    """Whether a row-per-sample pass must hand ``model`` its padding mask: a mixture-of-experts router's
+    load-balancing loss would count the padding, and a flash-attention kernel skips only masked padding. A dense
+    model on sdpa or eager attention gets none: causal attention keeps the padding out of every real token's output,
+    and the mask would only cost (measured on CPU, the bench_packing model: 8% of a forward, sdpa then running with
+    a materialised mask instead of its causal kernel)."""
+    hf = unwrapped(getattr(model, "module", model))  # a DeepSpeed engine holds the model as ``module``
+    config = getattr(hf, "config", None)
+    if config is None:
+        return True
+    return is_varlen(getattr(config, "_attn_implementation", None)) or expert_count(text_config(hf)) > 0
+
+
 def packed_outputs(
     model: nn.Module, batch: RolloutBatch, device: torch.device, *, value_head: bool, temperature: float,
     with_entropy: bool, round_to: int = 1, per_sample: bool = False,
@@ -193,7 +212,7 @@ def packed_outputs(
         raise ValueError("a vision-language batch packs into one row only (its pictures' positions follow it)")
     packed = pack(batch, round_to, per_sample=per_sample)
     inputs = {"input_ids": packed.input_ids.to(device), "position_ids": packed.position_ids.to(device)}
-    if per_sample:  # right padding: see the module docstring
+    if per_sample and needs_padding_mask(model):  # right padding: see the module docstring
         inputs["attention_mask"] = packed.real.long().to(device)
     if is_visual(batch):
         inputs.update(packed_visual_inputs(model, batch, packed, device))
