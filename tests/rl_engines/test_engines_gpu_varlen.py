@@ -1,4 +1,4 @@
-"""GPU only (``gpu`` marker): the packed path on flash-attention's varlen kernel (issue 15).
+"""GPU only (``gpu`` marker): the packed and dynamic-batching paths on flash-attention's varlen kernel (issue 15).
 
 With ``attn_implementation: fa2`` on a CUDA worker, a packed row runs through a variable-length flash-attention
 kernel: flash-attention-2's own when the flash_attn package is installed (transformers finds the samples from the
@@ -14,7 +14,7 @@ import importlib.util
 import pytest
 import torch
 from engine_fixtures import tiny_model_dir
-from test_engines_micro_batches import PACKED, make, varied_batch
+from test_engines_micro_batches import DYNAMIC, PACKED, make, varied_batch
 from test_engines_varlen_attention import reference_kernel
 
 from rl_engines.objectives import ActorObjective
@@ -31,6 +31,7 @@ pytestmark = [
                        reason="neither flash_attn nor torch.nn.attention.varlen is installed"),
 ]  # fmt: skip
 FA2 = {"attn_implementation": "fa2", "dtype": "bf16"}
+LAYOUTS = {"sequence_packing": PACKED, "dynamic_batching": DYNAMIC}
 
 
 def test_the_worker_runs_a_flash_attention_varlen_kernel(tiny_model_dir):
@@ -62,13 +63,16 @@ def test_torch_kernel_equals_each_sequence_through_sdpa(heads, kv_heads, decode)
             torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=5e-2)
 
 
+@pytest.mark.parametrize("layout", ["sequence_packing", "dynamic_batching"])
 @pytest.mark.parametrize("name", ["fsdp2_train", "hf_infer"])
-def test_packed_flash_varlen_equals_padded_sdpa(name, tiny_model_dir):
+def test_packed_flash_varlen_equals_padded_sdpa(name, layout, tiny_model_dir):
+    """Packing: one row of real tokens. Dynamic batching: a row per sample, its padding after its tokens, handed to
+    the kernel as a mask (flash-attention then skips it: rl_engines.strategies.packing.needs_padding_mask)."""
     role = "actor_train" if name == "fsdp2_train" else "reference"
     batch = varied_batch()
     mask = batch.batch["response_mask"]
     padded = make(name, tiny_model_dir, role, model_args={"dtype": "bf16", "attn_implementation": "sdpa"})
-    packed = make(name, tiny_model_dir, role, model_args=FA2, **PACKED)
+    packed = make(name, tiny_model_dir, role, model_args=FA2, **LAYOUTS[layout])
     expected = padded.compute_log_probs(batch).batch["log_probs"]
     got = packed.compute_log_probs(batch).batch["log_probs"]
     torch.testing.assert_close(got[mask], expected[mask], atol=2e-2, rtol=0)  # bf16 kernels
