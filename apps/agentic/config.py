@@ -93,8 +93,9 @@ BATCH_ADJUST_MODES = ("copy", "delete", "auto", "random_sample")
 class RewardNormalization:
     """``reward_normalization``: how episode scores are normalised before advantages (rl-core)."""
 
-    grouping: str = "state"
-    """Which episodes share statistics: state (= traj_group_id: one env group), inductive (= tags), batch."""
+    grouping: str = "batch"
+    """Which episodes share statistics: batch (ROLL's default: all of them), state (= traj_group_id: one env
+    group), inductive (= tags)."""
     method: str = "identity"
     """What is done within a group: identity, mean, mean_std, asym_clip (= mean_std, as in ROLL since its agentic
     norm refactor of Nov 2025; rl-core's own asym_clip, RAGEN's clamp to [-1, 3], is not what ROLL runs)."""

@@ -4,7 +4,7 @@
    only gigpo and step_reinforce read it), computed before any sample is copied or dropped;
 2. ``batch_adjust_mode``: the number of step samples varies with the episodes' lengths, so it is made a multiple of
    ROLL's ``size_divide`` = lcm(actor_train's global batch, actor_train's and the reference's ``infer_batch_size`` x
-   data-parallel size, and a configured critic's two) by ``copy`` (random samples duplicated and trained twice),
+   data-parallel size, and a running critic's two: gae) by ``copy`` (random samples duplicated and trained twice),
    ``delete`` (random samples dropped), ``auto`` (ROLL's rule, copy when the remainder is at least half the batch or
    the batch is below one multiple, comes down to: copy below one multiple, else delete) or ``random_sample``
    (exactly one multiple kept); ``delete`` and ``random_sample`` copy instead below one multiple. The random picks
@@ -36,7 +36,7 @@ def size_divisor(config: AgenticConfig, sections: dict[str, WorkerConfig]) -> in
     sizes = []
     for role in ("actor_train", "reference", "critic"):
         section = sections.get(role)
-        if section is None:  # a configured critic scores and trains whatever the estimator (ROLL: only with gae)
+        if section is None:  # not running: a reference left off, a critic outside gae (as in ROLL)
             continue
         dp = parallel_layout(section).data_parallel_size(role)
         sizes.append(section.infer_batch_size * dp)

@@ -247,13 +247,17 @@ def reference_enabled(config: SharedConfig) -> bool:
 
 
 def reference_from_actor(config: SharedConfig) -> bool:
-    """A LoRA actor whose running reference loads the actor's own model: the reference is the actor's base model
-    with its adapters disabled (ROLL's LoRA branch), so no separate reference copy is loaded or started."""
+    """A LoRA actor with a running reference: the reference is the actor's base model with its adapters disabled,
+    whatever model the reference section names (ROLL's pipelines build no reference model when actor_train trains
+    LoRA adapters: ``use_ref_model = enable_reference and not is_lora_training``), so no reference copy starts."""
     train, reference = config.actor_train, config.reference
-    if train is None or reference is None or not train.model_args.lora or not reference_enabled(config):
-        return False
-    paths = {section.model_args.model_name_or_path or config.pretrain for section in (train, reference)}
-    return len(paths) == 1
+    return train is not None and reference is not None and train.model_args.lora and reference_enabled(config)
+
+
+def critic_enabled(config: SharedConfig) -> bool:
+    """A configured critic runs only for ``adv_estimator: gae``, the one estimator that reads its values: ROLL's
+    RLVR and agentic pipelines build, score and train the critic under that condition alone."""
+    return config.critic is not None and config.adv_estimator == "gae"
 
 
 DEAD_ROLL_KEYS = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from apps.common.config import ROLE_KEYS, SharedConfig, reference_enabled, reference_from_actor
+from apps.common.config import ROLE_KEYS, SharedConfig, critic_enabled, reference_enabled, reference_from_actor
 from rl_core.batch_size import ParallelLayout, TrainBatchPlan, lr_decay_steps, plan_train_batch
 from rl_engines.config import WorkerConfig
 from rl_engines.placement import PlacementPlan
@@ -41,10 +41,13 @@ class PreflightReport:
 
 def role_sections(config: SharedConfig) -> dict[str, WorkerConfig]:
     """The roles that run (actor_train, actor_infer, reference, critic), by placement name: the configured ones,
-    less a reference that ROLL's ``enable_reference`` leaves off."""
+    less a reference that ROLL's ``enable_reference`` leaves off (or a LoRA actor stands in for) and a critic that
+    an estimator other than gae leaves off."""
     sections = {role: getattr(config, role) for role in ROLE_KEYS if getattr(config, role) is not None}
     if not reference_enabled(config) or reference_from_actor(config):
         sections.pop("reference", None)
+    if not critic_enabled(config):
+        sections.pop("critic", None)
     return sections
 
 
@@ -76,18 +79,38 @@ def replay_notes(config: SharedConfig) -> list[str]:
 
 
 def reference_notes(config: SharedConfig) -> list[str]:
-    """The log line of a configured reference that does not run."""
+    """The log lines of a configured reference or critic that does not run."""
+    notes = critic_notes(config)
     if reference_from_actor(config):
+        assert config.actor_train is not None and config.reference is not None
+        base = config.actor_train.model_args.model_name_or_path or config.pretrain
+        named = config.reference.model_args.model_name_or_path or config.pretrain
+        other = "" if named == base else (
+            f" reference.model_args.model_name_or_path={named!r} is not loaded: ROLL builds no reference model when "
+            f"actor_train trains LoRA adapters, so the KL is to actor_train's base model {base!r}."
+        )  # fmt: skip
         return [
+            *notes,
             "[preflight] reference: the actor's base model with its LoRA adapters disabled (actor_train computes "
-            "ref_log_probs, as ROLL does with LoRA); no separate reference copy is loaded."
+            f"ref_log_probs, as ROLL does with LoRA); no separate reference copy is loaded.{other}",
         ]
     if config.reference is None or reference_enabled(config):
-        return []
+        return notes
     return [
+        *notes,
         "[preflight] reference: not started (enable_reference false, use_kl_loss and add_token_level_kl false, "
         "init_kl_coef 0: nothing needs it); ref_log_probs are the old_log_probs, as in ROLL. Set "
-        "enable_reference: true to run it."
+        "enable_reference: true to run it.",
+    ]
+
+
+def critic_notes(config: SharedConfig) -> list[str]:
+    """The log line of a configured critic that an estimator other than gae leaves off."""
+    if config.critic is None or critic_enabled(config):
+        return []
+    return [
+        f"[preflight] critic: not started (adv_estimator {config.adv_estimator} reads no values; ROLL builds, scores "
+        "and trains the critic only for gae). Remove the section, or set adv_estimator: gae to train it."
     ]
 
 

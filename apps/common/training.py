@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from apps.common.config import reference_from_actor
+from apps.common.config import critic_enabled, reference_from_actor
 from rl_core.batch import RolloutBatch
 from rl_core.batch_size import TrainBatchPlan
 from rl_core.seqlen_balance import balanced_minibatch_order
@@ -48,7 +48,7 @@ def score_with_roles(roles: Roles, rollout: RolloutBatch, config: Any, temperatu
         )
     elif config.reference is not None:  # configured, left off by enable_reference: ROLL's stand-in, every KL 0
         rollout.batch["ref_log_probs"] = rollout.batch["old_log_probs"].clone()
-    if config.critic is not None:
+    if critic_enabled(config):
         rollout.batch["values"] = balanced_call(roles["critic"], "compute_values", rollout, output="values",
                                                 metrics=metrics)  # fmt: skip
     return metrics
@@ -84,10 +84,10 @@ def balanced_call(
 def train_roles(
     roles: Roles, rollout: RolloutBatch, config: Any, settings: Any, plans: dict[str, TrainBatchPlan], step: int
 ) -> dict[str, float]:
-    """``ppo_epochs`` passes: the critic (when configured), then the actor once ``critic_warmup`` steps passed."""
+    """``ppo_epochs`` passes: the critic (when it runs: gae), then the actor once ``critic_warmup`` steps passed."""
     metrics: dict[str, float] = {}
     for _ in range(config.ppo_epochs):
-        if config.critic is not None:
+        if critic_enabled(config):
             metrics.update(train_role(roles, "critic", rollout, settings.critic, plans["critic"]))
         if step >= config.critic_warmup:
             metrics.update(train_role(roles, "actor_train", rollout, settings.actor, plans["actor_train"]))

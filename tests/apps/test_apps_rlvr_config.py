@@ -293,6 +293,32 @@ def test_the_reference_runs_only_when_enabled_or_a_kl_needs_it_as_in_roll(change
     assert any("reference: not started" in note for note in report.notes) is not runs
 
 
+def test_a_lora_actor_is_the_reference_whatever_model_the_reference_names_as_in_roll():
+    """ROLL builds no reference model when actor_train trains LoRA adapters (use_ref_model = enable_reference and
+    not is_lora_training): the KL is to the actor's base, and a reference section naming another model loads none."""
+    lora = {"actor_train__model_args__lora_target": "all-linear", "actor_train__model_args__lora_rank": 4}
+    other = {**REFERENCE, "model_args": {"model_name_or_path": "/models/instruct"}}
+    report = preflight(RLVRConfig.from_dict(with_(base(), reference=other, **lora)))
+    assert "reference" not in report.placement.roles
+    assert any("reference: the actor's base model with its LoRA adapters disabled" in note
+               and "reference.model_args.model_name_or_path='/models/instruct' is not loaded" in note
+               for note in report.notes)  # fmt: skip
+    report = preflight(RLVRConfig.from_dict(with_(base(), reference=other)))  # full fine-tuning: it runs
+    assert "reference" in report.placement.roles
+
+
+@pytest.mark.parametrize(("estimator", "runs"), [("grpo", False), ("reinforce_plus_plus", False), ("gae", True)])
+def test_a_critic_runs_only_for_gae_as_in_roll(estimator, runs):
+    """ROLL's pipelines build, score and train the critic only for adv_estimator gae; any other estimator reads no
+    values, so a configured critic is not started, and pre-flight says so."""
+    critic = {"device_mapping": [2, 3], "model_args": {"model_name_or_path": "/models/tiny"},
+              "training_args": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}}  # fmt: skip
+    report = preflight(RLVRConfig.from_dict(with_(base(), critic=critic, adv_estimator=estimator)))
+    assert ("critic" in report.placement.roles) is runs and ("critic" in report.train_plans) is runs
+    assert any(f"critic: not started (adv_estimator {estimator} reads no values" in note
+               for note in report.notes) is not runs  # fmt: skip
+
+
 def test_enable_reference_without_a_reference_section_names_the_key():
     with pytest.raises(PreflightError, match=r"enable_reference need a `reference` section"):
         preflight(RLVRConfig.from_dict(with_(base(), enable_reference=True)))

@@ -171,6 +171,19 @@ def test_asym_clip_normalises_as_rolls_mean_std_without_a_clamp(tmp_path):
     assert "[preflight] reward_normalization.method: asym_clip normalises as mean_std" in notes
 
 
+def test_reward_normalization_without_grouping_normalises_over_the_batch_as_in_roll(tmp_path):
+    """ROLL's RewardNormalizationConfig.grouping defaults to batch: scores [1, 0, 0, 0] of two env groups, method
+    mean, give [0.75, -0.25, -0.25, -0.25] (per env group they would give [0.5, -0.5, 0, 0])."""
+    text = CONFIG.format(out=tmp_path / "out", model=tmp_path / "model")
+    config = AgenticConfig.from_dict(yaml.safe_load(text.replace("{grouping: traj_group_id, method: mean_std}",
+                                                                 "{method: mean}")))  # fmt: skip
+    assert config.reward_normalization.grouping == "batch"
+    scores = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    batch = RolloutBatch({"scores": scores}, {"traj_group_id": np.array([0, 0, 1, 1]), "tag": np.array(["a"] * 4)})
+    rewards, _ = step_sample_rewards(batch, config)
+    assert rewards.tolist() == pytest.approx([0.75, -0.25, -0.25, -0.25])
+
+
 AGENTIC_PG = "roll.pipeline.agentic.agentic_actor_pg_worker.ActorWorker"
 
 
