@@ -54,6 +54,11 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
     if config.reward_normalization.method == "asym_clip":
         notes.append("[preflight] reward_normalization.method: asym_clip normalises as mean_std, as ROLL does since "
                      "its agentic norm refactor (no clamp to [-1, 3]).")  # fmt: skip
+    if base.adv_estimator == "gigpo":
+        notes.append("[preflight] adv_estimator: gigpo groups a turn's step return with the turns of its own env group "
+                     "that acted on the same state, as the GiGPO paper defines anchor-state groups; ROLL keys them by "
+                     "the state alone, so there the same state seen by two env groups shares one group's statistics "
+                     "(rl_core.step_rewards).")  # fmt: skip
     samples = None
     if config.mode(config.train_env_manager) != "trajectory":
         # Step samples: as many as the turns, resized to a multiple of size_divide; plan the smallest such step

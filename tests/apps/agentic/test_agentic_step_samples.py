@@ -181,6 +181,8 @@ def test_the_roll_gigpo_file_loads_and_passes_preflight():
     report = agentic_preflight(config)
     assert report.train_plans["actor_train"].global_batch_size == 1024
     assert size_divisor(config, role_sections(config.base)) == 1024  # 16 x 8 x 8 ranks; infer 16 x 8
+    assert any("adv_estimator: gigpo groups a turn's step return with the turns of its own env group" in note
+               and "ROLL keys them by the state alone" in note for note in report.notes)  # fmt: skip
 
 
 @pytest.mark.parametrize(
