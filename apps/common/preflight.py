@@ -79,25 +79,22 @@ def replay_notes(config: SharedConfig) -> list[str]:
 
 
 def reference_notes(config: SharedConfig) -> list[str]:
-    """The log lines of a configured reference or critic that does not run."""
-    notes = critic_notes(config)
-    if reference_from_actor(config):
-        assert config.actor_train is not None and config.reference is not None
-        base = config.actor_train.model_args.model_name_or_path or config.pretrain
-        named = config.reference.model_args.model_name_or_path or config.pretrain
+    """The log line of a configured reference that does not run (or that a LoRA actor stands in for)."""
+    train, reference = config.actor_train, config.reference
+    if reference_from_actor(config) and train is not None and reference is not None:
+        base = train.model_args.model_name_or_path or config.pretrain
+        named = reference.model_args.model_name_or_path or config.pretrain
         other = "" if named == base else (
             f" reference.model_args.model_name_or_path={named!r} is not loaded: ROLL builds no reference model when "
             f"actor_train trains LoRA adapters, so the KL is to actor_train's base model {base!r}."
         )  # fmt: skip
         return [
-            *notes,
             "[preflight] reference: the actor's base model with its LoRA adapters disabled (actor_train computes "
             f"ref_log_probs, as ROLL does with LoRA); no separate reference copy is loaded.{other}",
         ]
     if config.reference is None or reference_enabled(config):
-        return notes
+        return []
     return [
-        *notes,
         "[preflight] reference: not started (enable_reference false, use_kl_loss and add_token_level_kl false, "
         "init_kl_coef 0: nothing needs it); ref_log_probs are the old_log_probs, as in ROLL. Set "
         "enable_reference: true to run it.",
@@ -369,7 +366,8 @@ def plan_training(
 ) -> PreflightReport:
     """The report: ``placement`` and the batch plan and lr decay steps of every configured training role (for
     ``samples`` per step when given, see train_plan)."""
-    plans, decay, notes = {}, {}, reference_notes(config) + replay_notes(config) + lora_notes(config)
+    plans, decay = {}, {}
+    notes = reference_notes(config) + critic_notes(config) + replay_notes(config) + lora_notes(config)
     for role in TRAIN_ROLES:
         if role in sections:
             plans[role] = train_plan(config, role, sections[role], num_return_sequences_in_group, samples)
