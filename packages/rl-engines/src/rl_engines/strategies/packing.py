@@ -100,16 +100,15 @@ def pack(batch: RolloutBatch, round_to: int = 1, *, per_sample: bool = False) ->
     mask = batch.batch["attention_mask"].to(torch.bool)
     ids = batch.batch["input_ids"]
     total, width = mask.shape[1], response_length(batch)
+    refusal = _pack_refusal(batch)
+    if refusal is not None:
+        raise ValueError(refusal)
     prompt_lengths = mask[:, : total - width].sum(dim=1)
     response_lengths = mask[:, total - width :].sum(dim=1)
-    if bool((prompt_lengths == 0).any()):
-        raise ValueError("sequence packing needs at least one prompt token per sample; a sample has none")
     positions = batch.batch["position_ids"] if "position_ids" in batch else position_ids_from_mask(mask)
     flat_ids, flat_positions = ids[mask], positions[mask]
     lengths = prompt_lengths + response_lengths
     starts = lengths.cumsum(0) - lengths
-    if bool((flat_positions[starts] != 0).any()):
-        raise ValueError("sequence packing needs position ids that start at 0 for every sample")
     columns = torch.arange(width).expand(len(lengths), width)
     valid = columns < response_lengths.unsqueeze(1)
     index = torch.arange(len(lengths)).unsqueeze(1)
@@ -136,14 +135,24 @@ def pack(batch: RolloutBatch, round_to: int = 1, *, per_sample: bool = False) ->
 
 def can_pack(batch: RolloutBatch) -> bool:
     """Whether :func:`pack` takes ``batch``: every sample has a prompt token, and its position ids (when given)
-    start at 0."""
+    are ``[B, T]`` and start at 0."""
+    return _pack_refusal(batch) is None
+
+
+def _pack_refusal(batch: RolloutBatch) -> str | None:
+    """Why :func:`pack` cannot take ``batch``, or None."""
     mask = batch.batch["attention_mask"].to(torch.bool)
     if not bool(mask[:, : mask.shape[1] - response_length(batch)].any(dim=1).all()):
-        return False
-    if "position_ids" not in batch or batch.batch["position_ids"].dim() != 2:
-        return "position_ids" not in batch
-    first = mask.long().argmax(dim=1)
-    return bool((batch.batch["position_ids"].gather(1, first.unsqueeze(1)) == 0).all())
+        return "sequence packing needs at least one prompt token per sample; a sample has none"
+    if "position_ids" not in batch:
+        return None
+    positions = batch.batch["position_ids"]
+    if positions.dim() != 2:
+        return f"sequence packing needs [batch, length] position ids; these have shape {tuple(positions.shape)}"
+    first = mask.long().argmax(dim=1)  # each sample's first real token
+    if not bool((positions.gather(1, first.unsqueeze(1)) == 0).all()):
+        return "sequence packing needs position ids that start at 0 for every sample"
+    return None
 
 
 def packed_visual_inputs(
