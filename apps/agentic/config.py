@@ -31,7 +31,9 @@ DEFAULT_AGENT_TEMPLATE = (
 )
 TEMPLATE_FIELDS = ("turn_idx", "observation", "actions_left", "max_response_length", "suffix")
 DEFAULT_SEQUENCE_LENGTH = 8192
-"""Tokens an episode may fill when ``sequence_length`` is null."""
+"""Tokens an episode may fill when ``sequence_length`` and ``response_length`` are null."""
+DEFAULT_PROMPT_LENGTH = 1024
+"""ROLL's default ``prompt_length`` (it enters only a ``sequence_length`` derived from ``response_length``)."""
 
 # Variables of ROLL's examples/config/*.yaml (traj_envs, step_envs, the GEM families) that exist to be interpolated
 # into custom_env sections.
@@ -49,8 +51,6 @@ TEMPLATE_VARIABLES = frozenset({
 RLVR_ONLY = {
     "rewards": "agentic rewards come from the environments (custom_envs.<tag>.env_config)",
     "validation": "validation runs the environments of val_env_manager every eval_steps",
-    "prompt_length": "the first turn's prompt is bounded by sequence_length",
-    "response_length": "each turn generates at most max_tokens_per_step tokens; sequence_length bounds the episode",
     "num_return_sequences_in_group": "group_size of train_env_manager sets how many episodes share a seed",
     "is_num_return_sequences_expand": "episodes of one group are separate environments already",
     "generate_opt_level": "every turn of every environment is sent to actor_infer as one batch",
@@ -362,6 +362,12 @@ class AgenticConfig:
     """Validation trajectories are written here as text and PNG frames (null = not rendered)."""
     max_tokens_per_step: int | None = None
     """Overrides every custom_envs entry's max_tokens_per_step when set."""
+    prompt_length: int | None = None
+    """ROLL's shared length key: enters only a null ``sequence_length``, derived as ``prompt_length`` (1024 when
+    null) + ``response_length``, as ROLL's config derives it; with ``sequence_length`` set it changes nothing (ROLL
+    drops it; its files set the pair to interpolate ``${response_length}``). A pre-flight note says which."""
+    response_length: int | None = None
+    """ROLL's shared length key: see ``prompt_length``. Each turn generates at most ``max_tokens_per_step``."""
     batch_adjust_mode: str = "copy"
     """Step samples: how their count is made a multiple of the training batch (copy, delete, auto, random_sample)."""
     step_reward_gamma: float = 0.95
@@ -397,7 +403,8 @@ class AgenticConfig:
             raise WorkerConfigError(f"custom_envs must be a mapping of tag -> environment, got {envs!r}.")
         config.custom_envs = {tag: build_dataclass(EnvSpec, spec, f"custom_envs.{tag}") for tag, spec in envs.items()}
         scalars = ("render_save_dir", "max_tokens_per_step", "batch_adjust_mode", "step_reward_gamma",
-                   "episode_reward_weight", "step_reward_weight", "ratio_type")  # fmt: skip
+                   "episode_reward_weight", "step_reward_weight", "ratio_type", "prompt_length",
+                   "response_length")  # fmt: skip
         picked = build_dataclass(_Scalars, {k: agentic[k] for k in scalars if k in agentic}, "")
         for name in scalars:
             setattr(config, name, getattr(picked, name))
@@ -405,10 +412,17 @@ class AgenticConfig:
         return config
 
     @property
+    def derived_sequence_length(self) -> int | None:
+        """ROLL's ``sequence_length`` when the file leaves it null: ``prompt_length`` + ``response_length``."""
+        if self.base.sequence_length is not None or self.response_length is None:
+            return None
+        return (self.prompt_length or DEFAULT_PROMPT_LENGTH) + self.response_length
+
+    @property
     def sequence_length(self) -> int:
-        """Tokens an episode may fill (first prompt and every turn): ``sequence_length``, 8192 when null (pre-flight
-        checks that a turn fits)."""
-        return self.base.sequence_length or DEFAULT_SEQUENCE_LENGTH
+        """Tokens an episode may fill (first prompt and every turn): ``sequence_length``; when null, ROLL's
+        ``prompt_length + response_length``, else 8192 (pre-flight checks that a turn fits)."""
+        return self.base.sequence_length or self.derived_sequence_length or DEFAULT_SEQUENCE_LENGTH
 
     def mode(self, manager: EnvManagerConfig) -> str:
         """The sample layout of a manager's episodes (its tags share one, checked by validate_agentic)."""
@@ -437,6 +451,8 @@ class _Scalars:
     episode_reward_weight: float = 1.0
     step_reward_weight: float = 1.0
     ratio_type: str = "token"
+    prompt_length: int | None = None
+    response_length: int | None = None
 
 
 def _manager_sampling(values: dict[str, Any], agentic: dict[str, Any]) -> dict[str, Any]:
@@ -483,6 +499,9 @@ def validate_agentic(config: AgenticConfig) -> None:
     _validate_modes(config)
     if config.max_tokens_per_step is not None and config.max_tokens_per_step < 1:
         raise WorkerConfigError(f"max_tokens_per_step must be >= 1, got {config.max_tokens_per_step}.")
+    for key in ("prompt_length", "response_length"):
+        if getattr(config, key) is not None and getattr(config, key) < 1:
+            raise WorkerConfigError(f"{key} must be >= 1, got {getattr(config, key)} (or leave it out).")
     episodes = config.base.rollout_batch_size
     slots = config.train_env_manager.num_envs
     if episodes % slots:

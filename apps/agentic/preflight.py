@@ -5,7 +5,7 @@ sequence_length)."""
 
 from __future__ import annotations
 
-from apps.agentic.config import AgenticConfig
+from apps.agentic.config import DEFAULT_PROMPT_LENGTH, AgenticConfig
 from apps.agentic.envs.tools import check_tool_machine
 from apps.agentic.step_batch import size_divisor
 from apps.common.preflight import (
@@ -40,17 +40,19 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
             "samples one response per turn: set it to 1 (group_size of train_env_manager sets the group)."
         )
     longest = max(config.env_spec(tag).max_tokens_per_step for tag in config.custom_envs)
-    if base.sequence_length is not None and base.sequence_length <= longest:
+    given = base.sequence_length or config.derived_sequence_length
+    if given is not None and given <= longest:
         raise PreflightError(
-            f"sequence_length ({base.sequence_length}) leaves no room for a prompt before a turn of "
-            f"max_tokens_per_step={longest} tokens; raise sequence_length or lower max_tokens_per_step."
+            f"sequence_length ({given}{'' if base.sequence_length else ' = prompt_length + response_length'}) leaves "
+            f"no room for a prompt before a turn of max_tokens_per_step={longest} tokens; raise sequence_length or "
+            "lower max_tokens_per_step."
         )
     for manager in (config.train_env_manager, config.val_env_manager):
         for tag in manager.tags if manager is not None else ():
             if config.custom_envs[tag].tool_wrapper is not None:
                 check_tool_machine(f"custom_envs.{tag}.tool_wrapper")
     notes = check_token_budgets(sections, config.sequence_length, "sequence_length") + device_only_notes(sections)
-    notes += dropped_key_notes(config.base)
+    notes += dropped_key_notes(config.base) + length_key_notes(config)
     if config.reward_normalization.method == "asym_clip":
         notes.append("[preflight] reward_normalization.method: asym_clip normalises as mean_std, as ROLL does since "
                      "its agentic norm refactor (no clamp to [-1, 3]).")  # fmt: skip
@@ -69,3 +71,22 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
     check_old_log_prob_switches(base, report)
     report.notes.extend(notes)
     return report
+
+
+def length_key_notes(config: AgenticConfig) -> list[str]:
+    """What ROLL's shared ``prompt_length`` / ``response_length`` do in this agentic run (they only derive a null
+    ``sequence_length``)."""
+    keys = [key for key in ("prompt_length", "response_length") if getattr(config, key) is not None]
+    if not keys:
+        return []
+    if config.derived_sequence_length is not None:
+        prompt = config.prompt_length or DEFAULT_PROMPT_LENGTH
+        return [f"[preflight] sequence_length is null: prompt_length ({prompt}) + response_length "
+                f"({config.response_length}) = {config.derived_sequence_length} tokens an episode may fill, as ROLL "
+                "derives it; each turn still generates at most max_tokens_per_step tokens."]  # fmt: skip
+    why = (f"sequence_length is {config.base.sequence_length}" if config.base.sequence_length is not None
+           else f"response_length is null, so sequence_length is the default {config.sequence_length}")  # fmt: skip
+    return [
+        f"[preflight] {' / '.join(keys)}: ROLL reads them only to derive a null sequence_length and {why}, so "
+        "they change nothing here (ROLL drops them too; its files set them to interpolate ${response_length})."
+    ]

@@ -13,6 +13,7 @@ from apps.agentic.env_manager import EnvManager, group_seed
 from apps.agentic.envs import make_env
 from apps.agentic.preflight import agentic_preflight
 from apps.agentic.step_batch import step_sample_rewards
+from apps.common.preflight import PreflightError
 from apps.common.yaml_config import load_config
 from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfigError
@@ -52,6 +53,36 @@ def test_every_roll_agentic_file_loads_and_passes_preflight(roll_file):
     assert manager.num_envs == config.base.rollout_batch_size  # ROLL: one episode per environment and step
     report = agentic_preflight(config)
     assert report.train_plans["actor_train"].samples_per_step == config.base.rollout_batch_size
+
+
+@pytest.mark.parametrize(
+    ("changes", "length", "note"),
+    [
+        ({"response_length": 1024, "prompt_length": 2048}, 8192,
+         "prompt_length / response_length: ROLL reads them only to derive a null sequence_length and sequence_length "
+         "is 8192, so they change nothing"),
+        ({"response_length": 512, "sequence_length": None}, 1536,
+         "sequence_length is null: prompt_length (1024) + response_length (512) = 1536 tokens"),
+        ({"response_length": 512, "prompt_length": 256, "sequence_length": None}, 768, "(256) + response_length (512)"),
+        ({"prompt_length": 256, "sequence_length": None}, 8192, "response_length is null, so sequence_length is the "
+         "default 8192"),
+    ],
+)  # fmt: skip
+def test_prompt_and_response_length_derive_a_null_sequence_length_as_in_roll(changes, length, note):
+    """ROLL's base config (shared by its agentic pipeline) sets sequence_length = prompt_length (1024 when absent) +
+    response_length when sequence_length is null, then drops both; its deepeyes.yaml sets them to interpolate
+    ${response_length} into max_tokens_per_step. They used to be refused here as RLVR-only keys."""
+    config = AgenticConfig.from_dict(_config(**changes))
+    assert config.sequence_length == length
+    assert any(note in n for n in agentic_preflight(config).notes)
+
+
+def test_a_derived_sequence_length_without_room_for_a_turn_or_a_bad_length_names_the_keys():
+    config = AgenticConfig.from_dict(_config(response_length=40, prompt_length=20, sequence_length=None))
+    with pytest.raises(PreflightError, match=r"sequence_length \(60 = prompt_length \+ response_length\) leaves"):
+        agentic_preflight(config)  # every turn may take max_tokens_per_step = 64 tokens
+    with pytest.raises(WorkerConfigError, match=r"response_length must be >= 1, got 0"):
+        AgenticConfig.from_dict(_config(response_length=0))
 
 
 def test_guide_spellings_of_env_manager_keys():
