@@ -218,6 +218,8 @@ def test_checkpoints_hold_the_adapters_only_and_resume_equals_uninterrupted(stra
     ],
 )
 def test_targets_that_match_no_linear_layer_are_named(strategy_name, tiny_model_dir, target, message):
+    if strategy_name == "megatron_train" and "also matches" in message:
+        pytest.skip("megatron_train matches a regular expression against Megatron's module paths (tested below)")
     with pytest.raises(ValueError, match=message):
         make(strategy_name, tiny_model_dir, model_args={"lora_target": target})
 
@@ -299,9 +301,51 @@ def adapted_modules(strategy):
 
 
 def test_a_regular_expression_target_adapts_the_modules_it_matches(strategy_name, tiny_model_dir):
-    strategy = make(strategy_name, tiny_model_dir, model_args={"lora_target": r".*layers\.1\..*(q_proj|up_proj)"})
+    """peft matches it against HF module paths; megatron_train, as ROLL's mcore adapters, against Megatron's, where a
+    matched fused linear (linear_qkv, linear_fc1) adapts every projection fused in it."""
+    megatron = strategy_name == "megatron_train"
+    target = r".*layers\.1\..*(linear_qkv|linear_fc1)" if megatron else r".*layers\.1\..*(q_proj|up_proj)"
+    strategy = make(strategy_name, tiny_model_dir, model_args={"lora_target": target})
     names = [n for n, _ in module(strategy).named_parameters() if ".lora_A." in n]
-    assert adapted_modules(strategy) == {"q_proj", "up_proj"} and all(".layers.1." in n for n in names)
+    expected = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"} if megatron else {"q_proj", "up_proj"}
+    assert adapted_modules(strategy) == expected and all(".layers.1." in n for n in names)
+
+
+@pytest.mark.parametrize(
+    ("target", "adapted"),
+    [
+        (".*proj", {"self_attn.o_proj"}),  # peft: all seven projections; ROLL's Megatron paths: linear_proj alone
+        (r"decoder\.layers\.1\.mlp\..*", {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}),
+        ("linear_qkv", {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}),  # a name, not an expression
+    ],
+)
+def test_megatron_matches_a_regular_expression_against_megatron_module_paths_as_roll(target, adapted):
+    from rl_engines.config import ModelArgs
+    from rl_engines.strategies.megatron_lora import adapted_modules as megatron_adapted
+
+    found = megatron_adapted(ModelArgs(lora_target=target, lora_rank=4), "actor_train", 2)
+    assert {name.split(".", 3)[3] for name in found} == adapted
+    assert "decoder" not in target or all(name.startswith("model.layers.1.") for name in found)
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        (r".*layers\.1\..*(q_proj|up_proj)", r"matches no linear layer .* It matches HF module paths .* write it for "
+         r"those \(q_proj, k_proj and v_proj are one linear_qkv"),
+        (".*(word_embeddings|linear_qkv)", r"also matches \['embedding\.word_embeddings'\], which are not linear"),
+        (".*(output_layer|linear_fc2)", r"also matches \['output_layer'\]"),
+        (r".*\.attn\..*", r"matches no linear layer of the Megatron model \(a regular expression is "
+         r"matched against whole Megatron module paths, as in ROLL, such as 'decoder\.layers\.0\.self_attention\."
+         r"linear_qkv'\); its linear layers are \[.*\]\.$"),
+    ],
+)  # fmt: skip
+def test_megatron_names_a_regular_expression_that_matches_no_megatron_linear(target, message):
+    from rl_engines.config import ModelArgs
+    from rl_engines.strategies.megatron_lora import adapted_modules as megatron_adapted
+
+    with pytest.raises(ValueError, match=r"actor_train\.model_args\.lora_target=" + ".*" + message):
+        megatron_adapted(ModelArgs(lora_target=target, lora_rank=4), "actor_train", 2)
 
 
 def test_megatron_refuses_what_its_lora_does_not_build(tiny_model_dir):

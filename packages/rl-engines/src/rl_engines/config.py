@@ -66,8 +66,9 @@ class ModelArgs:
     lora_target: str | list[str] | None = None
     """LoRA (ROLL's keys): the modules that get adapters; null = full-parameter training. Comma-separated module
     names (``q_proj,v_proj``), ``all-linear`` (every linear layer but the output head; ``all`` is the same), or a
-    regular expression (a value with ``*``, ``$``, ``|`` or ``(``) matched against whole module paths. On a training
-    role only its adapters train; on actor_infer it describes the adapters the inference engine receives."""
+    regular expression (a value with ``*``, ``$``, ``|`` or ``(``) matched against whole module paths (on
+    megatron_train Megatron's, as in ROLL: ``decoder.layers.<i>.self_attention.linear_qkv``). On a training role
+    only its adapters train; on actor_infer it describes the adapters the inference engine receives."""
     lora_rank: int = 8
     """LoRA rank r of every adapter (ROLL's default 8)."""
     lora_alpha: int | None = None

@@ -48,26 +48,27 @@ PROJECTIONS = tuple(part for _, parts in LINEARS.values() for part in parts)
 """The HF projections LoRA can adapt, in HF (and peft) module order."""
 
 
+MEGATRON_OTHERS = ("embedding.word_embeddings", "output_layer")
+"""Megatron module paths LoRA does not adapt (the embedding and the output head)."""
+
+
 def adapted_modules(args: ModelArgs, role: str, num_layers: int) -> set[str]:
     """The HF module paths (``model.layers.<i>.self_attn.q_proj``) ``lora_target`` adapts: HF names (``q_proj``),
     Megatron names (``linear_qkv``: every projection fused in it) and ``all-linear`` on every layer, or a regular
-    expression matched against whole module paths; a ValueError names the key when something matches nothing, or
-    the expression also matches the embedding or the output head (not adapted, as on the peft strategies)."""
+    expression; a ValueError names the key when something matches nothing, or the expression also matches the
+    embedding or the output head (not adapted, as on the peft strategies).
+
+    A regular expression is matched, as ROLL's mcore adapters match it, against Megatron's module paths
+    (``decoder.layers.<i>.self_attention.linear_qkv``, ``decoder.layers.<i>.mlp.linear_fc2``, with the model's
+    global layer number ``<i>``), so ``.*proj`` adapts ``linear_proj`` (o_proj) alone, and a matched fused linear
+    adapts every projection fused in it. (ROLL numbers the layers of each pipeline stage from 0; here ``<i>`` is the
+    layer's number in the whole model at every pipeline size.)"""
     targets = args.lora_targets()
+    if isinstance(targets, str):
+        return _regex_adapted(targets, f"{role}.model_args.lora_target", num_layers)
     key = f"{role}.model_args.lora_target"
     names = [part.rsplit(".", 1)[-1] for part in PROJECTIONS] + [m.rsplit(".", 1)[-1] for m in LINEARS]
     paths = [f"model.layers.{layer}.{part}" for layer in range(num_layers) for part in PROJECTIONS]
-    if isinstance(targets, str):
-        others = [path for path in ("model.embed_tokens", "lm_head") if re.fullmatch(targets, path)]
-        if others:
-            raise ValueError(f"{key}={targets!r} also matches {others}, which are not linear layers LoRA adapts "
-                             f"here; narrow it to the model's linear layers {names}.")  # fmt: skip
-        matched = {path for path in paths if re.fullmatch(targets, path)}
-        if not matched:
-            raise ValueError(f"{key}={targets!r} matches no linear layer of the Megatron model (a regular expression "
-                             f"is matched against whole module paths such as {paths[0]!r}); its linear layers are "
-                             f"{names}.")  # fmt: skip
-        return matched
     parts: set[str] = set()
     missing = []
     for target in targets:
@@ -83,6 +84,29 @@ def adapted_modules(args: ModelArgs, role: str, num_layers: int) -> set[str]:
         raise ValueError(f"{key} names {missing}, which match no linear layer of the Megatron model; its linear "
                          f"layers are {names} (or use all-linear).")  # fmt: skip
     return {path for path in paths if path.split(".", 3)[3] in parts}
+
+
+def _regex_adapted(pattern: str, key: str, num_layers: int) -> set[str]:
+    """The HF module paths of the projections fused in the Megatron linears whose paths ``pattern`` matches."""
+    others = [path for path in MEGATRON_OTHERS if re.fullmatch(pattern, path)]
+    if others:
+        raise ValueError(f"{key}={pattern!r} also matches {others}, which are not linear layers LoRA adapts here; "
+                         f"narrow it to the model's linear layers {list(LINEARS)}.")  # fmt: skip
+    matched = {f"model.layers.{layer}.{part}" for layer in range(num_layers) for linear, (_, fused) in LINEARS.items()
+               if re.fullmatch(pattern, f"decoder.layers.{layer}.{linear}") for part in fused}  # fmt: skip
+    if matched:
+        return matched
+    hf = any(
+        re.fullmatch(pattern, f"model.layers.{layer}.{part}") for layer in range(num_layers) for part in PROJECTIONS
+    )
+    hint = (" It matches HF module paths (model.layers.<i>.self_attn.q_proj); ROLL's megatron_train matches "
+            "Megatron's, so write it for those (q_proj, k_proj and v_proj are one linear_qkv; gate_proj and up_proj "
+            "one linear_fc1)." if hf else "")  # fmt: skip
+    raise ValueError(
+        f"{key}={pattern!r} matches no linear layer of the Megatron model (a regular expression is "
+        "matched against whole Megatron module paths, as in ROLL, such as "
+        f"'decoder.layers.0.self_attention.linear_qkv'); its linear layers are {list(LINEARS)}.{hint}"
+    )
 
 
 @dataclass
