@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from apps.common.algorithm import ROLL_REWARD_NORMS
 from apps.common.config_checks import check_minimum, fail
 from apps.rlvr.data import KNOWN_TEMPLATES
 from rl_core.step_rewards import STEP_ESTIMATORS
@@ -24,6 +25,7 @@ def check_rlvr_ranges(config: Any) -> None:
             f"adv_estimator: {config.adv_estimator} rewards single turns of agentic episodes (the agentic pipeline "
             "with StepEnvManager); RLVR responses are one turn each: use grpo, reinforce, rloo, ..."
         )
+    check_reward_norm(config)
     if config.sequence_length is not None and config.sequence_length < config.prompt_length + config.response_length:
         fail(
             f"sequence_length ({config.sequence_length}) must be >= prompt_length + response_length "
@@ -49,4 +51,29 @@ def check_rlvr_ranges(config: Any) -> None:
     if config.generate_opt_level not in (0, 1):
         fail(
             f"generate_opt_level must be 0 (batch generate) or 1 (request scheduler), got {config.generate_opt_level}."
+        )
+
+
+def check_reward_norm(config: Any) -> None:
+    """ROLL's ``norm_mean_type`` / ``norm_std_type`` (what RLVR normalises rewards by) against this project's
+    ``reward_norm`` / ``reward_shift`` / ``reward_scale`` (the older guide's spelling) and ``adv_estimator``."""
+    pair = (config.norm_mean_type, config.norm_std_type)
+    ours = config.reward_norm is not None or config.reward_shift or config.reward_scale
+    if pair != (None, None) and pair not in ROLL_REWARD_NORMS:
+        fail(
+            f"norm_mean_type={pair[0]!r} with norm_std_type={pair[1]!r} is not built: ROLL's reward_norm broadcasts "
+            "a group std over the flat batch unless the mean is the group's too (its result has the wrong shape), "
+            "and a group mean with the batch std is not built here; use batch / batch, group / group, a mean alone "
+            "(norm_std_type: null), or norm_mean_type: null with norm_std_type: batch."
+        )
+    if config.adv_estimator == "grpo" and ours:
+        fail(
+            f"reward_norm={config.reward_norm!r} / reward_shift / reward_scale with adv_estimator: grpo: grpo "
+            "normalises each prompt group's rewards itself (ROLL forces norm_mean_type / norm_std_type to group), so "
+            "they would be replaced; remove them, or use adv_estimator: reinforce with a reward normalisation."
+        )
+    if pair != (None, None) and ours:
+        fail(
+            "norm_mean_type / norm_std_type (ROLL's keys) and reward_norm / reward_shift / reward_scale (the older "
+            "spelling) both set a reward normalisation; keep one."
         )

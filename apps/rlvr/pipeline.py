@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from apps.common.algorithm import AlgorithmSettings, TargetBuilder
+from apps.common.algorithm import AlgorithmSettings, TargetBuilder, rlvr_reward_stage
 from apps.common.checkpoint_space import checkpoint_space_warning
 from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
 from apps.common.loop import run_loop
@@ -105,7 +105,8 @@ class RLVRPipeline:
             else None
         )
         generating = config.actor_infer.generating_args
-        self.settings = AlgorithmSettings.from_config(config, temperature=generating.temperature or 1.0)
+        settings = AlgorithmSettings.from_config(config, temperature=generating.temperature or 1.0)
+        self.settings = rlvr_reward_stage(settings, config)  # ROLL's reward normalisation and grpo
         self.targets = TargetBuilder(self.settings, config, domains=None if probs is None else list(probs))
         self.shaping = SampleShaping.from_config(config)
         self.output_dir = Path(config.output_dir)

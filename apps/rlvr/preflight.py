@@ -57,7 +57,7 @@ def preflight(config: RLVRConfig) -> PreflightReport:
     _check_generation(config, placement)
     longest = config.prompt_length + config.response_length
     notes = check_token_budgets(sections, longest, "prompt_length + response_length") + device_only_notes(sections)
-    notes += dropped_key_notes(config)
+    notes += dropped_key_notes(config) + reward_norm_notes(config)
     report = plan_training(config, placement, sections, config.num_return_sequences_in_group)
     check_old_log_prob_switches(config, report)
     report.notes.extend(notes)
@@ -93,3 +93,15 @@ def _check_generation(config: RLVRConfig, placement: PlacementPlan) -> None:
             f"reference: rollout_batch_size x num_return_sequences_in_group = {samples} samples must split evenly "
             f"over its {placement.roles['reference'].world_size} workers; change reference.device_mapping."
         )
+
+
+def reward_norm_notes(config: RLVRConfig) -> list[str]:
+    """The pre-flight line when ``norm_mean_type`` / ``norm_std_type`` are set with grpo, which overrides them."""
+    pair = (config.norm_mean_type, config.norm_std_type)
+    if config.adv_estimator != "grpo" or pair in ((None, None), ("group", "group")):
+        return []
+    return [
+        f"[preflight] norm_mean_type={pair[0]!r} / norm_std_type={pair[1]!r}: adv_estimator grpo normalises each "
+        "prompt group's rewards by the group's mean and std, as ROLL forces both keys to group for it; the values "
+        "given change nothing (use adv_estimator: reinforce to normalise by them)."
+    ]

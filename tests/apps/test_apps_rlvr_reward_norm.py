@@ -1,0 +1,109 @@
+"""ROLL's RLVR reward stage: ``norm_mean_type`` / ``norm_std_type`` normalise the response-level rewards of every
+estimator before ``reward_clip``, and ``grpo`` forces both to ``group`` and is then the reinforce return of the token
+rewards (``reward_postprocess`` then ``compute_advantage`` in ROLL's ``roll/utils/functionals.py``). The reference
+below is that recipe written out as plain loops."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apps.common.algorithm import AlgorithmSettings, TargetBuilder, rlvr_reward_stage
+from apps.rlvr.config import RLVRConfig
+from rl_core.batch import RolloutBatch
+from rl_engines.config import WorkerConfigError
+
+REWARDS = {"math": {"worker_cls": "x.ExactMatchRewardWorker"}}
+GROUPS = [0, 0, 0, 0, 1, 1, 1, 1]
+SCORES = torch.tensor([0.0, 0.5, 3.0, 10.0, 1.0, 2.0, 2.0, 5.0])
+LENGTHS = [5, 3, 5, 1, 4, 5, 2, 5]
+MASK = torch.tensor([[1.0] * n + [0.0] * (5 - n) for n in LENGTHS])
+
+
+def roll_reference(mean_type, std_type, clip=None, gamma=1.0):
+    """Per ROLL: centre by the batch's / each group's mean (or 0), divide by the unbiased std + 1e-6 (or not),
+    clip, put the reward on the last response token, and take the discounted return-to-go."""
+    rewards = SCORES.tolist()
+
+    def members(i):
+        return [j for j in range(len(rewards)) if GROUPS[j] == GROUPS[i]]
+
+    def moments(rows):
+        values = torch.tensor([rewards[j] for j in rows])
+        return float(values.mean()), float(values.std())
+
+    out = []
+    for i, r in enumerate(rewards):
+        rows = {"batch": list(range(len(rewards))), "group": members(i), None: None}
+        mean = moments(rows[mean_type])[0] if mean_type else 0.0
+        value = r - mean
+        if std_type:
+            value /= moments(rows[std_type])[1] + 1e-6
+        out.append(value if clip is None else min(max(value, -clip), clip))
+    advantages = torch.zeros_like(MASK)
+    for i, length in enumerate(LENGTHS):
+        running = 0.0
+        for t in reversed(range(5)):
+            running = (out[i] if t == length - 1 else 0.0) + gamma * running
+            advantages[i, t] = running if t < length else 0.0
+    return advantages
+
+
+def advantages(**keys):
+    config = RLVRConfig.from_dict({"rewards": REWARDS, "num_return_sequences_in_group": 4, **keys})
+    settings = rlvr_reward_stage(AlgorithmSettings.from_config(config), config)
+    batch = RolloutBatch.from_dict({"response_mask": MASK.clone(), "old_log_probs": torch.zeros(8, 5)}, {})
+    TargetBuilder(settings, config)(batch, SCORES.clone(), GROUPS)
+    return batch.batch["advantages"]
+
+
+@pytest.mark.parametrize(
+    ("mean_type", "std_type"),
+    [("batch", "batch"), ("group", "group"), ("batch", None), ("group", None), (None, "batch")],
+)
+def test_norm_mean_and_std_types_normalise_the_rewards_as_roll(mean_type, std_type):
+    found = advantages(adv_estimator="reinforce", norm_mean_type=mean_type, norm_std_type=std_type)
+    assert torch.allclose(found, roll_reference(mean_type, std_type), atol=1e-5)
+    assert not torch.allclose(found, roll_reference(None, None), atol=1e-3)  # they had been read nowhere
+
+
+@pytest.mark.parametrize("keys", [{"reward_clip": 1.0}, {"gamma": 0.9}, {"reward_clip": 0.5, "gamma": 0.8}])
+def test_grpo_is_the_reinforce_return_of_group_normalised_clipped_rewards_as_in_roll(keys):
+    """ROLL clips after the group normalisation and discounts the return; an outcome advantage (the old grpo here)
+    clipped the raw scores first and gave every token the same value."""
+    found = advantages(adv_estimator="grpo", **keys)
+    expected = roll_reference("group", "group", keys.get("reward_clip"), keys.get("gamma", 1.0))
+    assert torch.allclose(found, expected, atol=1e-5)
+
+
+def test_plain_grpo_is_still_the_group_normalised_outcome_on_every_token():
+    found = advantages(adv_estimator="grpo")
+    assert torch.allclose(found, roll_reference("group", "group"), atol=1e-6)
+    outcome = (SCORES.view(2, 4) - SCORES.view(2, 4).mean(-1, keepdim=True)) / (SCORES.view(2, 4).std(-1) + 1e-6)[
+        :, None
+    ]
+    assert torch.allclose(found, outcome.reshape(8, 1) * MASK, atol=1e-6)
+
+
+def test_grpo_overrides_the_norm_types_as_roll_does_with_a_note():
+    from apps.rlvr.preflight import reward_norm_notes
+
+    config = RLVRConfig.from_dict({"rewards": REWARDS, "adv_estimator": "grpo", "norm_mean_type": "batch"})
+    assert torch.allclose(advantages(adv_estimator="grpo", norm_mean_type="batch"), roll_reference("group", "group"))
+    assert any("adv_estimator grpo normalises each prompt group" in note for note in reward_norm_notes(config))
+    assert not reward_norm_notes(RLVRConfig.from_dict({"rewards": REWARDS, "adv_estimator": "grpo"}))
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"norm_mean_type": None, "norm_std_type": "group"}, r"norm_mean_type=None with norm_std_type='group' is not"),
+        ({"norm_mean_type": "batch", "norm_std_type": "group"}, r"norm_mean_type='batch' with norm_std_type='group'"),
+        ({"norm_mean_type": "group", "norm_std_type": "batch"}, r"a group mean with the batch std is not built"),
+        ({"adv_estimator": "grpo", "reward_norm": "batch"}, r"reward_norm='batch' .* with adv_estimator: grpo"),
+        ({"adv_estimator": "reinforce", "reward_norm": "batch", "norm_mean_type": "batch"}, r"both set a reward"),
+    ],
+)
+def test_reward_normalisations_that_roll_breaks_on_or_that_conflict_are_refused(keys, message):
+    with pytest.raises(WorkerConfigError, match=message):
+        RLVRConfig.from_dict({"rewards": REWARDS, "adv_estimator": "reinforce", **keys})
