@@ -62,6 +62,8 @@ RLVR_ONLY = {
     "error_max_len_clip": "length masks are an RLVR feature",
     "max_len_mask": "length masks are an RLVR feature",
     "length_loss_weight": "length weights are an RLVR feature",
+    "rl_loss_coef": "ROLL's agentic config has no rl_loss_coef (its parser drops it and its agentic actor workers "
+    "never scale the loss by it)",
 }
 
 # ROLL's env manager classes (custom_env.env_manager_cls, train_env_manager.worker_cls) by their last component ->

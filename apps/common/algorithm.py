@@ -62,7 +62,7 @@ class AlgorithmSettings:
         rollout_is.validate()
         correction = config.rollout_correction
         policy = PolicyLossConfig(
-            clip_ratio=config.pg_clip, clip_ratio_low=config.pg_clip_low, clip_ratio_high=config.pg_clip_high,
+            clip_ratio=config.pg_clip, clip_ratio_low=clip_range(config)[0], clip_ratio_high=clip_range(config)[1],
             clip_ratio_c=1.0 + 2.0 * config.pg_clip if config.dual_clip_loss else None,  # ROLL's dual clip
             rollout_correction=correction if correction is not None and correction.bypass_mode else None,
             **config.actor_policy.loss_knobs(),  # actor_train's tis_* / topr_* / cispo_* / kimi15_tau
@@ -84,6 +84,19 @@ class AlgorithmSettings:
             config.rollout_correction,
             config.train_infer_correction,
         )
+
+
+PG_CLIP_RANGE_DEFAULT = 0.2
+"""ROLL's default pg_clip_low / pg_clip_high (read only with use_pg_clip_range)."""
+
+
+def clip_range(config: Any) -> tuple[float | None, float | None]:
+    """The PPO clip's lower / upper epsilon as ROLL picks them: ``pg_clip_low`` / ``pg_clip_high`` (0.2 each when
+    unset) with ``use_pg_clip_range``, else None (``pg_clip`` on both sides)."""
+    if not config.use_pg_clip_range:
+        return None, None
+    low, high = config.pg_clip_low, config.pg_clip_high
+    return (PG_CLIP_RANGE_DEFAULT if low is None else low), (PG_CLIP_RANGE_DEFAULT if high is None else high)
 
 
 ROLL_REWARD_NORMS: dict[tuple[str | None, str | None], tuple[str, bool, bool]] = {

@@ -119,10 +119,12 @@ class SharedConfig:
     """ROLL's ActorWorker PPO ratio: token, or seq (one ratio per sequence: exp of the mean token log-ratio)."""
     pg_clip: float = 0.2
     """PPO clip epsilon."""
+    use_pg_clip_range: bool = False
+    """ROLL's switch for pg_clip_low / pg_clip_high: false, pg_clip clips both sides and they change nothing."""
     pg_clip_low: float | None = None
-    """Lower clip epsilon (default pg_clip)."""
+    """Lower clip epsilon with use_pg_clip_range (ROLL's default there: 0.2)."""
     pg_clip_high: float | None = None
-    """Upper clip epsilon (DAPO clip-higher; default pg_clip)."""
+    """Upper clip epsilon with use_pg_clip_range (DAPO clip-higher; ROLL's default there: 0.2)."""
     dual_clip_loss: bool = False
     """Dual-clip PPO as ROLL: a negative-advantage token's loss is capped at (1 + 2 pg_clip) |A|."""
     value_clip: float | None = 0.5
@@ -130,9 +132,9 @@ class SharedConfig:
     loss_agg_mode: str = "seq-mean-token-mean"
     """rl-core loss aggregation mode."""
     rl_loss_coef: float = 1.0
-    """Weight of the policy-gradient loss."""
+    """Weight of the policy-gradient loss with its KL term (ROLL's: (pg + kl_loss_coef x kl) x rl_loss_coef)."""
     entropy_loss_coef: float = 0.0
-    """Weight of the entropy bonus."""
+    """Weight of the entropy bonus (>= 0: ROLL adds it only when positive)."""
     sft_loss_coef: float = 0.0
     """Weight of an SFT loss (needs SFT data; not supported by the RL objective)."""
     use_kl_loss: bool = False

@@ -172,6 +172,9 @@ def check_choices(config: Any) -> None:
         fail(str(err))
     if config.profiler_timeline and config.profiler_memory:
         fail("profiler_timeline and profiler_memory are both true; profile one at a time (as ROLL asserts).")
+    if config.entropy_loss_coef < 0:
+        fail(f"entropy_loss_coef={config.entropy_loss_coef}: ROLL adds the entropy term only when the coefficient is "
+             "> 0, so a negative one changes nothing there; set 0, or a positive bonus.")  # fmt: skip
     for key in ("norm_mean_type", "norm_std_type"):
         if getattr(config, key) not in NORM_TYPES:
             fail(f"{key}={getattr(config, key)!r}: use batch, group or null.")

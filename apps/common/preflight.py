@@ -368,12 +368,23 @@ def plan_training(
     ``samples`` per step when given, see train_plan)."""
     plans, decay = {}, {}
     notes = reference_notes(config) + critic_notes(config) + replay_notes(config) + lora_notes(config)
+    notes += clip_range_notes(config)
     for role in TRAIN_ROLES:
         if role in sections:
             plans[role] = train_plan(config, role, sections[role], num_return_sequences_in_group, samples)
             decay[role] = lr_decay_steps(config.max_steps, plans[role], config.ppo_epochs)
             notes += fill_schedule_steps(config, role, sections[role], plans[role], num_return_sequences_in_group)
     return PreflightReport(placement, plans, decay, notes)
+
+
+def clip_range_notes(config: SharedConfig) -> list[str]:
+    """The pre-flight line when pg_clip_low / pg_clip_high are given without ROLL's use_pg_clip_range."""
+    given = [key for key in ("pg_clip_low", "pg_clip_high") if getattr(config, key) is not None]
+    if config.use_pg_clip_range or not given:
+        return []
+    return [f"[preflight] {' / '.join(given)}: ROLL clips with them only when use_pg_clip_range is true; it is false, "
+            f"so pg_clip ({config.pg_clip}) clips both sides and they change nothing (set use_pg_clip_range: true to "
+            "clip by them)."]  # fmt: skip
 
 
 def fill_schedule_steps(

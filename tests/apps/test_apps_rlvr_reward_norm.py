@@ -107,3 +107,28 @@ def test_grpo_overrides_the_norm_types_as_roll_does_with_a_note():
 def test_reward_normalisations_that_roll_breaks_on_or_that_conflict_are_refused(keys, message):
     with pytest.raises(WorkerConfigError, match=message):
         RLVRConfig.from_dict({"rewards": REWARDS, "adv_estimator": "reinforce", **keys})
+
+
+@pytest.mark.parametrize(
+    ("keys", "low_high", "noted"),
+    [
+        ({"pg_clip": 0.3, "pg_clip_low": 0.1, "pg_clip_high": 0.28}, (None, None), True),  # pg_clip both sides
+        ({"pg_clip": 0.3, "use_pg_clip_range": True}, (0.2, 0.2), False),  # ROLL's defaults, not pg_clip
+        ({"use_pg_clip_range": True, "pg_clip_low": 0.1, "pg_clip_high": 0.28}, (0.1, 0.28), False),
+    ],
+)
+def test_pg_clip_low_and_high_clip_only_with_use_pg_clip_range_as_in_roll(keys, low_high, noted):
+    """ROLL's actor workers clip by pg_clip_low / pg_clip_high only when use_pg_clip_range is true (both 0.2 by
+    default), else by pg_clip on both sides; use_pg_clip_range had been refused and the pair always applied."""
+    from apps.common.preflight import clip_range_notes
+
+    config = RLVRConfig.from_dict({"rewards": REWARDS, **keys})
+    policy = AlgorithmSettings.from_config(config).actor.policy_loss_config
+    assert (policy.clip_ratio_low, policy.clip_ratio_high) == low_high
+    assert policy.clip_ratio == keys.get("pg_clip", 0.2)
+    assert bool(clip_range_notes(config)) == noted
+
+
+def test_a_negative_entropy_coefficient_which_roll_ignores_is_refused():
+    with pytest.raises(WorkerConfigError, match=r"entropy_loss_coef=-0\.01: ROLL adds the entropy term only when"):
+        RLVRConfig.from_dict({"rewards": REWARDS, "entropy_loss_coef": -0.01})

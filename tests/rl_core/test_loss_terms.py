@@ -62,6 +62,11 @@ def test_total_loss_composition():
     total = compose_total_loss(coefs, pg_loss=torch.tensor(2.0), kl_loss=torch.tensor(1.0),
                                entropy=torch.tensor(3.0), sft_loss=torch.tensor(4.0))  # fmt: skip
     assert total.item() == pytest.approx(2.0 + 0.1 - 0.03 + 2.0)
+    # ROLL's order: rl_loss_coef scales the policy-gradient loss with its KL term, not the entropy or SFT terms
+    coefs = LossCoefficients(rl_loss_coef=0.5, kl_loss_coef=0.1, entropy_loss_coef=0.01, sft_loss_coef=0.5)
+    total = compose_total_loss(coefs, pg_loss=torch.tensor(2.0), kl_loss=torch.tensor(1.0),
+                               entropy=torch.tensor(3.0), sft_loss=torch.tensor(4.0))  # fmt: skip
+    assert total.item() == pytest.approx((2.0 + 0.1) * 0.5 - 0.03 + 2.0)
 
 
 def test_total_loss_refuses_missing_term():

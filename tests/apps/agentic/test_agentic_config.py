@@ -106,6 +106,7 @@ def _config(**changes):
     ("changes", "message"),
     [
         ({"rewards": {}}, "rewards is not an agentic pipeline key"),
+        ({"rl_loss_coef": 0.5}, "rl_loss_coef is not an agentic pipeline key: ROLL's agentic config has no"),
         ({"reward_normalization": {"grouping": "nope", "method": "mean_std"}}, "reward_normalization.grouping='nope'"),
         ({"reward_normalization": {"grouping": "traj_group_id", "norm_std_type": "sample"}},
          "reward_normalization.norm_std_type='sample'; use batch, group or null"),

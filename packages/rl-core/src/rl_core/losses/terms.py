@@ -84,7 +84,7 @@ class LossCoefficients:
     """Weights of the total actor loss (ROLL keys)."""
 
     rl_loss_coef: float = 1.0
-    """Weight of the policy-gradient loss."""
+    """Weight of the policy-gradient loss and its KL term (ROLL's: ``(pg + kl_loss_coef * kl) * rl_loss_coef``)."""
     kl_loss_coef: float = 0.0
     """Weight of the KL-to-reference loss (used when use_kl_loss is on)."""
     entropy_loss_coef: float = 0.0
@@ -101,16 +101,18 @@ def compose_total_loss(
     entropy: torch.Tensor | None = None,
     sft_loss: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``rl * pg + kl * kl_loss - entropy_coef * entropy + sft * sft_loss``; a term with a non-zero
-    coefficient must be given (a silently missing term would change the objective)."""
-    total = coefs.rl_loss_coef * pg_loss
-    terms = (("kl_loss_coef", coefs.kl_loss_coef, kl_loss, 1.0),
-             ("entropy_loss_coef", coefs.entropy_loss_coef, entropy, -1.0),
-             ("sft_loss_coef", coefs.sft_loss_coef, sft_loss, 1.0))  # fmt: skip
-    for key, coef, value, sign in terms:
+    """``rl * (pg + kl * kl_loss) - entropy_coef * entropy + sft * sft_loss``: ROLL's order, where
+    ``rl_loss_coef`` scales the policy-gradient loss together with its KL term (``roll/pipeline/rlvr/
+    actor_worker.py``); a term with a non-zero coefficient must be given (a silently missing term would change the
+    objective)."""
+
+    def term(key: str, coef: float, value: torch.Tensor | None) -> torch.Tensor | float:
         if coef == 0.0:
-            continue
+            return 0.0
         if value is None:
             raise ValueError(f"{key} is {coef} but its loss term was not computed; pass it or set {key}: 0")
-        total = total + sign * coef * value
-    return total
+        return coef * value
+
+    policy = pg_loss + term("kl_loss_coef", coefs.kl_loss_coef, kl_loss)
+    total = coefs.rl_loss_coef * policy - term("entropy_loss_coef", coefs.entropy_loss_coef, entropy)
+    return total + term("sft_loss_coef", coefs.sft_loss_coef, sft_loss)
