@@ -61,8 +61,9 @@ class AlgorithmSettings:
         )  # fmt: skip
         rollout_is.validate()
         correction = config.rollout_correction
+        low, high = clip_range(config)
         policy = PolicyLossConfig(
-            clip_ratio=config.pg_clip, clip_ratio_low=clip_range(config)[0], clip_ratio_high=clip_range(config)[1],
+            clip_ratio=config.pg_clip, clip_ratio_low=low, clip_ratio_high=high,
             clip_ratio_c=1.0 + 2.0 * config.pg_clip if config.dual_clip_loss else None,  # ROLL's dual clip
             rollout_correction=correction if correction is not None and correction.bypass_mode else None,
             **config.actor_policy.loss_knobs(),  # actor_train's tis_* / topr_* / cispo_* / kimi15_tau
