@@ -182,7 +182,7 @@ class SharedConfig:
     """Legacy ROLL switch kept for compatibility (reward_norm supersedes it)."""
     # ---- sample-mask thresholds (accepted and range-checked by both; only RLVR's masks read them) ---------------
     error_max_len_threshold: int | None = None
-    """Response tokens from which a wrong sample leaves the loss (null = response_length)."""
+    """Response tokens from which a wrong sample leaves the loss (null = ROLL's 9999999999: no length limit)."""
     difficulty_low_threshold: float = 0.0
     """A group is kept only if its mean score is > this."""
     difficulty_high_threshold: float = 1.0

@@ -38,6 +38,9 @@ ADVANTAGE_LINEAR_LOSSES = frozenset({"vanilla", "gspo", "gpg", "tis", "topr", "c
 Not in it: ``kimi15`` (its ``tau / 2 * log_ratio**2`` term ignores A), ``kl_cov`` / ``clip_cov`` (they pick
 tokens by the covariance of A with log-probs, which per-sample scaling changes)."""
 
+ROLL_ERROR_MAX_LEN_THRESHOLD = 9_999_999_999
+"""ROLL's default ``error_max_len_threshold`` (``roll/pipeline/rlvr/rlvr_config.py``): in effect no length limit."""
+
 
 @dataclass(frozen=True)
 class SampleShaping:
@@ -47,8 +50,9 @@ class SampleShaping:
     """Drop responses cut at the length limit (finish reason ``length``) from the loss."""
     error_max_len_clip: bool = False
     """Keep only correct samples (score 1) and wrong ones (score 0) shorter than error_max_len_threshold."""
-    error_max_len_threshold: int = 1024
-    """Response tokens from which a wrong sample is dropped by error_max_len_clip."""
+    error_max_len_threshold: int = ROLL_ERROR_MAX_LEN_THRESHOLD
+    """Response tokens from which a wrong sample is dropped by error_max_len_clip (ROLL's default: no length limit,
+    so the rule drops only the scores that are neither 0 nor 1)."""
     difficulty_mask: bool = False
     """Drop prompt groups whose mean score is not strictly inside (low, high)."""
     difficulty_low_threshold: float = 0.0
@@ -83,15 +87,14 @@ class SampleShaping:
     def from_config(cls, config: Any) -> SampleShaping:
         """Read the keys from an object with RLVRConfig's attributes (``response_length``, ``pg_variant`` too).
 
-        ``error_max_len_threshold`` is ROLL's key; when the config has none (or null) it defaults to
-        ``response_length``, so error_max_len_clip drops the wrong responses that ran into the length limit.
-        ROLL's own default (9999999999) would leave only the "score not 0 or 1" part of the rule.
+        ``error_max_len_threshold`` is ROLL's key; when the config has none (or null) it is ROLL's default
+        (9999999999), under which error_max_len_clip drops only the scores that are neither 0 nor 1.
         """
         threshold = getattr(config, "error_max_len_threshold", None)
         return cls(
             max_len_mask=config.max_len_mask,
             error_max_len_clip=config.error_max_len_clip,
-            error_max_len_threshold=int(config.response_length if threshold is None else threshold),
+            error_max_len_threshold=int(ROLL_ERROR_MAX_LEN_THRESHOLD if threshold is None else threshold),
             difficulty_mask=config.difficulty_mask,
             difficulty_low_threshold=config.difficulty_low_threshold,
             difficulty_high_threshold=config.difficulty_high_threshold,

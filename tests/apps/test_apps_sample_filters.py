@@ -134,9 +134,15 @@ def test_error_max_len_clip_is_rolls_mask_rule() -> None:
     assert "actor/max_len_mask_ratio" not in metrics and "actor/difficulty_mask_ratio" not in metrics
 
 
-def test_error_max_len_threshold_defaults_to_response_length() -> None:
-    config = RLVRConfig(error_max_len_clip=True, response_length=512)
-    assert SampleShaping.from_config(config).error_max_len_threshold == 512
+def test_error_max_len_threshold_defaults_to_rolls_which_sets_no_length_limit() -> None:
+    """ROLL's default (9999999999): a wrong response at the length limit stays; only partial scores leave. It had
+    defaulted to response_length here, which dropped that response too."""
+    config = RLVRConfig(error_max_len_clip=True, response_length=R)
+    shaping = SampleShaping.from_config(config)
+    assert shaping.error_max_len_threshold == 9_999_999_999
+    batch = make_batch([R, R, 2])
+    apply_sample_masks(batch, torch.tensor([0.0, 0.5, 0.0]), [0, 0, 1], shaping)
+    assert torch.equal(batch.batch["response_mask"], rows([True, False, True], [R, R, 2]))
     with_key = types.SimpleNamespace(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
     with_key.error_max_len_threshold = 300
     assert SampleShaping.from_config(with_key).error_max_len_threshold == 300
@@ -300,7 +306,7 @@ def test_from_config_reads_every_key_and_validates_thresholds() -> None:
                         difficulty_high_threshold=0.9, difficulty_loss_weight=True, length_loss_weight=True,
                         response_length=64, pg_variant="gspo")  # fmt: skip
     assert SampleShaping.from_config(config) == SampleShaping(
-        max_len_mask=True, error_max_len_clip=True, error_max_len_threshold=64, difficulty_mask=True,
+        max_len_mask=True, error_max_len_clip=True, error_max_len_threshold=9_999_999_999, difficulty_mask=True,
         difficulty_low_threshold=0.1, difficulty_high_threshold=0.9, difficulty_loss_weight=True,
         length_loss_weight=True, response_length=64, pg_variant="gspo",
     )  # fmt: skip
