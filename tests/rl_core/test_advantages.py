@@ -143,6 +143,17 @@ def test_whiten_then_clip() -> None:
     close(adv, [[2.5, 2, 2], [1, 0, 0]])
 
 
+def test_one_valid_token_is_not_whitened_as_in_roll() -> None:
+    """With a single valid token the unbiased variance is undefined: ROLL skips both whitenings (its
+    compute_advantage), where whitening gave the token 0."""
+    from rl_core.rewards import whiten_token_rewards
+
+    rewards, mask = t([[0.7, 5.0], [2.0, 3.0]]), m([[1, 0], [0, 0]])
+    adv, _ = compute_advantages("reinforce", rewards, mask, config=AdvantageConfig(whiten_advantages=True))
+    close(adv, [[0.7, 0], [0, 0]])
+    close(whiten_token_rewards(rewards, mask), [[0.7, 0], [0, 0]])
+
+
 # ---------------------------------------------------------------------------------- slow reference
 def _valid(mask_row: list[bool]) -> list[int]:
     return [i for i, ok in enumerate(mask_row) if ok]

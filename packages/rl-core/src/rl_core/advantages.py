@@ -355,14 +355,15 @@ def compute_advantages(
     """Run estimator ``name``, then optional ``whiten_advantages`` and ``advantage_clip`` as ROLL does.
 
     Shapes: ``[B, T]`` in and out; ``values`` ``[B, T]``; ``group_index`` ``[B]``. Whitening uses the mean and
-    variance over all valid tokens of the batch and is skipped when no token is valid. Returns are untouched.
+    variance over all valid tokens of the batch and is skipped with fewer than two (no unbiased variance; ROLL skips
+    it then too). Returns are untouched.
     """
     estimator = get_advantage_estimator(name)
     advantages, returns = estimator(
         token_level_rewards, response_mask, config=config, values=values, group_index=group_index
     )
     mask = response_mask.to(torch.bool)
-    if config.whiten_advantages and bool(mask.any()):
+    if config.whiten_advantages and int(mask.sum()) > 1:
         advantages = masked_whiten(advantages, mask)
     if config.advantage_clip is not None:
         advantages = advantages.clamp(-config.advantage_clip, config.advantage_clip)

@@ -333,7 +333,11 @@ def apply_token_level_kl(
 
 
 def whiten_token_rewards(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """``whiten_rewards``: zero mean, unit variance over the batch's valid tokens; 0 outside. ``[B, T]``."""
+    """``whiten_rewards``: zero mean, unit variance over the batch's valid tokens; 0 outside. ``[B, T]``. With fewer
+    than two valid tokens (no unbiased variance) the rewards stay as they are, as ROLL skips whitening then."""
+    mask = response_mask.to(torch.bool)
+    if int(mask.sum()) < 2:
+        return torch.where(mask, token_level_rewards, torch.zeros_like(token_level_rewards))
     return masked_whiten(token_level_rewards, response_mask)
 
 
