@@ -254,6 +254,7 @@ class AgenticPipeline:
             if metrics.get("mask/final_mask_sum_eq_0"):  # rollout_correction rejected every token: nothing to learn
                 self.log(f"[agentic] step {step}: no token is left to train on; skipping training")
             else:
+                rollout.batch["sample_scores"] = episode_scores(rollout)
                 metrics.update(train_roles(self.roles, rollout, self.base, self.settings, plans, step))
         with timer("sync"):
             metrics.update(self._sync(step))
@@ -298,3 +299,11 @@ class AgenticPipeline:
         waited = time.perf_counter() - start
         metrics = self._sync_weights()
         return {**metrics, "time/sync_wait": waited} if self.queue.ratio else dict(metrics)
+
+
+def episode_scores(rollout: RolloutBatch) -> torch.Tensor:
+    """Each sample's episode score ``[B]`` (a step sample's is its episode's summed rewards), which splits TOPR's
+    positive and negative samples as ROLL's agentic PG worker does (``get_episode_scores``)."""
+    if "episode_scores" in rollout.non_tensor_batch:
+        return torch.as_tensor(np.asarray(rollout.non_tensor_batch["episode_scores"], dtype=np.float32))
+    return rollout.batch["scores"]

@@ -325,6 +325,7 @@ class RLVRPipeline:
 
     def _train(self, rollout: RolloutBatch, step: int) -> dict[str, float]:
         assert self.roles is not None
+        rollout.batch["sample_scores"] = rollout.batch["scores"]  # TOPR's split (ROLL: scores > 0)
         return train_roles(self.roles, rollout, self.config, self.settings, self.report.train_plans, step)
 
 

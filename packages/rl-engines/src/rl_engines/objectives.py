@@ -63,7 +63,8 @@ class ActorObjective:
     """PPO-family actor loss: ``rl * pg + kl * kl_loss - ent * entropy`` (ROLL actor_train loss).
 
     Reads ``old_log_probs``, ``advantages``, ``response_mask``; ``ref_log_probs`` when ``use_kl_loss``;
-    ``rollout_is_weights`` when present (rl-core rollout IS). All ``[B, R]``.
+    ``rollout_is_weights`` when present (rl-core rollout IS). All ``[B, R]``. And ``sample_scores`` ``[B]`` when
+    present: each sample's score, which splits TOPR's positive and negative samples (ROLL: ``scores > 0``).
     """
 
     policy_loss: str = "vanilla"
@@ -113,12 +114,12 @@ class ActorObjective:
         mask = _tensor(micro_batch, "response_mask", "every loss masks by").to(log_prob.device)
         old = _tensor(micro_batch, "old_log_probs", "the policy ratio needs").to(log_prob.device)
         adv = _tensor(micro_batch, "advantages", "the policy gradient needs").to(log_prob.device)
-        weights = micro_batch.batch.get("rollout_is_weights")
+        weights, scores = micro_batch.batch.get("rollout_is_weights"), micro_batch.batch.get("sample_scores")
         pg_loss, metrics = self._policy_loss()(
             old, log_prob, adv, mask,
             loss_agg_mode=self.loss_agg_mode, config=self.policy_loss_config,
             rollout_is_weights=None if weights is None else weights.to(log_prob.device),
-            global_batch=global_batch,
+            global_batch=global_batch, sample_scores=None if scores is None else scores.to(log_prob.device),
         )  # fmt: skip
         kl_loss = entropy = None
         if self.use_kl_loss:
