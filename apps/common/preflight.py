@@ -297,6 +297,8 @@ def check_token_budgets(sections: dict[str, WorkerConfig], longest: int, what: s
         for phase in ("train", "infer"):
             if not getattr(section, f"use_dynamic_batching_in_{phase}"):
                 continue
+            if phase == "train" and role not in TRAIN_ROLES:  # ROLL ignores it there (the engine warns)
+                continue
             budget = getattr(section, f"max_tokens_per_microbatch_in_{phase}")
             round_to = getattr(section, f"sequence_length_round_in_{phase}")
             need = -(-longest // round_to) * round_to
@@ -312,7 +314,7 @@ def check_token_budgets(sections: dict[str, WorkerConfig], longest: int, what: s
                     f"{role}.sequence_length_round_in_{phase}={round_to}: its passes hold at most "
                     f"{budget - budget % round_to} tokens (lengths are rounded up to multiples of {round_to})."
                 )
-            if phase == "train" and role in TRAIN_ROLES:
+            if phase == "train":
                 notes.append(_train_budget_note(role, section))
     return notes
 
@@ -321,15 +323,19 @@ def _train_budget_note(role: str, section: WorkerConfig) -> str:
     """Where a training budget differs from ROLL's: ROLL regroups the rank's whole batch by length into optimizer
     steps of ``gradient_accumulation_steps`` passes (its own TODO calls the changed step count a limitation); here
     the mini-batches stay, as the update must equal the padded one."""
-    args = section.training_args
-    samples = args.per_device_train_batch_size * args.gradient_accumulation_steps
     return (
-        f"[preflight] {role}.use_dynamic_batching_in_train: the budget cuts each mini-batch ({samples} samples per "
+        f"[preflight] {role}.use_dynamic_batching_in_train: the budget cuts each mini-batch "
+        f"({_minibatch_samples(section)} samples per "
         f"rank: per_device_train_batch_size x gradient_accumulation_steps, one optimizer step) into passes, so each "
         "update equals the padded one; ROLL instead sorts the rank's whole batch by length and makes an optimizer "
         "step of every gradient_accumulation_steps passes, so its number of steps, and which samples share one, "
         "follow the lengths."
     )
+
+
+def _minibatch_samples(section: WorkerConfig) -> int:
+    """Samples of one optimizer step on one rank: per_device_train_batch_size x gradient_accumulation_steps."""
+    return section.training_args.per_device_train_batch_size * section.training_args.gradient_accumulation_steps
 
 
 def _check_packed_lengths(role: str, section: WorkerConfig, longest: int, what: str) -> None:
@@ -346,8 +352,7 @@ def _check_packed_lengths(role: str, section: WorkerConfig, longest: int, what: 
                 f"{role}.sequence_packing_args.max_packed_sequence_length_{phase}={length} is shorter than one "
                 f"sample of {what} = {longest} tokens; raise it to at least {longest}."
             )
-    training = section.training_args
-    samples = training.per_device_train_batch_size * training.gradient_accumulation_steps
+    training, samples = section.training_args, _minibatch_samples(section)
     if role in TRAIN_ROLES and args.min_num_micro_batches_train > samples:
         raise PreflightError(
             f"{role}.sequence_packing_args.min_num_micro_batches_train={args.min_num_micro_batches_train} asks for "

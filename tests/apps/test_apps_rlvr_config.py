@@ -435,3 +435,16 @@ def test_lora_keys_are_refused_where_nothing_uses_them():
     with pytest.raises(PreflightError, match=r"actor_infer\.model_args\.lora_rank=8 but actor_train\.model_args"
                                              r"\.lora_rank=4"):  # fmt: skip
         preflight(RLVRConfig.from_dict(both))
+
+
+def test_a_training_budget_on_a_role_that_does_not_train_passes_preflight():
+    """ROLL ignores use_dynamic_batching_in_train on a reference (its deepeyes.yaml sets it on one); the engine
+    warns, and pre-flight must not check a budget nothing uses (one shorter than a sample had failed it). A training
+    role's budget is still checked."""
+    flags = {"use_dynamic_batching_in_train": True, "max_tokens_per_microbatch_in_train": 64,
+             "sequence_length_round_in_train": 8}  # fmt: skip
+    report = preflight(RLVRConfig.from_dict(with_(base(), reference={**REFERENCE, **flags})))
+    assert "reference" in report.placement.roles
+    assert not any("reference.use_dynamic_batching_in_train" in note for note in report.notes)
+    with pytest.raises(PreflightError, match=r"actor_train\.max_tokens_per_microbatch_in_train=64 cannot hold"):
+        preflight(RLVRConfig.from_dict(with_(base(), actor_train={**base()["actor_train"], **flags})))

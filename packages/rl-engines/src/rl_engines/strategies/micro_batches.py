@@ -421,6 +421,5 @@ def note_training_budget_unused(config: WorkerConfig, role: str, strategy: str) 
     if config.use_dynamic_batching_in_train:
         logger.warning(
             "[engines] %s.use_dynamic_batching_in_train has no effect: %s does not train (%s), so it has no "
-            "training passes to cut (ROLL ignores it on an inference role too); its log-prob passes follow "
-            "use_dynamic_batching_in_infer.", role, role, strategy,
+            "training passes to cut (ROLL ignores it on an inference role too).", role, role, strategy,
         )  # fmt: skip
