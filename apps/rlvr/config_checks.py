@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from apps.common.algorithm import ROLL_REWARD_NORMS
 from apps.common.config_checks import check_minimum, fail
 from apps.rlvr.data import KNOWN_TEMPLATES
+from apps.rlvr.reward_stage import ROLL_REWARD_NORMS
 from rl_core.step_rewards import STEP_ESTIMATORS
 
 # key -> smallest allowed value

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from apps.common.algorithm import AlgorithmSettings, TargetBuilder, rlvr_reward_stage
+from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.checkpoint_space import checkpoint_space_warning
 from apps.common.generation_queue import GenerationQueue, PendingRollout, staleness_metrics
 from apps.common.loop import run_loop
@@ -36,6 +36,7 @@ from apps.rlvr.data import PromptSampler, load_records, record_layout
 from apps.rlvr.domains import DomainSampler, domain_probs, record_domain
 from apps.rlvr.dynamic_sampling import DynamicSampler
 from apps.rlvr.preflight import preflight
+from apps.rlvr.reward_stage import rlvr_reward_stage
 from apps.rlvr.rewards import Grade, RewardRouter, part_metrics
 from apps.rlvr.rollout import PromptSource
 from apps.rlvr.rollout_dump import dump_columns, write_dump

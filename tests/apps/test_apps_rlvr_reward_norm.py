@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from apps.common.algorithm import AlgorithmSettings, TargetBuilder, rlvr_reward_stage
+from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.rlvr.config import RLVRConfig
+from apps.rlvr.reward_stage import rlvr_reward_stage
 from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfigError
 
