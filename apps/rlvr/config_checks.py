@@ -59,7 +59,7 @@ def check_reward_norm(config: Any) -> None:
     ``reward_norm`` / ``reward_shift`` / ``reward_scale`` (the older guide's spelling) and ``adv_estimator``."""
     pair = (config.norm_mean_type, config.norm_std_type)
     ours = config.reward_norm is not None or config.reward_shift or config.reward_scale
-    if pair != (None, None) and pair not in ROLL_REWARD_NORMS:
+    if config.adv_estimator != "grpo" and pair != (None, None) and pair not in ROLL_REWARD_NORMS:  # grpo: replaced
         fail(
             f"norm_mean_type={pair[0]!r} with norm_std_type={pair[1]!r} is not built: ROLL's reward_norm broadcasts "
             "a group std over the flat batch unless the mean is the group's too (its result has the wrong shape), "

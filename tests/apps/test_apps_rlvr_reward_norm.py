@@ -93,6 +93,8 @@ def test_grpo_overrides_the_norm_types_as_roll_does_with_a_note():
     assert torch.allclose(advantages(adv_estimator="grpo", norm_mean_type="batch"), roll_reference("group", "group"))
     assert any("adv_estimator grpo normalises each prompt group" in note for note in reward_norm_notes(config))
     assert not reward_norm_notes(RLVRConfig.from_dict({"rewards": REWARDS, "adv_estimator": "grpo"}))
+    unbuilt = RLVRConfig.from_dict({"rewards": REWARDS, "adv_estimator": "grpo", "norm_std_type": "group"})
+    assert any("adv_estimator grpo normalises each prompt group" in note for note in reward_norm_notes(unbuilt))
 
 
 @pytest.mark.parametrize(
