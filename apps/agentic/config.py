@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from apps.common.config import SharedConfig
+from apps.common.config import ROLL_PROMPT_LENGTH, SharedConfig
 from rl_core.agentic_rewards import AGENTIC_GROUPINGS, AGENTIC_NORM_METHODS, NORM_TYPES
 from rl_engines.config import GeneratingArgs, WorkerConfigError, build_dataclass
 
@@ -32,8 +32,6 @@ DEFAULT_AGENT_TEMPLATE = (
 TEMPLATE_FIELDS = ("turn_idx", "observation", "actions_left", "max_response_length", "suffix")
 DEFAULT_SEQUENCE_LENGTH = 8192
 """Tokens an episode may fill when ``sequence_length`` and ``response_length`` are null."""
-DEFAULT_PROMPT_LENGTH = 1024
-"""ROLL's default ``prompt_length`` (it enters only a ``sequence_length`` derived from ``response_length``)."""
 
 # Variables of ROLL's examples/config/*.yaml (traj_envs, step_envs, the GEM families) that exist to be interpolated
 # into custom_env sections.
@@ -418,7 +416,7 @@ class AgenticConfig:
         """ROLL's ``sequence_length`` when the file leaves it null: ``prompt_length`` + ``response_length``."""
         if self.base.sequence_length is not None or self.response_length is None:
             return None
-        return (self.prompt_length or DEFAULT_PROMPT_LENGTH) + self.response_length
+        return (self.prompt_length or ROLL_PROMPT_LENGTH) + self.response_length
 
     @property
     def sequence_length(self) -> int:

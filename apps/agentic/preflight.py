@@ -5,7 +5,7 @@ sequence_length)."""
 
 from __future__ import annotations
 
-from apps.agentic.config import DEFAULT_PROMPT_LENGTH, AgenticConfig
+from apps.agentic.config import AgenticConfig
 from apps.agentic.envs.tools import check_tool_machine
 from apps.agentic.step_batch import size_divisor
 from apps.common.preflight import (
@@ -79,10 +79,11 @@ def length_key_notes(config: AgenticConfig) -> list[str]:
     keys = [key for key in ("prompt_length", "response_length") if getattr(config, key) is not None]
     if not keys:
         return []
-    if config.derived_sequence_length is not None:
-        prompt = config.prompt_length or DEFAULT_PROMPT_LENGTH
+    derived = config.derived_sequence_length
+    if derived is not None:
+        prompt = derived - (config.response_length or 0)
         return [f"[preflight] sequence_length is null: prompt_length ({prompt}) + response_length "
-                f"({config.response_length}) = {config.derived_sequence_length} tokens an episode may fill, as ROLL "
+                f"({config.response_length}) = {derived} tokens an episode may fill, as ROLL "
                 "derives it; each turn still generates at most max_tokens_per_step tokens."]  # fmt: skip
     why = (f"sequence_length is {config.base.sequence_length}" if config.base.sequence_length is not None
            else f"response_length is null, so sequence_length is the default {config.sequence_length}")  # fmt: skip

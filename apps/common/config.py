@@ -26,6 +26,10 @@ from rl_engines.config import WorkerConfig, WorkerConfigError, build_dataclass
 ROLE_KEYS = ("actor_train", "actor_infer", "reference", "critic")
 
 
+ROLL_PROMPT_LENGTH = 1024
+"""ROLL's default ``prompt_length`` (its base config's)."""
+
+
 @dataclass
 class SharedConfig:
     """The top-level keys the RLVR and agentic pipelines share. Defaults follow ROLL's where it documents one."""

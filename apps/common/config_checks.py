@@ -51,6 +51,9 @@ def check_ranges(config: Any) -> None:
             f"difficulty_low_threshold ({config.difficulty_low_threshold}) must be <= difficulty_high_threshold "
             f"({config.difficulty_high_threshold})."
         )
+    if config.entropy_loss_coef < 0:
+        fail(f"entropy_loss_coef={config.entropy_loss_coef}: ROLL adds the entropy term only when the coefficient is "
+             "> 0, so a negative one changes nothing there; set 0, or a positive bonus.")  # fmt: skip
     if config.val_batch_size is not None and config.val_batch_size < 1:
         fail(f"val_batch_size must be >= 1 or null, got {config.val_batch_size}.")
     if float(config.async_generation_ratio) != int(config.async_generation_ratio):
@@ -172,9 +175,6 @@ def check_choices(config: Any) -> None:
         fail(str(err))
     if config.profiler_timeline and config.profiler_memory:
         fail("profiler_timeline and profiler_memory are both true; profile one at a time (as ROLL asserts).")
-    if config.entropy_loss_coef < 0:
-        fail(f"entropy_loss_coef={config.entropy_loss_coef}: ROLL adds the entropy term only when the coefficient is "
-             "> 0, so a negative one changes nothing there; set 0, or a positive bonus.")  # fmt: skip
     for key in ("norm_mean_type", "norm_std_type"):
         if getattr(config, key) not in NORM_TYPES:
             fail(f"{key}={getattr(config, key)!r}: use batch, group or null.")

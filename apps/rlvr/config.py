@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from apps.common.config import SharedConfig, pop_shared_sections, validate_shared
+from apps.common.config import ROLL_PROMPT_LENGTH, SharedConfig, pop_shared_sections, validate_shared
 from rl_engines.config import GeneratingArgs, WorkerConfig, WorkerConfigError, build_dataclass
 
 
@@ -80,7 +80,7 @@ class RLVRConfig(SharedConfig):
     # ---- batch and lengths -----------------------------------------------------------------------------------
     global_template: str | None = None
     """Chat template of every prompt (training and validation), over ``actor_train.data_args.template``."""
-    prompt_length: int = 1024
+    prompt_length: int = ROLL_PROMPT_LENGTH
     """Prompt tokens kept (longer prompts are truncated from the left)."""
     response_length: int = 1024
     """Response tokens generated at most."""

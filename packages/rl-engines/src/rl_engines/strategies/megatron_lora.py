@@ -63,10 +63,9 @@ def adapted_modules(args: ModelArgs, role: str, num_layers: int) -> set[str]:
     global layer number ``<i>``), so ``.*proj`` adapts ``linear_proj`` (o_proj) alone, and a matched fused linear
     adapts every projection fused in it. (ROLL numbers the layers of each pipeline stage from 0; here ``<i>`` is the
     layer's number in the whole model at every pipeline size.)"""
-    targets = args.lora_targets()
+    targets, key = args.lora_targets(), f"{role}.model_args.lora_target"
     if isinstance(targets, str):
-        return _regex_adapted(targets, f"{role}.model_args.lora_target", num_layers)
-    key = f"{role}.model_args.lora_target"
+        return _regex_adapted(targets, key, num_layers)
     names = [part.rsplit(".", 1)[-1] for part in PROJECTIONS] + [m.rsplit(".", 1)[-1] for m in LINEARS]
     paths = [f"model.layers.{layer}.{part}" for layer in range(num_layers) for part in PROJECTIONS]
     parts: set[str] = set()

@@ -57,7 +57,14 @@ from rl_engines.strategies.model_io import (
     widen,
     without_padding_columns,
 )
-from rl_engines.strategies.packing import PackedBatch, balanced_partitions, can_pack, pack, packed_outputs
+from rl_engines.strategies.packing import (
+    PackedBatch,
+    aligned_width,
+    balanced_partitions,
+    can_pack,
+    pack,
+    packed_outputs,
+)
 from rl_engines.strategies.train_utils import all_reduce_sum
 from rl_engines.vision import is_visual, is_vl_model
 
@@ -273,8 +280,8 @@ class MicroBatchPlanner:
             if layout == "packed":
                 self.counts.actual += int(mask[group].sum())
             elif layout == "aligned":
-                longest = -(-int(mask[group].sum(dim=1).max()) // self.round_to) * self.round_to
-                self.counts.actual += len(group) * min(longest, mask.shape[1])
+                width = aligned_width(int(mask[group].sum(dim=1).max()), self.round_to, mask.shape[1])
+                self.counts.actual += len(group) * width
             else:
                 start, end = kept_columns(mask[group], response_length(batch), self.round_to)
                 self.counts.actual += len(group) * (end - start)

@@ -91,6 +91,12 @@ def block_causal_mask(segments: torch.Tensor, window: int | None = None) -> torc
     return allowed
 
 
+def aligned_width(longest: int, round_to: int, width: int) -> int:
+    """The row width of a row-per-sample pass: its longest sample rounded up to a multiple of ``round_to``, at most
+    the batch's ``width``."""
+    return min(-(-longest // round_to) * round_to, width)
+
+
 def pack(batch: RolloutBatch, round_to: int = 1, *, per_sample: bool = False) -> PackedBatch:
     """Pack ``batch`` (prompts left-padded, responses right-padded, see model_io) into one row, filled up to a
     multiple of ``round_to`` with a separate run of padding tokens; ``per_sample``: one row per sample, each filled
@@ -114,7 +120,7 @@ def pack(batch: RolloutBatch, round_to: int = 1, *, per_sample: bool = False) ->
     index = torch.arange(len(lengths)).unsqueeze(1)
     samples = index.expand_as(columns)
     if per_sample:
-        row_length = min(-(-int(lengths.max()) // round_to) * round_to, total)
+        row_length = aligned_width(int(lengths.max()), round_to, total)
         real = torch.arange(row_length).unsqueeze(0) < lengths.unsqueeze(1)
         starts = torch.arange(len(lengths)) * row_length  # each sample at the start of its own row
         input_ids = ids.new_zeros(real.shape).masked_scatter(real, flat_ids)
