@@ -58,7 +58,8 @@ def check_reward_norm(config: Any) -> None:
     """ROLL's ``norm_mean_type`` / ``norm_std_type`` (what RLVR normalises rewards by) against this project's
     ``reward_norm`` / ``reward_shift`` / ``reward_scale`` (the older guide's spelling) and ``adv_estimator``."""
     pair = (config.norm_mean_type, config.norm_std_type)
-    ours = config.reward_norm is not None or config.reward_shift or config.reward_scale
+    # reward_norm none / None is rl-core's identity (ROLL's RAFT++ guide example sets it beside grpo): nothing replaced
+    ours = config.reward_norm not in (None, "none", "None") or config.reward_shift or config.reward_scale
     if config.adv_estimator != "grpo" and pair != (None, None) and pair not in ROLL_REWARD_NORMS:  # grpo: replaced
         fail(
             f"norm_mean_type={pair[0]!r} with norm_std_type={pair[1]!r} is not built: ROLL's reward_norm broadcasts "

@@ -112,6 +112,17 @@ def test_reward_normalisations_that_roll_breaks_on_or_that_conflict_are_refused(
         RLVRConfig.from_dict({"rewards": REWARDS, "adv_estimator": "reinforce", **keys})
 
 
+def test_grpo_accepts_reward_norm_none_which_normalises_nothing():
+    """ROLL's RAFT++ guide example (docs_examples/example_raft_pp.yaml) sets reward_norm: None, reward_shift: false
+    and reward_scale: false beside grpo: nothing for grpo's group normalisation to replace, so not refused, and the
+    advantages are plain grpo's."""
+    keys = {"reward_norm": "None", "reward_shift": False, "reward_scale": False}
+    RLVRConfig.from_dict({"rewards": REWARDS, "adv_estimator": "grpo", **keys})
+    assert torch.equal(advantages(adv_estimator="grpo", **keys), advantages(adv_estimator="grpo"))
+    with pytest.raises(WorkerConfigError, match=r"reward_shift / reward_scale with adv_estimator: grpo"):
+        RLVRConfig.from_dict({"rewards": REWARDS, "adv_estimator": "grpo", **keys, "reward_shift": True})
+
+
 @pytest.mark.parametrize(
     ("keys", "low_high", "noted"),
     [
