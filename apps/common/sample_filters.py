@@ -13,10 +13,11 @@ Two calls per step, on the driver, shared by the RLVR and agentic apps:
 
 With every switch off both calls change nothing and return no metrics.
 
-One difference from ROLL sits downstream: rl-core's group estimators (grpo, rloo, opo) read each sample's score
-back from the masked token rewards, so a masked sample enters its group's baseline as 0 (opo: not at all), where
-ROLL normalises the group with every sample's true score. This matters only for a masked sample with a nonzero
-score (e.g. a correct but truncated response under max_len_mask); difficulty_mask drops whole groups.
+Group normalisation sees every sample's true score, as ROLL's does: RLVR's ``grpo`` and ``norm_mean_type`` /
+``norm_std_type`` normalise the response-level rewards before they are put on the (masked) tokens
+(:mod:`apps.rlvr.reward_stage`), so a correct but truncated response under max_len_mask still counts 1 in its
+group. rl-core's own group estimators, which ROLL does not have (rloo, opo), read each score back from the masked
+token rewards, so there a masked sample enters its group's baseline as 0 (opo: not at all).
 """
 
 from __future__ import annotations

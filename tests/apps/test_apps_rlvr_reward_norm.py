@@ -146,3 +146,24 @@ def test_pg_clip_low_and_high_clip_only_with_use_pg_clip_range_as_in_roll(keys, 
 def test_a_negative_entropy_coefficient_which_roll_ignores_is_refused():
     with pytest.raises(WorkerConfigError, match=r"entropy_loss_coef=-0\.01: ROLL adds the entropy term only when"):
         RLVRConfig.from_dict({"rewards": REWARDS, "entropy_loss_coef": -0.01})
+
+
+def test_grpo_normalises_a_group_with_the_true_score_of_a_masked_sample_as_roll():
+    """ROLL normalises every sample's true score and masks afterwards (``final_response_mask``): a correct but
+    truncated response that max_len_mask takes out still counts 1 in its group's mean and std."""
+    from apps.common.sample_filters import SampleShaping, apply_sample_masks
+
+    config = RLVRConfig.from_dict({"rewards": REWARDS, "adv_estimator": "grpo", "max_len_mask": True,
+                                   "num_return_sequences_in_group": 4, "response_length": 5})  # fmt: skip
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    mask = torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] * 2 + [0.0] * 3, [1.0] * 4 + [0.0]])
+    others = {"finish_reasons": ["length", "stop", "stop", "stop"]}
+    batch = RolloutBatch.from_dict({"response_mask": mask, "old_log_probs": torch.zeros(4, 5)}, others)
+    scores, _ = apply_sample_masks(batch, scores, [0, 0, 0, 0], SampleShaping.from_config(config))
+    settings = rlvr_reward_stage(AlgorithmSettings.from_config(config), config)
+    TargetBuilder(settings, config)(batch, scores, [0, 0, 0, 0])
+    spread = (0.5 / 3**0.5 * 2) + 1e-6  # ROLL: mean .5, unbiased std of [1, 0, 0, 1] (+1e-6)
+    expected = torch.tensor([0.0, -0.5 / spread, -0.5 / spread, 0.5 / spread]).unsqueeze(-1) * batch.batch[
+        "response_mask"
+    ]
+    torch.testing.assert_close(batch.batch["advantages"], expected, rtol=0.0, atol=1e-6)
