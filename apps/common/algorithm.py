@@ -115,7 +115,7 @@ class TargetBuilder:
 
     def __call__(
         self, batch: RolloutBatch, sequence_rewards: torch.Tensor, group_index: list[Any],
-        scores: torch.Tensor | None = None, domains: list[str] | None = None,
+        scores: torch.Tensor | None = None, domains: list[str] | None = None, kl_mask: torch.Tensor | None = None,
     ) -> dict[str, float]:  # fmt: skip
         """Add ``token_level_rewards``, ``advantages``, ``returns`` (and ``rollout_is_weights``) to ``batch``.
 
@@ -123,15 +123,18 @@ class TargetBuilder:
         ``sequence_rewards`` ``[B]`` are the rewards to train on (ROLL's ``response_level_rewards``);
         ``group_index`` ``[B]`` the prompt id of each sample; ``scores`` ``[B]`` how right each response is, for
         ``critic/score/mean`` (the rewards when not given); ``domains`` ``[B]`` each sample's domain when the
-        builder has domains (their metrics come prefixed ``<domain>/``). Returns the step's algorithm metrics.
+        builder has domains (their metrics come prefixed ``<domain>/``); ``kl_mask`` ``[B, T]`` the responses as
+        generated, before the sample masks, over which ROLL measures the KL its controller follows (default:
+        ``response_mask``). Returns the step's algorithm metrics: ``critic/kl_coef`` is, as in ROLL, the coefficient
+        subtracted from the rewards (0 without ``add_token_level_kl``).
         """
         scores = sequence_rewards if scores is None else scores
         tensors = batch.batch
         correction = _rollout_correction(tensors, self.settings.correction)
         if not self.domain_running:
-            rewards, metrics = self._targets(tensors, sequence_rewards, scores, group_index, self.running)
+            rewards, metrics = self._targets(tensors, sequence_rewards, scores, group_index, self.running, kl_mask)
         else:
-            rewards, metrics = self._by_domain(tensors, sequence_rewards, scores, group_index, domains)
+            rewards, metrics = self._by_domain(tensors, sequence_rewards, scores, group_index, domains, kl_mask)
         if correction is not None:
             metrics.update(_apply_correction(tensors, *correction))
         if self.settings.train_infer is not None:
@@ -152,9 +155,13 @@ class TargetBuilder:
         for domain, moments in state.get("domain_running_moments", {}).items():
             self.domain_running[domain].load_state_dict(moments)
 
+    def _applied_kl_coef(self) -> float:
+        """The KL coefficient the token rewards get now (ROLL's ``critic/kl_coef``)."""
+        return self.kl_controller.value if self.settings.reward.add_token_level_kl else 0.0
+
     def _targets(
         self, tensors: dict[str, torch.Tensor], sequence_rewards: torch.Tensor, scores: torch.Tensor,
-        group_index: list[Any], running: RunningMoments,
+        group_index: list[Any], running: RunningMoments, kl_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
         """Rewards -> token rewards (+KL, updating the controller) -> advantages of one set of samples, into
         ``tensors``; returns the processed sequence rewards and the KL metrics. ``scores`` say which responses are
@@ -165,9 +172,9 @@ class TargetBuilder:
         token_rewards, batch_kl = build_token_level_rewards(
             rewards, mask, config=settings.reward, kl_coef=self.kl_controller.value,
             log_prob=tensors["old_log_probs"] if "ref_log_probs" in tensors else None,
-            ref_log_prob=tensors.get("ref_log_probs"),
+            ref_log_prob=tensors.get("ref_log_probs"), kl_mask=kl_mask,
         )  # fmt: skip
-        metrics = {"critic/kl_coef": self.kl_controller.value}
+        metrics = {"critic/kl_coef": self._applied_kl_coef()}
         if batch_kl is not None:
             self.kl_controller.update(batch_kl, n_steps=len(sequence_rewards))
             metrics["critic/kl"] = batch_kl
@@ -179,7 +186,7 @@ class TargetBuilder:
 
     def _by_domain(
         self, tensors: dict[str, torch.Tensor], sequence_rewards: torch.Tensor, scores: torch.Tensor,
-        group_index: list[Any], domains: list[str] | None,
+        group_index: list[Any], domains: list[str] | None, kl_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:  # fmt: skip
         if domains is None or len(domains) != len(sequence_rewards):
             raise ValueError("a TargetBuilder with domains needs each sample's domain")
@@ -187,14 +194,14 @@ class TargetBuilder:
         outputs = {key: torch.zeros_like(tensors["response_mask"], dtype=torch.float32)
                    for key in ("token_level_rewards", "advantages", "returns")}  # fmt: skip
         rewards = torch.zeros_like(sequence_rewards, dtype=torch.float32)
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = {"critic/kl_coef": self._applied_kl_coef()}
         kl_sum, kl_tokens = 0.0, 0.0
         for domain in dict.fromkeys(domains):
             rows = torch.tensor([i for i, d in enumerate(domains) if d == domain])
             part: dict[str, torch.Tensor] = {key: tensors[key][rows] for key in inputs}
             part_rewards, part_metrics = self._targets(
                 part, sequence_rewards[rows], scores[rows], [group_index[i] for i in rows.tolist()],
-                self.domain_running[domain],
+                self.domain_running[domain], None if kl_mask is None else kl_mask[rows],
             )  # fmt: skip
             for key in outputs:
                 outputs[key][rows] = part[key].to(outputs[key].dtype)
@@ -202,10 +209,9 @@ class TargetBuilder:
             part_metrics.update(_summary(part, scores[rows], part_rewards))
             metrics.update({f"{domain}/{key}": value for key, value in part_metrics.items()})
             if "critic/kl" in part_metrics:
-                tokens = float(part["response_mask"].sum())
+                tokens = float((part["response_mask"] if kl_mask is None else kl_mask[rows]).sum())
                 kl_sum, kl_tokens = kl_sum + part_metrics["critic/kl"] * tokens, kl_tokens + tokens
         tensors.update(outputs)
-        metrics["critic/kl_coef"] = self.kl_controller.value
         if kl_tokens:
             metrics["critic/kl"] = kl_sum / kl_tokens
         return rewards, metrics

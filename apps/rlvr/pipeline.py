@@ -277,9 +277,11 @@ class RLVRPipeline:
             passes = self._score_with_roles(rollout)
         with timer("advantages"):
             groups = list(rollout.non_tensor_batch["prompt_uid"])
+            generated = rollout.batch["response_mask"]  # ROLL's KL controller follows every response's KL
             scores, metrics = apply_sample_masks(rollout, scores, groups, self.shaping)
             metrics.update(passes)
-            metrics.update(self.targets(rollout, rewards, groups, scores=scores, domains=self._domains(rollout)))
+            metrics.update(self.targets(rollout, rewards, groups, scores=scores, domains=self._domains(rollout),
+                                        kl_mask=generated))  # fmt: skip
             metrics.update(apply_sample_weights(rollout, self.shaping))
         with timer("train"):
             if metrics.get("mask/final_mask_sum_eq_0"):  # every sample masked: nothing to learn from (ROLL skips)

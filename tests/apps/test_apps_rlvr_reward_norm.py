@@ -163,7 +163,29 @@ def test_grpo_normalises_a_group_with_the_true_score_of_a_masked_sample_as_roll(
     settings = rlvr_reward_stage(AlgorithmSettings.from_config(config), config)
     TargetBuilder(settings, config)(batch, scores, [0, 0, 0, 0])
     spread = (0.5 / 3**0.5 * 2) + 1e-6  # ROLL: mean .5, unbiased std of [1, 0, 0, 1] (+1e-6)
-    expected = torch.tensor([0.0, -0.5 / spread, -0.5 / spread, 0.5 / spread]).unsqueeze(-1) * batch.batch[
-        "response_mask"
-    ]
+    expected = (
+        torch.tensor([0.0, -0.5 / spread, -0.5 / spread, 0.5 / spread]).unsqueeze(-1) * batch.batch["response_mask"]
+    )
     torch.testing.assert_close(batch.batch["advantages"], expected, rtol=0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("in_reward", [False, True])
+def test_kl_controller_follows_every_generated_response_and_kl_coef_is_the_applied_one(in_reward):
+    """ROLL's ``compute_token_reward`` measures the KL its controller follows over ``response_mask`` as generated
+    (not ``final_response_mask``) and logs as ``critic/kl_coef`` the coefficient subtracted (0 without
+    add_token_level_kl)."""
+    from apps.common.sample_filters import SampleShaping, apply_sample_masks
+
+    keys = {"max_len_mask": True, "response_length": 2, "init_kl_coef": 0.3, "add_token_level_kl": in_reward}
+    config = RLVRConfig.from_dict({"rewards": REWARDS, "adv_estimator": "reinforce", **keys})
+    mask = torch.ones(2, 2)
+    log_probs = torch.tensor([[-1.0, -1.0], [-1.0, -1.0]])
+    ref = torch.tensor([[-1.0, -1.0], [-2.0, -3.0]])  # k1 per sample: 0 and 1.5
+    others = {"finish_reasons": ["stop", "length"]}
+    batch = RolloutBatch.from_dict({"response_mask": mask, "old_log_probs": log_probs, "ref_log_probs": ref}, others)
+    generated = batch.batch["response_mask"]
+    scores, _ = apply_sample_masks(batch, torch.tensor([1.0, 0.0]), [0, 1], SampleShaping.from_config(config))
+    settings = rlvr_reward_stage(AlgorithmSettings.from_config(config), config)
+    metrics = TargetBuilder(settings, config)(batch, scores, [0, 1], kl_mask=generated)
+    assert metrics["critic/kl"] == pytest.approx(0.75)  # the masked sample's 1.5 counts; alone the first gives 0
+    assert metrics["critic/kl_coef"] == (0.3 if in_reward else 0.0)

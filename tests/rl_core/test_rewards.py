@@ -251,3 +251,22 @@ def test_build_token_level_rewards_kl_clip_whiten() -> None:
     close(rewards, [[0, 0, 3], [0, -1, 0]])
     with pytest.raises(ValueError, match="add_token_level_kl"):
         build_token_level_rewards(seq, mask, config=RewardConfig(add_token_level_kl=True), kl_coef=0.1)
+
+
+def test_build_token_level_rewards_measures_the_kl_over_kl_mask() -> None:
+    """``kl_mask``: the batch KL over the responses as generated (ROLL's controller input) while the rewards keep
+    ``response_mask``, here with the second sample taken out by a sample mask."""
+    generated = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    mask = torch.tensor([[1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    log_prob = torch.tensor([[-1.0, -1.0, -1.0], [-1.0, -1.0, NAN]], dtype=F64)
+    ref = torch.tensor([[-2.0, -1.0, -3.0], [-1.0, -1.5, NAN]], dtype=F64)  # k1 = [1, 0, 2], [0, .5]
+    cfg = RewardConfig(add_token_level_kl=True)
+    rewards, batch_kl = build_token_level_rewards(
+        v([3.0, -1.0]), mask, config=cfg, kl_coef=0.5, log_prob=log_prob, ref_log_prob=ref, kl_mask=generated
+    )
+    close(rewards, [[-0.5, 0.0, 2.0], [0.0, 0.0, 0.0]])
+    assert batch_kl == pytest.approx((1.0 + 0.25) / 2)  # both samples; over `mask` alone it would be 1.0
+    _, masked_kl = build_token_level_rewards(
+        v([3.0, -1.0]), mask, config=cfg, kl_coef=0.5, log_prob=log_prob, ref_log_prob=ref
+    )
+    assert masked_kl == pytest.approx(1.0)

@@ -326,10 +326,21 @@ def apply_token_level_kl(
     zeros = torch.zeros_like(token_level_scores)
     kl = torch.where(mask, kl_penalty(log_prob, ref_log_prob, kind).to(token_level_scores.dtype), zeros)
     rewards = torch.where(mask, token_level_scores - kl_coef * kl, zeros)
-    has_tokens = mask.any(dim=-1)
+    return rewards, kl, _sequence_mean_kl(kl, mask)
+
+
+def _sequence_mean_kl(kl: torch.Tensor, mask: torch.Tensor) -> float:
+    """The mean over samples with a token in ``mask`` of each sample's token-mean ``kl``."""
     per_sample = masked_mean(kl, mask, dim=-1)
-    batch_kl = float(masked_mean(per_sample, has_tokens))
-    return rewards, kl, batch_kl
+    return float(masked_mean(per_sample, mask.any(dim=-1)))
+
+
+def sequence_mean_kl(response_mask: torch.Tensor, log_prob: torch.Tensor, ref_log_prob: torch.Tensor,
+                     kind: str = "kl") -> float:  # fmt: skip
+    """:func:`apply_token_level_kl`'s batch KL alone, over the tokens of ``response_mask``."""
+    mask = response_mask.to(torch.bool)
+    kl = torch.where(mask, kl_penalty(log_prob, ref_log_prob, kind), torch.zeros((), dtype=log_prob.dtype))
+    return _sequence_mean_kl(kl, mask)
 
 
 def whiten_token_rewards(token_level_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -379,11 +390,14 @@ def build_token_level_rewards(
     kl_coef: float = 0.0,
     log_prob: torch.Tensor | None = None,
     ref_log_prob: torch.Tensor | None = None,
+    kl_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, float | None]:
     """Response-level rewards ``[B]`` -> token-level rewards ``[B, T]`` and the batch KL (None without log-probs).
 
     The KL is measured whenever both log-probs are given (the adaptive controller needs it) but only
     subtracted from the rewards with ``add_token_level_kl``. Then ``reward_clip`` and ``whiten_rewards``.
+    ``kl_mask``: the tokens the batch KL is measured over when they differ from ``response_mask`` (ROLL measures
+    it over the responses as generated, before its sample masks take samples out of ``response_mask``).
     """
     rewards = scores_to_token_level(response_level_rewards, response_mask)
     batch_kl: float | None = None
@@ -392,6 +406,8 @@ def build_token_level_rewards(
         rewards, _, batch_kl = apply_token_level_kl(
             rewards, response_mask, log_prob, ref_log_prob, kl_coef=coef, kind=config.kl_penalty
         )
+        if kl_mask is not None:
+            batch_kl = sequence_mean_kl(kl_mask, log_prob, ref_log_prob, config.kl_penalty)
     elif config.add_token_level_kl:
         raise ValueError("add_token_level_kl is set but log_prob / ref_log_prob were not given")
     rewards = clip_rewards(rewards, config.reward_clip)
