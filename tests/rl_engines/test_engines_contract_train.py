@@ -86,10 +86,14 @@ def test_update_is_independent_of_the_micro_batch_split(strategy_name, tiny_mode
     split = make(strategy_name, tiny_model_dir, per_device_train_batch_size=micro,
                  gradient_accumulation_steps=accumulation, adam_epsilon=1e-4)  # fmt: skip
     with_old_log_probs(whole, batch)
+    noise = torch.randn(batch.batch["old_log_probs"].shape, generator=torch.Generator().manual_seed(5))
+    batch.batch["old_log_probs"] = batch.batch["old_log_probs"] + 0.2 * noise  # ratios off 1: metrics not trivial
     objective = ActorObjective(loss_agg_mode="seq-mean-token-mean")
     metrics_whole = whole.train_step(batch, objective)
     metrics_split = split.train_step(batch, objective)
-    for key in ("pg_loss", "total_loss", "grad_norm", "pg_clipfrac"):
+    assert 0.0 < metrics_whole["ppo_ratio_clipfrac"] < 1.0 and metrics_whole["ratio_min"] < 1.0
+    for key in ("pg_loss", "total_loss", "grad_norm", "pg_clipfrac", "ratio_mean", "ratio_max", "ratio_min",
+                "approxkl", "policykl", "ppo_ratio_high_clipfrac", "ppo_ratio_low_clipfrac", "clipfrac"):  # fmt: skip
         assert metrics_split[key] == pytest.approx(metrics_whole[key], abs=1e-6), key
     weights_whole, weights_split = dict(whole.named_weights()), dict(split.named_weights())
     for name, value in weights_whole.items():

@@ -177,7 +177,8 @@ class TestPipelineTwoStages:
 
         single = fsdp2(tiny_model_dir)
         single_metrics = single.train_step(batch, objective)  # the same 2 optimizer steps of 4 samples each
-        for key in ("pg_loss", "total_loss", "ppo_kl"):
+        # ratio_min / ratio_max: the first stage adds neutral values (a 0 would have been the min)
+        for key in ("pg_loss", "total_loss", "ppo_kl", "ratio_mean", "ratio_min", "ratio_max", "approxkl"):
             assert metrics[0][f"actor/{key}"] == pytest.approx(single_metrics[key], abs=1e-6), key
         assert metrics[0]["actor/grad_norm"] == pytest.approx(single_metrics["grad_norm"], rel=1e-5)
         actor.call("save_hf", str(tmp_path / "hf_step1"))

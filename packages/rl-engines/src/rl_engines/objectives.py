@@ -15,6 +15,7 @@ import torch
 
 from rl_core.batch import RolloutBatch
 from rl_core.losses import (
+    POLICY_LOSSES,
     GlobalBatchInfo,
     LossCoefficients,
     PolicyLossConfig,
@@ -25,8 +26,12 @@ from rl_core.losses import (
     get_policy_loss,
 )
 from rl_core.losses.policy_bypass import compute_policy_loss_bypass_mode
+from rl_core.losses.ratio_metrics import SHARE_METRICS, ratio_metrics
 
 Metrics = dict[str, torch.Tensor]
+
+PPO_RATIO_LEVELS = {"vanilla": "token", "sequence_ppo": "sequence", "segment_ppo": "segment"}
+"""The PPO losses ROLL's actor workers train (by importance_sampling / ratio_type) and the ratio each clips."""
 
 
 class Objective(Protocol):
@@ -133,7 +138,20 @@ class ActorObjective:
         total = compose_total_loss(self.coefficients, pg_loss=pg_loss, kl_loss=kl_loss, entropy=entropy)
         metrics["pg_loss"] = pg_loss.detach()
         metrics["total_loss"] = total.detach()
+        metrics.update(self._ratio_metrics(old, log_prob, adv, mask, global_batch))
         return total, metrics
+
+    def _ratio_metrics(self, old: torch.Tensor, log_prob: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                       global_batch: GlobalBatchInfo) -> Metrics:  # fmt: skip
+        """ROLL's names for the ratio's statistics (rl_core.losses.ratio_metrics); a PPO loss adds its clip
+        fractions, at the ratio level the loss clips (ROLL's importance_sampling / ratio_type)."""
+        name = POLICY_LOSSES.canonical_name(self.policy_loss)
+        ppo = name in PPO_RATIO_LEVELS and self._policy_loss() is not compute_policy_loss_bypass_mode
+        cfg = self.policy_loss_config
+        return ratio_metrics(
+            old, log_prob, adv, mask, loss_agg_mode=self.loss_agg_mode, global_batch=global_batch,
+            ratio_level=PPO_RATIO_LEVELS.get(name, "token"), ppo_clip=(cfg.low, cfg.high) if ppo else None,
+        )  # fmt: skip
 
 
 @dataclass
@@ -178,4 +196,5 @@ class CriticObjective:
 
 # Metrics that are sums over micro-batches (each micro-batch's share of a mini-batch total); everything else is
 # a per-micro-batch mean and is averaged weighted by its share of the mini-batch's valid tokens.
-ADDITIVE_METRICS = frozenset({"pg_loss", "total_loss", "kl_loss", "entropy", "value_loss", "load_balancing_loss"})
+ADDITIVE_METRICS = frozenset({"pg_loss", "total_loss", "kl_loss", "entropy", "value_loss", "load_balancing_loss",
+                              *SHARE_METRICS})  # fmt: skip

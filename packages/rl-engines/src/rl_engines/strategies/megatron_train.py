@@ -286,7 +286,8 @@ class MegatronTrainStrategy(TrainScoring):
     def _add_metrics(self, micros: list[RolloutBatch], found: list[dict[str, torch.Tensor]], info: Any,
                      metrics: MetricAccumulator) -> None:  # fmt: skip
         """The last stage's per-micro-batch metrics, counted by one rank per replica (TP rank 0 of the last stage;
-        the others add zeros under the same names), so the world sum in MetricAccumulator is over DP replicas."""
+        the others add values that change nothing under the same names), so the world sum in MetricAccumulator is
+        over DP replicas."""
         stage = self.model.stage
         if stage.size > 1:  # exact: float64 holds every float32 / float64 metric value
             floats = [{k: float(v) for k, v in values.items()} for values in found] if stage.last else None
@@ -294,7 +295,7 @@ class MegatronTrainStrategy(TrainScoring):
             found = [{k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()} for values in received]
         reports = self.model.layout.tp_rank == 0 and stage.last
         for micro, values in zip(micros, found, strict=True):
-            metrics.add({k: v if reports else torch.zeros(()) for k, v in values.items()}, token_share(micro, info))
+            metrics.add({k: v if reports else metrics.neutral(k) for k, v in values.items()}, token_share(micro, info))
         metrics.end_minibatch()
 
     def _add_router_metric(self, weight: float, metrics: MetricAccumulator) -> None:

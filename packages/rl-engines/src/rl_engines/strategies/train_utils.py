@@ -13,6 +13,7 @@ from torch import nn
 
 from rl_core.batch import BatchSizeError, RolloutBatch
 from rl_core.losses import GlobalBatchInfo
+from rl_core.losses.ratio_metrics import EXTREME_METRICS
 from rl_engines.config import TrainingArgs
 from rl_engines.objectives import ADDITIVE_METRICS, Objective
 
@@ -158,13 +159,22 @@ def gather_batch(batch: RolloutBatch, group: dist.ProcessGroup | None) -> tuple[
 
 def all_reduce_sum(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum a small CPU tensor over ranks (through the GPU when the backend is nccl); identity for one rank."""
+    return _all_reduce(values, group, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(values: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """:func:`all_reduce_sum` taking the elementwise max."""
+    return _all_reduce(values, group, dist.ReduceOp.MAX)
+
+
+def _all_reduce(values: torch.Tensor, group: dist.ProcessGroup | None, op: Any) -> torch.Tensor:
     if not dist.is_initialized() or dist.get_world_size(group) == 1 or values.numel() == 0:
         return values
     if dist.get_backend(group) == "nccl":
         on_device = values.cuda()
-        dist.all_reduce(on_device, group=group)
+        dist.all_reduce(on_device, op=op, group=group)
         return on_device.cpu()
-    dist.all_reduce(values, group=group)
+    dist.all_reduce(values, op=op, group=group)
     return values
 
 
@@ -173,16 +183,29 @@ class MetricAccumulator:
 
     Additive metrics (loss shares) are summed; the others are means over a micro-batch's valid tokens and are
     weighted by that micro-batch's share of the mini-batch's tokens. :meth:`result` sums over DP ranks and
-    averages over mini-batches.
+    averages over mini-batches. The extremes (``EXTREME_METRICS``: ROLL's ``ratio_max`` / ``ratio_min``) are the
+    max / min over every micro-batch, rank and mini-batch.
     """
 
     def __init__(self) -> None:
         self._sums: dict[str, float] = {}
+        self._maxima: dict[str, float] = {}  # a min is kept as the max of its negation
         self._minibatches = 0
+
+    @staticmethod
+    def neutral(name: str) -> torch.Tensor:
+        """The value of ``name`` that changes nothing (for a rank that adds the names without reporting)."""
+        kind = EXTREME_METRICS.get(name)
+        return torch.tensor(-math.inf if kind == "max" else math.inf if kind == "min" else 0.0)
 
     def add(self, metrics: dict[str, torch.Tensor], token_share: float) -> None:
         """One micro-batch's metrics; ``token_share`` = its valid tokens / the mini-batch's (all ranks)."""
         for name, value in metrics.items():
+            kind = EXTREME_METRICS.get(name)
+            if kind is not None:
+                signed = float(value) if kind == "max" else -float(value)
+                self._maxima[name] = max(self._maxima.get(name, -math.inf), signed)
+                continue
             weight = 1.0 if name in ADDITIVE_METRICS else token_share
             self._sums[name] = self._sums.get(name, 0.0) + weight * float(value)
 
@@ -191,11 +214,18 @@ class MetricAccumulator:
         self._minibatches += 1
 
     def result(self) -> dict[str, float]:
-        """Metrics summed over DP ranks and averaged over mini-batches."""
+        """Metrics summed over DP ranks and averaged over mini-batches; the extremes over all (left out when no
+        micro-batch held a token)."""
         names = sorted(self._sums)
         values = all_reduce_sum(torch.tensor([self._sums[n] for n in names], dtype=torch.float64))
         count = max(self._minibatches, 1)
-        return {name: float(v) / count for name, v in zip(names, values.tolist())}
+        out = {name: float(v) / count for name, v in zip(names, values.tolist())}
+        extremes = sorted(self._maxima)
+        maxima = all_reduce_max(torch.tensor([self._maxima[n] for n in extremes], dtype=torch.float64))
+        for name, value in zip(extremes, maxima.tolist()):
+            if value != -math.inf:
+                out[name] = value if EXTREME_METRICS[name] == "max" else -value
+        return out
 
 
 OptimizerStep = Callable[[list[RolloutBatch], MetricAccumulator], float]
