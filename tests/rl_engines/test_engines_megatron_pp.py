@@ -497,3 +497,76 @@ def test_the_embedding_counted_as_a_layer_gives_the_first_stage_one_fewer_and_tr
     saved = hf_state(tmp_path / "hf")
     for name, value in single.named_weights():
         torch.testing.assert_close(saved[name], value, atol=2e-6, rtol=0, msg=name)
+
+
+def test_a_custom_pipeline_layout_places_the_layers_and_trains_as_fsdp2(ray_session, tiny_model_dir, tmp_path):
+    """ROLL's Qwen3.5-397B file gives Megatron's pipeline_model_parallel_layout ("E|(tt|)*30,L"). Here "E|tt|t|tL"
+    on 2 ranks: 4 virtual stages, so 2 model chunks per rank (the virtual pipeline size derived, as ROLL's
+    mcore_adapter does); rank 0 holds the embedding alone, then layer 2; rank 1 layers 0-1, then layer 3 and the
+    output layer. It scores as the HF model, one update equals fsdp2_train's, and a checkpoint resumes only under
+    the same split."""
+    layout = {**PP2, "pipeline_model_parallel_layout": "E|tt|t|tL"}
+    configs = {"actor_train": worker_config(tiny_model_dir, "actor_train", training_args=TRAIN_ARGS,
+                                            device_mapping=[0, 1], infer_batch_size=4,
+                                            **megatron("megatron_train", layout))}  # fmt: skip
+    batch = rollout_batch(batch_size=8, seed=6)
+    mask = batch.batch["response_mask"]
+    with Roles(ClusterSpec(num_nodes=1, num_gpus_per_node=2), configs, rpc_timeout=180) as roles:
+        actor = roles["actor_train"]
+        assert on_ranks(actor, lambda w: w.strategy.model.layout.local_layers) == [(2,), (0, 1, 3)]
+        scored = with_old_log_probs(actor, batch).batch["old_log_probs"]
+        torch.testing.assert_close(scored[mask].double(), reference_log_probs(tiny_model_dir, batch)[mask],
+                                   atol=2e-6, rtol=0)  # fmt: skip
+        metrics = actor.call("train_step", batch, ActorObjective(), dispatch="dp_split")[0]
+        actor.call("save_hf", str(tmp_path / "hf"))
+        actor.call("save_checkpoint", str(tmp_path / "ckpt"))
+    single = fsdp2(tiny_model_dir)
+    expected = single.train_step(batch, ActorObjective())
+    assert metrics["actor/pg_loss"] == pytest.approx(expected["pg_loss"], abs=1e-6)
+    assert metrics["actor/grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    saved = hf_state(tmp_path / "hf")
+    for name, value in single.named_weights():
+        torch.testing.assert_close(saved[name], value, atol=2e-6, rtol=0, msg=name)
+    other = {**PP2, "pipeline_model_parallel_layout": "E|t|tt|tL"}  # the same sizes, another split
+    configs = {"actor_train": worker_config(tiny_model_dir, "actor_train", training_args=TRAIN_ARGS,
+                                            device_mapping=[0, 1], **megatron("megatron_train", other))}  # fmt: skip
+    split = r"at \(0, 0, 2, 3, 4\), this run splits them at \(0, 0, 1, 3, 4\)"
+    with Roles(ClusterSpec(num_nodes=1, num_gpus_per_node=2), configs, rpc_timeout=180) as roles, \
+            pytest.raises(Exception, match=split):  # fmt: skip
+        roles["actor_train"].call("load_checkpoint", str(tmp_path / "ckpt"))
+
+
+@pytest.mark.parametrize(
+    ("config", "match"),
+    [
+        ({"pipeline_model_parallel_layout": "Et|tx|L"}, r"holds \['x'\]"),
+        ({"pipeline_model_parallel_layout": "tE|tt|tt|tL"}, r"'E' must come once, first"),
+        ({"pipeline_model_parallel_layout": "Et|t|tL"}, r"has 3 stages, which .*pipeline_model_parallel_size=2 does"),
+        (
+            {"pipeline_model_parallel_layout": "Et|t|t|tL", "virtual_pipeline_model_parallel_size": 1},
+            r"virtual_pipeline_model_parallel_size=1 contradicts",
+        ),
+        (
+            {"pipeline_model_parallel_layout": "Et|ttL", "account_for_embedding_in_pipeline_split": True},
+            r"places every layer itself; remove",
+        ),
+        ({"distrib_optim_fully_reshardable": True}, r"distrib_optim_fully_reshardable=true: a checkpoint here"),
+    ],
+)
+def test_bad_pipeline_layouts_fail_naming_the_key(config, match):
+    from rl_engines.strategies.megatron_config import parse_megatron_options
+
+    with pytest.raises(ValueError, match=match):
+        parse_megatron_options({**PP2, **config}, "actor_train", train=True, dtype="fp32")
+
+
+def test_a_layout_must_place_every_decoder_layer(tiny_model_dir):
+    from rl_engines.strategies.megatron_config import parse_megatron_options
+    from rl_engines.strategies.megatron_model import _check_divisors, read_spec
+
+    options = parse_megatron_options({**PP2, "pipeline_model_parallel_layout": "Et|t*2L", "bf16": False,
+                                      "distrib_optim_fully_reshardable": False}, "actor_train", train=True,
+                                     dtype="fp32")  # fmt: skip
+    assert options.virtual_pipeline_model_parallel_size == 1
+    with pytest.raises(ValueError, match=r"places 3 decoder layers \('t'\); the model has num_hidden_layers=4"):
+        _check_divisors(read_spec(str(tiny_model_dir), "actor_train"), options, "actor_train", str(tiny_model_dir))

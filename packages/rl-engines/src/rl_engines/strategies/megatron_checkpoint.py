@@ -58,7 +58,7 @@ def save(strategy: Any, path: str) -> None:
             torch.save(named_optimizer_state(strategy), tmp / optimizer_file(layout, strategy.dp_rank))
         meta = {"role": strategy.role, "tensor_model_parallel_size": layout.tp,
                 "pipeline_model_parallel_size": layout.pp, "expert_model_parallel_size": layout.ep,
-                "virtual_pipeline_model_parallel_size": layout.vp,
+                "virtual_pipeline_model_parallel_size": layout.vp, "stage_offsets": list(layout.offsets),
                 "world_size": dist.get_world_size(),
                 "data_parallel_size": strategy.dp_size, "use_distributed_optimizer": partitioned,
                 "global_step": strategy.global_step, **lora_meta(strategy)}  # fmt: skip
@@ -72,8 +72,9 @@ def save(strategy: Any, path: str) -> None:
 
 
 def load(strategy: Any, path: str) -> None:
-    """Restore ``strategy`` from ``path`` (same tensor-, pipeline-, virtual-pipeline- and expert-parallel sizes: the
-    files hold each stage's parameters under local names); RNG per rank when the world size matches."""
+    """Restore ``strategy`` from ``path`` (same tensor-, pipeline-, virtual-pipeline- and expert-parallel sizes and
+    the same split of the layers over the stages: the files hold each stage's parameters under local names); RNG
+    per rank when the world size matches."""
     root = require_complete(path, strategy.role)
     check_adapters_only(strategy, root)
     meta = json.loads((root / "meta.json").read_text())
@@ -87,6 +88,14 @@ def load(strategy: Any, path: str) -> None:
                 f"({strategy.role}.strategy_args.strategy_config.{key}). Resume with the same size, or start from a "
                 "save_hf export of it."
             )
+    saved_offsets = meta.get("stage_offsets")
+    if saved_offsets is not None and tuple(saved_offsets) != layout.offsets:
+        raise ValueError(
+            f"{strategy.role}: {path} was saved with its layers split over the virtual pipeline stages at "
+            f"{tuple(saved_offsets)}, this run splits them at {layout.offsets} ({strategy.role}.strategy_args."
+            "strategy_config.pipeline_model_parallel_layout / account_for_*_in_pipeline_split). Resume with the same "
+            "split, or start from a save_hf export of it."
+        )
     state = torch.load(root / f"mp_rank_{rank_tag(layout)}.pt", map_location=strategy.device, weights_only=True)
     with torch.no_grad():
         for name, value in state["model"].items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,7 @@ LAYOUT_KEYS: dict[str, tuple[type, ...]] = {
     "sequence_parallel": (bool,),
     "account_for_embedding_in_pipeline_split": (bool,),
     "account_for_loss_in_pipeline_split": (bool,),
+    "pipeline_model_parallel_layout": (str, NoneType),
 }
 # Mixture-of-experts settings (a MoE model only); the kernel choices among them are logged when not acted on.
 MOE_KEYS: dict[str, tuple[type, ...]] = {
@@ -94,6 +96,7 @@ TRAIN_KEYS: dict[str, tuple[type, ...]] = {
     "recompute_num_layers": (int, NoneType),
     "recompute_modules": (str, list, NoneType),
     "use_distributed_optimizer": (bool,),
+    "distrib_optim_fully_reshardable": (bool,),
     "moe_layer_recompute": (bool,),
     "moe_shared_expert_overlap": (bool,),
 }
@@ -132,6 +135,9 @@ class MegatronOptions:
     decoder layer fewer (Megatron's key; ``num_hidden_layers`` + 1 must divide evenly)."""
     account_for_loss_in_pipeline_split: bool = False
     """The same for the output layer and loss: the last stage holds one decoder layer fewer."""
+    pipeline_model_parallel_layout: str | None = None
+    """Megatron's custom split (``"E|(tt|)*30,L"``): the layers of each virtual stage in order, stages apart by
+    ``|``; ``virtual_pipeline_model_parallel_size`` is then the stage count / PP (:func:`pipeline_layout_stages`)."""
     sequence_parallel: bool = False
     """Split layer norms / dropout activations along the sequence over the TP ranks (no effect at TP = 1)."""
     recompute_granularity: str | None = None
@@ -203,6 +209,13 @@ def _reject_unsupported(config: dict[str, Any], prefix: str) -> None:
         raise ValueError(
             f"{prefix}.expert_tensor_parallel_size={expert_tp}: experts split over the TP ranks as the dense layers "
             f"are (Megatron's default, tensor_model_parallel_size={tp}) is what is built; set it to {tp} or remove it."
+        )
+    if config.get("distrib_optim_fully_reshardable"):
+        raise ValueError(
+            f"{prefix}.distrib_optim_fully_reshardable=true: a checkpoint here keeps the optimizer state by parameter "
+            "name per tensor-parallel rank and stage, so it resumes at another data-parallel size and with or without "
+            "use_distributed_optimizer (Megatron's dp_reshardable, its default), not at another tensor- or "
+            "pipeline-parallel size; set it to false (or remove it) and change those sizes through a save_hf export."
         )
     if config.get("overlap_param_gather") and not config.get("use_distributed_optimizer"):
         raise ValueError(
@@ -284,6 +297,58 @@ def merge_additional_configs(config: dict[str, Any], keys: dict[str, tuple[type,
     return {**extra, **rest}
 
 
+LAYOUT_LAYERS = {"E": "the embedding", "L": "the output layer and loss", "t": "a decoder layer"}
+"""The layer letters of ``pipeline_model_parallel_layout`` built here (Megatron's ``m``, an MTP layer, is not)."""
+
+
+def pipeline_layout_stages(layout: str, key: str) -> tuple[str, ...]:
+    """Megatron's ``pipeline_model_parallel_layout`` string as its virtual stages in order, each the letters of its
+    layers (Megatron's syntax: ``|`` between stages, ``(...)*n`` and ``x*n`` repeat, commas are cosmetic), checked
+    as Megatron checks it: the embedding once, first, and the output layer once, last. ``key`` names it in errors."""
+    text = layout.replace(",", "").replace(" ", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        text = re.sub(pattern, lambda match: match.group(1) * int(match.group(2)), text)
+    stages = tuple(text.split("|"))
+    unknown = sorted({letter for stage in stages for letter in stage} - set(LAYOUT_LAYERS))
+    if unknown:
+        raise ValueError(
+            f"{key}={layout!r} holds {unknown}: a layout names " + ", ".join(f"{k} ({v})" for k, v in
+            LAYOUT_LAYERS.items()) + " per stage, stages apart by '|' ('m', an MTP layer, is not built here)."
+        )  # fmt: skip
+    flat = "".join(stages)
+    if flat.count("E") != 1 or flat.count("L") != 1 or not flat.startswith("E") or not flat.endswith("L"):
+        raise ValueError(
+            f"{key}={layout!r}: the embedding 'E' must come once, first, and the output layer 'L' once, last (as "
+            "Megatron requires), e.g. 'Ett|tt|tt|ttL'."
+        )
+    return stages
+
+
+def _layout(config: dict[str, Any], prefix: str) -> tuple[str | None, int]:
+    """``pipeline_model_parallel_layout`` (validated) and the virtual pipeline size: the layout's stage count / PP
+    when it is given (as ROLL's mcore_adapter derives it), else ``virtual_pipeline_model_parallel_size``."""
+    layout, virtual = config.get("pipeline_model_parallel_layout"), config.get("virtual_pipeline_model_parallel_size")
+    if layout is None:
+        return None, int(virtual or 1)
+    key = f"{prefix}.pipeline_model_parallel_layout"
+    splits = ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
+    given = [k for k in splits if config.get(k)]
+    if given:
+        raise ValueError(f"{key} places every layer itself; remove {[f'{prefix}.{k}' for k in given]} (Megatron "
+                         "refuses both).")  # fmt: skip
+    stages, pp = pipeline_layout_stages(layout, key), int(config.get("pipeline_model_parallel_size", 1))
+    if len(stages) % pp:
+        raise ValueError(f"{key} has {len(stages)} stages, which {prefix}.pipeline_model_parallel_size={pp} does "
+                         "not divide; each rank holds stages / PP of them (the virtual pipeline size).")  # fmt: skip
+    if virtual not in (None, len(stages) // pp):
+        raise ValueError(f"{prefix}.virtual_pipeline_model_parallel_size={virtual} contradicts {key} ({len(stages)} "
+                         f"stages over {pp} ranks: {len(stages) // pp}); remove it.")  # fmt: skip
+    if len(stages) // pp > 1 and pp == 1:
+        raise ValueError(f"{key} has {len(stages)} stages with {prefix}.pipeline_model_parallel_size=1; give one "
+                         "stage, or set pipeline_model_parallel_size.")  # fmt: skip
+    return layout, len(stages) // pp
+
+
 def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dtype: str) -> MegatronOptions:
     """Validate a megatron_train (``train``) or megatron_infer strategy_config against the role's
     ``model_args.dtype``; errors name every bad key."""
@@ -310,10 +375,12 @@ def parse_megatron_options(config: dict[str, Any], role: str, *, train: bool, dt
         unused += tuple(key for key in INFER_OPTIMIZER_SWITCHES if config.get(key))
     if dispatcher == "alltoall" and not _cuda():
         dispatcher, unused = "allgather", (*unused, "moe_token_dispatcher_type")
+    layout, virtual = _layout(config, prefix)
     return MegatronOptions(
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=int(config.get("pipeline_model_parallel_size", 1)),
-        virtual_pipeline_model_parallel_size=int(config.get("virtual_pipeline_model_parallel_size") or 1),
+        virtual_pipeline_model_parallel_size=virtual,
+        pipeline_model_parallel_layout=layout,
         account_for_embedding_in_pipeline_split=bool(config.get("account_for_embedding_in_pipeline_split", False)),
         account_for_loss_in_pipeline_split=bool(config.get("account_for_loss_in_pipeline_split", False)),
         sequence_parallel=sequence_parallel,

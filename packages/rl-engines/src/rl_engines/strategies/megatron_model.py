@@ -25,7 +25,7 @@ from rl_ckpt.layout import padded_vocab_size
 from rl_ckpt.spec import ModelSpec, language_config, spec_from_hf_config
 from rl_core.batch import RolloutBatch
 from rl_engines.strategies.megatron_chunks import ModelChunks
-from rl_engines.strategies.megatron_config import MegatronOptions, check_moe_options
+from rl_engines.strategies.megatron_config import MegatronOptions, check_moe_options, pipeline_layout_stages
 from rl_engines.strategies.megatron_norms import local_block_spec
 from rl_engines.strategies.megatron_ops import vocab_parallel_log_probs
 from rl_engines.strategies.megatron_pipeline import (
@@ -141,6 +141,7 @@ def transformer_config(
         virtual_pipeline_model_parallel_size=_virtual(options),
         account_for_embedding_in_pipeline_split=options.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=options.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_layout=options.pipeline_model_parallel_layout,
         pipeline_dtype=params_dtype,  # of the hidden states sent between stages
         sequence_parallel=options.sequence_parallel,
         recompute_granularity=options.recompute_granularity,
@@ -427,6 +428,9 @@ def _check_divisors(spec: ModelSpec, options: MegatronOptions, role: str, model_
                 f"{prefix}.tensor_model_parallel_size={tp} does not divide the model's {key}={value} "
                 f"({model_path}/config.json); Megatron splits them over TP ranks. Pick a divisor."
             )
+    if options.pipeline_model_parallel_layout is not None:
+        _check_layout(spec, options, prefix, model_path)
+        return
     extra = [key for key in ("account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split")
              if getattr(options, key)]  # fmt: skip
     counted = spec.num_layers + len(extra)  # the embedding / the loss each count as a layer in the split
@@ -445,16 +449,33 @@ def _check_divisors(spec: ModelSpec, options: MegatronOptions, role: str, model_
         )
 
 
+def _check_layout(spec: ModelSpec, options: MegatronOptions, prefix: str, model_path: str) -> None:
+    """``pipeline_model_parallel_layout`` places as many decoder layers as the model has."""
+    layout = str(options.pipeline_model_parallel_layout)
+    placed = "".join(pipeline_layout_stages(layout, f"{prefix}.pipeline_model_parallel_layout")).count("t")
+    if placed != spec.num_layers:
+        raise ValueError(
+            f"{prefix}.pipeline_model_parallel_layout={layout!r} places {placed} decoder layers ('t'); the model has "
+            f"num_hidden_layers={spec.num_layers} ({model_path}/config.json). Place each layer once."
+        )
+
+
 def _virtual(options: MegatronOptions) -> int | None:
     """Megatron's ``virtual_pipeline_model_parallel_size`` (None: no virtual pipeline)."""
     vp = options.virtual_pipeline_model_parallel_size
     return vp if vp > 1 else None
 
 
-def _stage_offsets(config: Any, pp: int, vp: int) -> tuple[int, ...]:
+def _stage_offsets(config: Any, pp: int, vp: int, layout: str | None = None) -> tuple[int, ...]:
     """Each virtual stage's first layer (Megatron's ``get_transformer_layer_offset``; chunk c of stage s is virtual
-    stage ``c * pp + s``), then the number of layers."""
+    stage ``c * pp + s``), then the number of layers. With a ``pipeline_model_parallel_layout`` they are counted
+    from its stages, which lie in that order (megatron-core's offset reads the calling rank's stage, whatever
+    ``pp_rank`` it is given)."""
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    if layout is not None:
+        counts = [stage.count("t") for stage in pipeline_layout_stages(layout, "pipeline_model_parallel_layout")]
+        return tuple(sum(counts[:k]) for k in range(len(counts) + 1))
 
     offsets = (get_transformer_layer_offset(config, vp_stage=k // pp if vp > 1 else None, pp_rank=k % pp)
                for k in range(pp * vp))  # fmt: skip
@@ -520,8 +541,9 @@ def build_model(
         chunks[-1].output_layer = ValueHead(spec.hidden_size, options.sequence_parallel, params_dtype)
     module = chunks[0] if vp == 1 else ModelChunks(chunks)
     module.to(device)
+    offsets = _stage_offsets(config, pp, vp, options.pipeline_model_parallel_layout)
     layout = RankLayout(spec, parallel_state.get_tensor_model_parallel_rank(), tp, padded, value_head,
-                        stage.rank, pp, _stage_offsets(config, pp, vp), parallel_state.get_expert_model_parallel_rank(),
+                        stage.rank, pp, offsets, parallel_state.get_expert_model_parallel_rank(),
                         options.expert_model_parallel_size, vp,
                         tuple(vision.shapes.items()) if vision is not None else ())  # fmt: skip
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
