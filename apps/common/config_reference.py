@@ -60,7 +60,7 @@ def table(cls: type, title: str, skip: tuple[str, ...] = ()) -> str:
     rows = [f"## {title}\n", f"{inspect.getdoc(cls) or ''}\n", "| key | type | default | meaning |"]
     rows.append("| --- | --- | --- | --- |")
     for field in dataclasses.fields(cls):
-        if field.name in skip:
+        if field.name in skip or not field.init:  # init=False: derived at load, not a key
             continue
         meaning = docs.get(field.name, "").replace("|", "\\|")
         rows.append(f"| `{field.name}` | {_type(field)} | {_default(field)} | {meaning} |")

@@ -83,7 +83,9 @@ class RLVRConfig(SharedConfig):
     prompt_length: int = ROLL_PROMPT_LENGTH
     """Prompt tokens kept (longer prompts are truncated from the left)."""
     response_length: int = 1024
-    """Response tokens generated at most."""
+    """Response tokens generated at most: actor_infer's and validation's ``generating_args.max_new_tokens`` are set
+    to it, as ROLL sets them to ``sequence_length - prompt_length``; a ``sequence_length`` given beside it wins
+    (ROLL discards ``response_length`` then), so it is ``sequence_length - prompt_length`` (pre-flight notes)."""
     num_return_sequences_in_group: int = 1
     """Responses per prompt; samples per step = rollout_batch_size x this."""
     is_num_return_sequences_expand: bool = False
@@ -112,6 +114,8 @@ class RLVRConfig(SharedConfig):
     """Reward workers by name."""
     validation: ValidationConfig | None = None
     """Validation data and sampling."""
+    length_notes: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    """Derived at load, not a key: the pre-flight lines of ROLL's length rules applied (:func:`roll_lengths`)."""
     rollout_dump_dir: str | None = None
     """ROLL's rollout dump: each step's scored rollouts as ``rollout_dump_data.step_<N>.jsonl`` in this folder (one
     JSON object of columns: the data's id / prompt / messages / ground_truth / tag ... columns, the decoded responses,
@@ -122,6 +126,7 @@ class RLVRConfig(SharedConfig):
     def from_dict(cls, values: dict[str, Any]) -> RLVRConfig:
         """Build and validate from a loaded config mapping; every error names the key path."""
         values = dict(values)
+        given = _given_max_new_tokens(values)
         sections = pop_shared_sections(values)
         rewards = values.pop("rewards", None) or {}
         if not isinstance(rewards, dict):
@@ -133,7 +138,47 @@ class RLVRConfig(SharedConfig):
             sections["validation"] = validation
         config = dataclasses.replace(build_dataclass(cls, values, ""), **sections)
         validate_rlvr(config)
-        return config
+        return roll_lengths(config, given)
+
+
+def _given_max_new_tokens(values: dict[str, Any]) -> dict[str, Any]:
+    """``generating_args.max_new_tokens`` of actor_infer and validation as the file gives them (absent: None)."""
+    out = {}
+    for section in ("actor_infer", "validation"):
+        generating = (values.get(section) or {}).get("generating_args") or {}
+        out[section] = generating.get("max_new_tokens") if isinstance(generating, dict) else None
+    return out
+
+
+def roll_lengths(config: RLVRConfig, given: dict[str, Any]) -> RLVRConfig:
+    """ROLL's length rules (its base config and RLVR config ``__post_init__``): a ``sequence_length`` wins over
+    ``response_length`` (the budget is ``sequence_length - prompt_length``), and actor_infer's and validation's
+    ``generating_args.max_new_tokens`` are that budget whatever the file says (ROLL rewrites them with a warning).
+    ``given``: the file's max_new_tokens, for the pre-flight lines."""
+    notes = []
+    if config.sequence_length is not None:
+        budget = config.sequence_length - config.prompt_length
+        notes.append(f"[preflight] sequence_length ({config.sequence_length}) sets the response budget: "
+                     f"response_length = sequence_length - prompt_length = {budget}, as in ROLL, which discards a "
+                     "response_length given beside it.")  # fmt: skip
+        config = dataclasses.replace(config, response_length=budget)
+    budget = config.response_length
+    infer = config.actor_infer
+    config = dataclasses.replace(config, actor_infer=dataclasses.replace(
+        infer, generating_args=dataclasses.replace(infer.generating_args, max_new_tokens=budget)))  # fmt: skip
+    if config.validation is not None:
+        generating = dataclasses.replace(config.validation.generating_args, max_new_tokens=budget)
+        config = dataclasses.replace(config, validation=dataclasses.replace(config.validation,
+                                                                           generating_args=generating))  # fmt: skip
+    for section, value in given.items():
+        if section == "validation" and config.validation is None:
+            continue
+        if value != budget:
+            said = "not given (128 by default)" if value is None else f"{value}"
+            notes.append(f"[preflight] {section}.generating_args.max_new_tokens is {said}; it is {budget} "
+                         "(sequence_length - prompt_length), as ROLL sets it whatever the file says.")  # fmt: skip
+    config.length_notes = tuple(notes)
+    return config
 
 
 def validate_rlvr(config: RLVRConfig) -> None:

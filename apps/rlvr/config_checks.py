@@ -26,10 +26,10 @@ def check_rlvr_ranges(config: Any) -> None:
             "with StepEnvManager); RLVR responses are one turn each: use grpo, reinforce, rloo, ..."
         )
     check_reward_norm(config)
-    if config.sequence_length is not None and config.sequence_length < config.prompt_length + config.response_length:
+    if config.sequence_length is not None and config.sequence_length <= config.prompt_length:
         fail(
-            f"sequence_length ({config.sequence_length}) must be >= prompt_length + response_length "
-            f"({config.prompt_length} + {config.response_length}); raise it or shorten the lengths."
+            f"sequence_length ({config.sequence_length}) must exceed prompt_length ({config.prompt_length}): ROLL "
+            "generates sequence_length - prompt_length tokens at most. Raise it, or remove it and set response_length."
         )
     if config.rollout_dump_dir and not config.rollout_dump_dir.startswith("/"):
         fail(

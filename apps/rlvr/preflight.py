@@ -57,7 +57,7 @@ def preflight(config: RLVRConfig) -> PreflightReport:
     _check_generation(config, placement)
     longest = config.prompt_length + config.response_length
     notes = check_token_budgets(sections, longest, "prompt_length + response_length") + device_only_notes(sections)
-    notes += dropped_key_notes(config) + reward_norm_notes(config)
+    notes += dropped_key_notes(config) + reward_norm_notes(config) + list(config.length_notes)
     report = plan_training(config, placement, sections, config.num_return_sequences_in_group)
     check_old_log_prob_switches(config, report)
     report.notes.extend(notes)
@@ -70,12 +70,7 @@ def preflight(config: RLVRConfig) -> PreflightReport:
 
 
 def _check_generation(config: RLVRConfig, placement: PlacementPlan) -> None:
-    generating = config.actor_infer.generating_args
-    if generating.max_new_tokens > config.response_length:
-        raise PreflightError(
-            f"actor_infer.generating_args.max_new_tokens ({generating.max_new_tokens}) exceeds response_length "
-            f"({config.response_length}); use max_new_tokens: ${{response_length}}."
-        )
+    generating = config.actor_infer.generating_args  # max_new_tokens: response_length (RLVRConfig.roll_lengths)
     # With is_num_return_sequences_expand the pipeline repeats each prompt and samples once per copy (as ROLL does),
     # so the engine's num_return_sequences is not used; otherwise it is the group size and must match.
     expected = config.num_return_sequences_in_group

@@ -197,7 +197,6 @@ def test_the_small_config_passes():
         ({"async_generation_ratio": 1}, PreflightError, r"async_generation_ratio=1 needs actor_infer on devices"),
         ({"actor_infer__device_mapping": [2, 3, 4]}, PlacementError,
          r"actor_infer\.device_mapping uses device ids \[4\]"),
-        ({"actor_infer__generating_args__max_new_tokens": 32}, PreflightError, r"max_new_tokens \(32\) exceeds"),
         ({"actor_infer__generating_args__num_return_sequences": 4}, PreflightError, r"num_return_sequences is 4"),
         ({"actor_train__device_mapping": [0, 1, 2, 3], "rollout_batch_size": 1, "num_return_sequences_in_group": 2,
           "actor_infer__generating_args__num_return_sequences": 2, "actor_infer__device_mapping": [0]},
@@ -448,3 +447,25 @@ def test_a_training_budget_on_a_role_that_does_not_train_passes_preflight():
     assert not any("reference.use_dynamic_batching_in_train" in note for note in report.notes)
     with pytest.raises(PreflightError, match=r"actor_train\.max_tokens_per_microbatch_in_train=64 cannot hold"):
         preflight(RLVRConfig.from_dict(with_(base(), actor_train={**base()["actor_train"], **flags})))
+
+
+def test_roll_length_rules_set_max_new_tokens_and_let_sequence_length_win():
+    """ROLL's RLVR config rewrites actor_infer's and validation's generating_args.max_new_tokens to sequence_length
+    - prompt_length whatever the file says, and a sequence_length discards response_length. Six of ROLL's example
+    files leave validation's max_new_tokens out: it was 128 here."""
+    rewards = {"math": {"worker_cls": "x.ExactMatchRewardWorker"}}
+    config = RLVRConfig.from_dict({"rewards": rewards, "response_length": 64, "validation": {"data_args": {}},
+                                   "actor_infer": {"generating_args": {"max_new_tokens": 16}}})  # fmt: skip
+    assert config.actor_infer.generating_args.max_new_tokens == 64
+    assert config.validation.generating_args.max_new_tokens == 64
+    sections = [note.split(".generating_args.max_new_tokens is ")[0] for note in config.length_notes]
+    assert sections == ["[preflight] actor_infer", "[preflight] validation"]
+    assert "is not given (128 by default); it is 64" in config.length_notes[1]
+    config = RLVRConfig.from_dict({"rewards": rewards, "prompt_length": 32, "response_length": 64,
+                                   "sequence_length": 200})  # fmt: skip
+    assert config.response_length == 168 and config.actor_infer.generating_args.max_new_tokens == 168
+    assert any("sequence_length (200) sets the response budget" in note for note in config.length_notes)
+    with pytest.raises(WorkerConfigError, match=r"sequence_length \(32\) must exceed prompt_length \(32\)"):
+        RLVRConfig.from_dict({"rewards": rewards, "prompt_length": 32, "sequence_length": 32})
+    with pytest.raises(WorkerConfigError, match=r"unknown key\(s\) \['length_notes'\]"):
+        RLVRConfig.from_dict({"rewards": rewards, "length_notes": ["derived, not a key"]})

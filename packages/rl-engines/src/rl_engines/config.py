@@ -467,7 +467,7 @@ def build_dataclass(cls: type[T], values: Any, prefix: str) -> T:
     if not isinstance(values, dict):
         raise WorkerConfigError(f"{prefix} must be a mapping, got {type(values).__name__} {values!r}.")
     hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    known = {f.name for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]  # init=False: derived
     unknown = sorted(set(values) - known, key=str)
 
     def path(name: object) -> str:
