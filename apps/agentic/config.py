@@ -127,7 +127,8 @@ class EnvManagerConfig:
     max_traj_per_env: int = -1
     """Episodes one environment may run in a step (-1 = no limit)."""
     format_penalty: float | None = None
-    """Overrides every environment's env_config.format_penalty (reward of a malformed action)."""
+    """ROLL declares it and reads it nowhere: each environment's ``env_config.format_penalty`` is the reward of a
+    malformed action (ROLL's files set both). Accepted, changing nothing, with a pre-flight note."""
     worker_cls: str | None = None
     """ROLL's env worker class (EnvironmentWorker; trajectory manager names are accepted too)."""
     generating_args: GeneratingArgs | None = None

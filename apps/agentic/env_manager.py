@@ -55,9 +55,7 @@ class EnvManager:
         group = 0
         for tag, groups in zip(section.tags, section.partition(), strict=True):
             spec = config.env_spec(tag)
-            env_config = dict(spec.env_config)
-            if section.format_penalty is not None:
-                env_config["format_penalty"] = section.format_penalty
+            env_config = dict(spec.env_config)  # the manager's format_penalty is not read (ROLL's is not either)
             for _ in range(groups):
                 if "seed" in env_config:  # ROLL: an environment's own seed (GEM's reasoning-gym sets) is its group's
                     env_config["seed"] = group_seed(self.seed, split, 0, 0, group)

@@ -52,7 +52,7 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
             if config.custom_envs[tag].tool_wrapper is not None:
                 check_tool_machine(f"custom_envs.{tag}.tool_wrapper")
     notes = check_token_budgets(sections, config.sequence_length, "sequence_length") + device_only_notes(sections)
-    notes += dropped_key_notes(config.base) + length_key_notes(config)
+    notes += dropped_key_notes(config.base) + length_key_notes(config) + manager_penalty_notes(config)
     if config.reward_normalization.method == "asym_clip":
         notes.append("[preflight] reward_normalization.method: asym_clip normalises as mean_std, as ROLL does since "
                      "its agentic norm refactor (no clamp to [-1, 3]).")  # fmt: skip
@@ -71,6 +71,21 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
     check_old_log_prob_switches(base, report)
     report.notes.extend(notes)
     return report
+
+
+def manager_penalty_notes(config: AgenticConfig) -> list[str]:
+    """``<manager>.format_penalty``: ROLL's config declares it and reads it nowhere."""
+    notes = []
+    for name in ("train_env_manager", "val_env_manager"):
+        manager = getattr(config, name)
+        if manager is None or manager.format_penalty is None:
+            continue
+        per_tag = ", ".join(f"{tag}: {config.custom_envs[tag].env_config.get('format_penalty', 'its default')}"
+                            for tag in manager.tags)  # fmt: skip
+        notes.append(f"[preflight] {name}.format_penalty ({manager.format_penalty}) changes nothing, as in ROLL, "
+                     "which declares it and reads it nowhere: a malformed action is scored by its environment's "
+                     f"env_config.format_penalty ({per_tag}).")  # fmt: skip
+    return notes
 
 
 def length_key_notes(config: AgenticConfig) -> list[str]:

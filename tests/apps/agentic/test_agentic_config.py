@@ -259,3 +259,24 @@ def test_a_segment_ratio_is_refused_where_it_is_not_built(changes, message):
     with pytest.raises(WorkerConfigError) as err:
         AgenticConfig.from_dict(_with_actor_keys(changes))
     assert message in str(err.value)
+
+
+def test_a_managers_format_penalty_changes_nothing_as_in_roll():
+    """ROLL declares train_env_manager.format_penalty and reads it nowhere: a malformed action scores its
+    environment's env_config.format_penalty (ROLL's agent_val_frozen_lake_gigpo.yaml sets -0.1 beside FrozenLake's
+    -0.01). It had overwritten every environment's."""
+    from apps.agentic.preflight import manager_penalty_notes
+
+    raw = _config()
+    raw["train_env_manager"] = {**raw["train_env_manager"], "format_penalty": -0.7}
+    config = AgenticConfig.from_dict(raw)
+    manager = EnvManager(config, config.train_env_manager, "train")
+    try:
+        seeds = manager.seeds(step=0, round_index=0)
+        manager.reset(seeds)
+        result = manager.step({0: "no answer here"})[0]
+        assert not result.info["action_is_valid"]
+        assert result.reward == config.custom_envs[manager.slots[0].tag].env_config["format_penalty"] != -0.7
+    finally:
+        manager.close()
+    assert "train_env_manager.format_penalty (-0.7) changes nothing" in manager_penalty_notes(config)[0]
