@@ -62,6 +62,10 @@ RLVR_ONLY = {
     "length_loss_weight": "length weights are an RLVR feature",
     "rl_loss_coef": "ROLL's agentic config has no rl_loss_coef (its parser drops it and its agentic actor workers "
     "never scale the loss by it)",
+    "importance_sampling": "ROLL's agentic config has no importance_sampling (its parser drops it and its agentic "
+    "actor workers take the token ratio, or the segment ratio with ratio_type: segment)",
+    "add_len_reward": "ROLL's agentic pipeline reads add_len_reward nowhere (episode rewards are the environments' "
+    "scores)",
 }
 
 # ROLL's env manager classes (custom_env.env_manager_cls, train_env_manager.worker_cls) by their last component ->

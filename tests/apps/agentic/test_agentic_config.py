@@ -107,6 +107,9 @@ def _config(**changes):
     [
         ({"rewards": {}}, "rewards is not an agentic pipeline key"),
         ({"rl_loss_coef": 0.5}, "rl_loss_coef is not an agentic pipeline key: ROLL's agentic config has no"),
+        # ROLL's agentic pipeline drops / never reads them: they had trained sequence_ppo and added a length reward
+        ({"importance_sampling": "seq"}, "importance_sampling is not an agentic pipeline key: ROLL's agentic config"),
+        ({"add_len_reward": True}, "add_len_reward is not an agentic pipeline key: ROLL's agentic pipeline reads"),
         ({"reward_normalization": {"grouping": "nope", "method": "mean_std"}}, "reward_normalization.grouping='nope'"),
         ({"reward_normalization": {"grouping": "traj_group_id", "norm_std_type": "sample"}},
          "reward_normalization.norm_std_type='sample'; use batch, group or null"),
@@ -252,7 +255,7 @@ def test_ratio_type_and_the_agentic_pg_worker_pick_the_loss(changes, loss):
         ({"ratio_type": "segment", "actor_train": {"worker_cls": AGENTIC_PG, "pg_variant": "tis"}},
          "ratio_type: segment is ROLL's PPO on one ratio per segment (an assistant turn), but the configured loss is "
          "'tis'"),
-        ({"ratio_type": "segment", "importance_sampling": "seq"}, "configured loss is 'sequence_ppo'"),
+        ({"ratio_type": "segment", "importance_sampling": "seq"}, "importance_sampling is not an agentic pipeline key"),
     ],
 )  # fmt: skip
 def test_a_segment_ratio_is_refused_where_it_is_not_built(changes, message):
