@@ -137,7 +137,8 @@ class EnvManagerConfig:
     """ROLL's env worker class (EnvironmentWorker; trajectory manager names are accepted too)."""
     generating_args: GeneratingArgs | None = None
     """Sampling of this manager's episodes (ROLL). train_env_manager's become actor_infer's; val_env_manager's
-    sample validation (null: greedy). Not together with actor_infer.generating_args, which ROLL lets override both."""
+    sample validation (null: actor_infer's, as ROLL gives both managers actor_infer's). Not together with
+    actor_infer.generating_args, which ROLL lets override both."""
 
     @classmethod
     def from_dict(cls, values: Any, key: str) -> EnvManagerConfig:
@@ -359,7 +360,7 @@ class AgenticConfig:
     train_env_manager: EnvManagerConfig = field(default_factory=EnvManagerConfig)
     """Environments of training rollouts."""
     val_env_manager: EnvManagerConfig | None = None
-    """Environments of validation (held-out seeds; greedy unless its generating_args say otherwise); null = no
+    """Environments of validation (held-out seeds; sampled with its generating_args, else actor_infer's); null = no
     validation."""
     custom_envs: dict[str, EnvSpec] = field(default_factory=dict)
     """Environment types by tag."""

@@ -115,12 +115,12 @@ class AgenticPipeline:
         self._waits: dict[str, float] = {}
 
     def _validation(self, section: EnvManagerConfig | None) -> tuple[EnvManager | None, TrajectoryRunner | None]:
-        """Validation environments (held-out seeds) sampled with val_env_manager.generating_args (greedily when
-        it has none), frames recorded when rendering."""
+        """Validation environments (held-out seeds) sampled with val_env_manager.generating_args, else with
+        actor_infer's (ROLL gives both managers actor_infer's), frames recorded when rendering."""
         if section is None or not self.base.eval_steps:
             return None, None
         envs = EnvManager(self.config, section, "val")
-        sampling = section.generating_args or replace(self.base.actor_infer.generating_args, temperature=0.0)
+        sampling = section.generating_args or self.base.actor_infer.generating_args
         return envs, self._runner(section, envs, sampling, record_frames=self.config.render_save_dir is not None)
 
     def _runner(self, section: EnvManagerConfig, envs: EnvManager, sampling: GeneratingArgs,
@@ -225,8 +225,8 @@ class AgenticPipeline:
         return self.val_runner.to_batch(episodes)
 
     def validate(self, step: int) -> dict[str, float]:
-        """Episodes on the validation environments (sampled with val_env_manager's generating_args, else greedy) with
-        the weights just synced (the queue drains first)."""
+        """Episodes on the validation environments (sampled with val_env_manager's generating_args, else
+        actor_infer's) with the weights just synced (the queue drains first)."""
         paused = self.queue.drain()
         metrics = episode_metrics(self.get_val_rollout(step=step), "val")
         metrics["val/score/mean"] = metrics["val/episode_reward/mean"]

@@ -283,3 +283,21 @@ def test_a_managers_format_penalty_changes_nothing_as_in_roll():
     finally:
         manager.close()
     assert "train_env_manager.format_penalty (-0.7) changes nothing" in manager_penalty_notes(config)[0]
+
+
+def test_validation_samples_with_actor_infers_generating_args_when_its_manager_has_none(tmp_path):
+    """ROLL gives val_env_manager actor_infer's generating_args (agentic_config.py's __post_init__); validation had
+    been greedy here when the manager had none."""
+    from agentic_fixtures import make_setup
+
+    from apps.agentic.pipeline import AgenticPipeline
+
+    raw = load_config(make_setup(tmp_path) / "agentic.yaml")
+    raw["actor_infer"]["generating_args"]["temperature"] = 0.7
+    pipeline = AgenticPipeline(AgenticConfig.from_dict(raw))
+    try:
+        assert pipeline.val_runner is not None and pipeline.val_runner.generating.temperature == 0.7
+    finally:
+        pipeline.train_envs.close()
+        if pipeline.val_envs is not None:
+            pipeline.val_envs.close()
