@@ -226,7 +226,8 @@ class AgenticPipeline:
 
     def validate(self, step: int) -> dict[str, float]:
         """Episodes on the validation environments (sampled with val_env_manager's generating_args, else
-        actor_infer's) with the weights just synced (the queue drains first)."""
+        actor_infer's) with the weights synced last (called before ``step`` trains, as ROLL); the queue drains
+        first."""
         paused = self.queue.drain()
         metrics = episode_metrics(self.get_val_rollout(step=step), "val")
         metrics["val/score/mean"] = metrics["val/episode_reward/mean"]

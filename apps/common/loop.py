@@ -63,9 +63,10 @@ def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, .
             pipeline.timeline.resume(output / "timeline.json", first)
         progress.bar.update(first)
         for step in range(first, config.max_steps):
+            # as ROLL: validation first, on the weights of `step` updates (step 0: the model before any)
+            validation = pipeline.validate(step) if pipeline.validates_at(step) else {}
             metrics = pipeline.step(step)
-            if pipeline.validates_at(step):
-                metrics.update(pipeline.validate(step))
+            metrics.update(validation)
             history.append(metrics)
             append_metrics(output / "metrics.jsonl", step, metrics)
             if step % config.logging_steps == 0:

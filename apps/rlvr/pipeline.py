@@ -159,7 +159,8 @@ class RLVRPipeline:
         return self.validator is not None and step % self.config.eval_steps == 0
 
     def validate(self, step: int) -> dict[str, float]:
-        """Validation with the weights just synced; generation running ahead pauses (drains) first."""
+        """Validation with the weights synced last (called before ``step`` trains, as ROLL validates after its weight
+        sync); generation running ahead pauses (drains) first."""
         assert self.roles is not None and self.validator is not None
         paused = self.queue.drain()
         metrics = self.validator(self.roles, step)
