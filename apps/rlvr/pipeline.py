@@ -84,9 +84,20 @@ class RLVRPipeline:
         records = load_records(files, prompt_key=self.prompt_key, messages_key=self.messages_key,
                                layout=record_layout(data_args, "actor_train"))  # fmt: skip
         template = str(config.global_template or data_args.get("template", "native"))
-        self.prompts = PromptSource(records, self.tokenizer, template, self.prompt_key, self.messages_key,
-                                    config.prompt_length, image_processor(config), model_type(config),
-                                    VideoOptions.from_data_args(data_args))  # fmt: skip
+        self.prompts, dropped = PromptSource(
+            records,
+            self.tokenizer,
+            template,
+            self.prompt_key,
+            self.messages_key,
+            config.prompt_length,
+            image_processor(config),
+            model_type(config),
+            VideoOptions.from_data_args(data_args),
+        ).within_prompt_length("training")
+        if dropped:
+            log(dropped)
+        records = self.prompts.records
         self.router = RewardRouter(config.rewards)
         probs = domain_probs(config)  # ROLL's domain_interleave_probs: each domain's share of every batch
         self.sampler: PromptSampler | DomainSampler = (
@@ -101,7 +112,7 @@ class RLVRPipeline:
         if self.replay is not None and self.replay.mode == "mock":
             self.replay.check_max_steps(config.max_steps)
         self.validator = (
-            Validator.from_config(config, self.prompts, self.router, self.replay)
+            Validator.from_config(config, self.prompts, self.router, self.replay, log)
             if config.validation and config.eval_steps
             else None
         )

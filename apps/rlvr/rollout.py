@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -15,6 +15,9 @@ from apps.rlvr.video_data import VIDEO_KEY, VideoOptions
 from apps.rlvr.vl_data import QUESTION_TEMPLATE, graded_records, vl_prompt_batch
 from rl_core.batch import RolloutBatch
 from rl_engines.vision import VISUAL_KEY
+
+MIN_PROMPT_TOKENS = 5
+"""ROLL's ``preprocess_dataset`` keeps prompts of more than this many tokens (and at most ``prompt_length``)."""
 
 
 @dataclass
@@ -49,6 +52,28 @@ class PromptSource:
         prompts = vl_prompt_batch(texts, records, self.tokenizer, self.image_processor, self.prompt_length,
                                   self.videos, self.model_type)  # fmt: skip
         return RolloutBatch(prompts.batch, {**prompts.non_tensor_batch, **columns})
+
+    def within_prompt_length(self, what: str) -> tuple[PromptSource, str | None]:
+        """These prompts less the ones ROLL's ``preprocess_dataset`` drops: more than ``prompt_length`` tokens, or 5
+        or fewer (a text model's chat-formatted prompt; a vision-language model's are kept: ROLL's VL pipeline has
+        rules of its own). Returns the source and a log line when any is dropped; raises naming ``prompt_length``
+        when none is left. ``what`` names the data in both."""
+        if self.image_processor is not None or not self.records:
+            return self, None
+        texts = [prompt_text(self._messages(r), self.tokenizer, self.template) for r in self.records]
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        kept = [r for r, n in zip(self.records, lengths, strict=True) if MIN_PROMPT_TOKENS < n <= self.prompt_length]
+        if not kept:
+            raise DataError(f"every {what} prompt has more than prompt_length={self.prompt_length} tokens or "
+                            f"{MIN_PROMPT_TOKENS} or fewer (the longest {max(lengths)}); ROLL drops those. Raise "
+                            "prompt_length.")  # fmt: skip
+        if len(kept) == len(self.records):
+            return self, None
+        line = (
+            f"[rlvr] {len(self.records) - len(kept)} of {len(self.records)} {what} prompts dropped, as ROLL drops "
+            f"them: more than prompt_length={self.prompt_length} tokens or {MIN_PROMPT_TOKENS} or fewer."
+        )
+        return replace(self, records=kept), line
 
     def _messages(self, record: dict[str, Any]) -> list[dict[str, str]]:
         messages = chat_messages(record, prompt_key=self.prompt_key, messages_key=self.messages_key)

@@ -42,9 +42,11 @@ class Validator:
 
     @classmethod
     def from_config(
-        cls, config: RLVRConfig, train_prompts: PromptSource, router: RewardRouter, replay: RolloutReplay | None = None
-    ) -> Validator:
-        """Validation data (``validation.data_args``, prompt / messages columns as for training) and sampling."""
+        cls, config: RLVRConfig, train_prompts: PromptSource, router: RewardRouter, replay: RolloutReplay | None = None,
+        log: Callable[[str], None] = print,
+    ) -> Validator:  # fmt: skip
+        """Validation data (``validation.data_args``, prompt / messages columns as for training) and sampling; the
+        prompts ROLL drops for their length are dropped (``log`` says how many)."""
         assert config.validation is not None
         data_args = config.validation.data_args
         files = data_args.get("file_name")
@@ -63,9 +65,12 @@ class Validator:
         videos = train_prompts.videos
         if any(key in data_args for key in VIDEO_KEYS):
             videos = VideoOptions.from_data_args(data_args)  # its own sampling
-        prompts = replace(train_prompts, records=records, prompt_key=prompt_key, messages_key=messages_key,
-                          template=str(template), image_processor=processor, videos=videos)  # fmt: skip
-        batch_size = config.val_batch_size or len(records)
+        prompts, dropped = replace(train_prompts, records=records, prompt_key=prompt_key, messages_key=messages_key,
+                                   template=str(template), image_processor=processor,
+                                   videos=videos).within_prompt_length("validation")  # fmt: skip
+        if dropped:
+            log(dropped)
+        batch_size = config.val_batch_size or len(prompts.records)
         return cls(prompts, router, config.validation.generating_args, batch_size, replay, config.max_steps)
 
     def __call__(self, roles: Any, step: int) -> dict[str, float]:

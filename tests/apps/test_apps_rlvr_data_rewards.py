@@ -119,3 +119,29 @@ def test_router_picks_the_reward_by_tag_and_applies_the_length_penalty():
     assert extract_answer("a <answer>1</answer> b <answer>2</answer>") == "2"
     with pytest.raises(ValueError, match=r"rewards\.ground: no reward function .GroundingRewardWorker."):
         RewardRouter({"ground": RewardConfig.from_dict({"worker_cls": "a.GroundingRewardWorker"}, "rewards.ground")})
+
+
+def test_prompts_longer_than_prompt_length_or_of_five_tokens_or_fewer_are_dropped_as_roll(tmp_path):
+    """ROLL's preprocess_dataset keeps 5 < len(input_ids) <= prompt_length; prompts had been cut from the left (a
+    long chat prompt lost its system and user headers) and kept."""
+    from transformers import AutoTokenizer
+
+    from apps.rlvr.rollout import PromptSource
+    from rl_engines.tiny_model import build_tiny_tokenizer
+
+    build_tiny_tokenizer(tmp_path, [f"{a}+{b}={a + b}" for a in range(20) for b in range(20)], vocab_size=256)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    records = [{"prompt": "1+1="}, {"prompt": " ".join(["12+13="] * 40)}, {"prompt": "2+2="}]
+    lengths = [len(tokenizer(prompt_text([{"role": "user", "content": r["prompt"]}], tokenizer, "native"),
+                             add_special_tokens=False)["input_ids"]) for r in records]  # fmt: skip
+    limit = max(lengths[0], lengths[2])
+    assert lengths[1] > limit > 5
+    source = PromptSource(records, tokenizer, "native", "prompt", None, limit)
+    kept, line = source.within_prompt_length("training")
+    assert [r["prompt"] for r in kept.records] == ["1+1=", "2+2="]
+    assert line is not None and "1 of 3 training prompts dropped" in line
+    assert len(source.records) == 3  # the source is left as it was
+    unchanged, none = PromptSource(records, tokenizer, "native", "prompt", None, 10_000).within_prompt_length("x")
+    assert none is None and len(unchanged.records) == 3
+    with pytest.raises(DataError, match=r"every validation prompt has more than prompt_length=5 tokens or 5 or fewer"):
+        PromptSource(records, tokenizer, "native", "prompt", None, 5).within_prompt_length("validation")
