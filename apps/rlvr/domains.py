@@ -10,7 +10,6 @@ share are never drawn, as ROLL drops them. Without ``domain_interleave_probs`` o
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from apps.common.sampler_state import SamplerState
@@ -61,12 +60,6 @@ def domain_shares(probs: dict[str, float], count: int) -> dict[str, int]:
     shares = {name: int(probs[name] * count) for name in names[:-1]}
     shares[names[-1]] = count - sum(shares.values())
     return shares
-
-
-def record_domain(record: dict[str, Any], section_for: Callable[[dict[str, Any]], str]) -> str:
-    """A record's domain: its ``domain`` column, else its reward section."""
-    domain = record.get("domain")
-    return str(domain) if domain is not None else section_for(record)
 
 
 class DomainSampler:

@@ -33,7 +33,7 @@ from apps.common.timeline import Timeline
 from apps.common.training import checkpoint_dir, load_roles, save_checkpoint, score_with_roles, train_roles
 from apps.rlvr.config import RLVRConfig
 from apps.rlvr.data import PromptSampler, load_records, record_layout
-from apps.rlvr.domains import DomainSampler, domain_probs, record_domain
+from apps.rlvr.domains import DomainSampler, domain_probs
 from apps.rlvr.dynamic_sampling import DynamicSampler
 from apps.rlvr.preflight import preflight
 from apps.rlvr.reward_stage import rlvr_reward_stage
@@ -99,10 +99,11 @@ class RLVRPipeline:
             log(dropped)
         records = self.prompts.records
         self.router = RewardRouter(config.rewards)
+        self.router.check_records(records, "training")
         probs = domain_probs(config)  # ROLL's domain_interleave_probs: each domain's share of every batch
         self.sampler: PromptSampler | DomainSampler = (
             PromptSampler(len(records), config.seed) if probs is None
-            else DomainSampler(probs, [record_domain(r, self.router.section_for) for r in records], config.seed)
+            else DomainSampler(probs, [self.router.section_for(r) for r in records], config.seed)
         )  # fmt: skip
         # rollout_mock (rl-replay) at the scheduler layer: everything after the rollout does not know.
         self.replay = RolloutReplay.from_config(config.rollout_mock)
@@ -332,7 +333,7 @@ class RLVRPipeline:
 
     def _record_domains(self, records: list[dict[str, Any]]) -> list[str]:
         """Each record's domain: its ``domain`` column, else its reward section."""
-        return [record_domain(record, self.router.section_for) for record in records]
+        return [self.router.section_for(record) for record in records]
 
     def _score_with_roles(self, rollout: RolloutBatch) -> dict[str, float]:
         assert self.roles is not None

@@ -46,6 +46,8 @@ REWARD_FUNCTIONS: Registry[RewardFn] = Registry("reward function", "rewards.<nam
 T = TypeVar("T")
 
 ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
+ROLL_DEFAULT_DOMAIN = "math_rule"
+"""The domain ROLL gives a record whose domain column is empty and whose tag no reward claims."""
 
 
 def extract_answer(response: str) -> str:
@@ -215,16 +217,36 @@ class RewardRouter:
             workers.shutdown()
 
     def section_for(self, record: dict[str, Any]) -> str:
-        """The reward section name for a record (by its ``tag``)."""
+        """The reward section of a record, as ROLL picks its reward by the record's domain: its ``domain`` column
+        when set (it must name a section), else the section whose ``tag_included`` has its ``tag``, else ROLL's
+        default domain ``math_rule`` when there is such a section, else a section without ``tag_included``."""
+        domain = record.get("domain")
+        if domain is not None:
+            if str(domain) not in self.sections:
+                raise ValueError(
+                    f"a record's domain column is {domain!r}, which names no reward section (ROLL grades a record by "
+                    f"the reward its domain names); sections: {sorted(self.sections)}. Fix the data or add the section."
+                )
+            return str(domain)
         tag = record.get("tag")
         if tag in self.by_tag:
             return self.by_tag[str(tag)]
-        if self.default is not None:
-            return self.default
+        for fallback in (ROLL_DEFAULT_DOMAIN if ROLL_DEFAULT_DOMAIN in self.sections else None, self.default):
+            if fallback is not None:
+                return fallback
         raise ValueError(
-            f"no reward takes tag {tag!r}: add it to some rewards.<name>.tag_included, or add a reward section "
-            "without tag_included to take every other sample."
+            f"no reward takes tag {tag!r}: add it to some rewards.<name>.tag_included, name a section "
+            f"{ROLL_DEFAULT_DOMAIN} (ROLL's default domain), or add a reward section without tag_included to take "
+            "every other sample."
         )
+
+    def check_records(self, records: list[dict[str, Any]], what: str) -> None:
+        """Every record resolves to a reward section (raises at load, naming the first that does not)."""
+        for number, record in enumerate(records):
+            try:
+                self.section_for(record)
+            except ValueError as error:
+                raise ValueError(f"{what} record {number}: {error}") from None
 
     def grade(self, response: str, record: dict[str, Any], response_tokens: int) -> Grade:
         """The grade of one response, in the driver."""

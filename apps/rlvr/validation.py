@@ -70,6 +70,7 @@ class Validator:
                                    videos=videos).within_prompt_length("validation")  # fmt: skip
         if dropped:
             log(dropped)
+        router.check_records(prompts.records, "validation")
         batch_size = config.val_batch_size or len(prompts.records)
         return cls(prompts, router, config.validation.generating_args, batch_size, replay, config.max_steps)
 

@@ -105,10 +105,10 @@ def test_math_rule_uses_math_verify(response, truth, reward):
 
 
 def test_router_picks_the_reward_by_tag_and_applies_the_length_penalty():
-    sections = {
-        "math_rule": RewardConfig.from_dict(
+    sections = {  # no section is named math_rule (ROLL's default domain): other tags go to the untagged one
+        "math": RewardConfig.from_dict(
             {"worker_cls": "roll.pipeline.rlvr.rewards.math_rule_reward_worker.MathRuleRewardWorker",
-             "tag_included": ["gsm8k"], "response_length_penalty_coef": 0.01}, "rewards.math_rule"),
+             "tag_included": ["gsm8k"], "response_length_penalty_coef": 0.01}, "rewards.math"),
         "exact": RewardConfig.from_dict({"worker_cls": "x.ExactMatchRewardWorker"}, "rewards.exact"),
     }  # fmt: skip
     router = RewardRouter(sections)

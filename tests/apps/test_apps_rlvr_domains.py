@@ -9,9 +9,9 @@ from collections import Counter
 import pytest
 
 from apps.common.sampler_state import SamplerState
-from apps.rlvr.config import RLVRConfig
+from apps.rlvr.config import RewardConfig, RLVRConfig
 from apps.rlvr.data import DataError
-from apps.rlvr.domains import DomainSampler, domain_probs, domain_shares, record_domain
+from apps.rlvr.domains import DomainSampler, domain_probs, domain_shares
 from apps.rlvr.rewards import RewardRouter
 
 DOMAINS = ["math"] * 10 + ["code"] * 4 + ["mc"] * 3 + ["other"] * 5  # "other" has no share: never drawn
@@ -55,10 +55,23 @@ def test_a_resumed_sampler_draws_what_the_uninterrupted_one_does():
         resumed.state = SamplerState(streams={"math": [0, 0]})
 
 
-def test_a_records_domain_is_its_column_else_its_reward_section():
+def test_a_record_is_graded_by_the_reward_its_domain_names_as_in_roll():
+    """ROLL picks a record's reward by its domain: the domain column, else the section claiming its tag, else
+    math_rule. The column had decided only the sampling share (the tag picked the reward), and a tag no section
+    claims had failed, though ROLL's own validation set (tags MATH-500 / aime2024, domain math_rule) relies on it."""
     router = RewardRouter(config(PROBS).rewards)
-    assert record_domain({"tag": "code"}, router.section_for) == "code"
-    assert record_domain({"tag": "code", "domain": "mc"}, router.section_for) == "mc"
+    assert router.section_for({"tag": "code"}) == "code"
+    assert router.section_for({"tag": "code", "domain": "mc"}) == "mc"  # graded by mc's reward, not code's
+    assert router.section_for({"tag": "aime2024", "domain": "math"}) == "math"
+    with pytest.raises(ValueError, match=r"domain column is 'vision', which names no reward section"):
+        router.section_for({"tag": "code", "domain": "vision"})
+    with pytest.raises(ValueError, match=r"validation record 1: no reward takes tag 'aime2024'"):
+        router.check_records([{"tag": "math"}, {"tag": "aime2024"}], "validation")
+    roll = RewardRouter({"math_rule": RewardConfig.from_dict({"worker_cls": "x.MathRuleRewardWorker",
+                                                              "tag_included": ["deepmath"]}, "rewards.math_rule"),
+                         "general": RewardConfig.from_dict({"worker_cls": "x.MathRuleRewardWorker"},
+                                                           "rewards.general")})  # fmt: skip
+    assert roll.section_for({"tag": "aime2024"}) == "math_rule"  # ROLL's default domain before an untagged section
 
 
 @pytest.mark.parametrize(

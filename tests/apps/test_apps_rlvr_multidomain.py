@@ -8,7 +8,7 @@ from __future__ import annotations
 from apps.common.yaml_config import load_config
 from apps.rlvr.config import RLVRConfig
 from apps.rlvr.demo_multidomain import CONFIG, DOMAINS, records
-from apps.rlvr.domains import DomainSampler, domain_probs, record_domain
+from apps.rlvr.domains import DomainSampler, domain_probs
 from apps.rlvr.preflight import preflight
 from apps.rlvr.rewards import RewardRouter
 
@@ -21,7 +21,7 @@ def test_the_demo_config_mixes_its_three_domains_in_every_batch(tmp_path):
     assert probs == {"math_rule": 0.5, "code_sandbox": 0.25, "crossthinkqa": 0.25}
     rows = records()
     router = RewardRouter(config.rewards)
-    domains = [record_domain(row, router.section_for) for row in rows]
+    domains = [router.section_for(row) for row in rows]
     assert [DOMAINS[row["tag"]] for row in rows] == domains  # every record goes to the reward of its tag
     indices, _ = DomainSampler(probs, domains, seed=config.seed).draw(config.rollout_batch_size)
     assert [domains[i] for i in indices] == ["math_rule"] * 8 + ["code_sandbox"] * 4 + ["crossthinkqa"] * 4
