@@ -149,8 +149,8 @@ class SokobanEnv:
         self._steps += 1
         out_of_steps = self._steps >= self.config.max_steps
         action = self.parser.parse(action_text)
-        if action is None:
-            result = invalid_action_result(self.render_text(), self.config.format_penalty, out_of_steps)
+        if action is None:  # ROLL steps gym-sokoban with its no-op: the step reward, then the format penalty
+            result = invalid_action_result(self.render_text(), STEP_REWARD + self.config.format_penalty, out_of_steps)
         else:
             after = before.moved(MOVES[action])
             self._room = after

@@ -148,7 +148,10 @@ def test_groups_share_seeds_and_splits_never_meet():
         assert observations[0] == observations[1] and observations[0] != observations[2]  # same seed, same room
         results = manager.step({0: "<answer>Up</answer>", 3: "no answer here"})
         assert set(results) == {0, 3} and not results[3].info["action_is_valid"]
-        assert results[3].reward == config.custom_envs["SimpleSokoban"].env_config["format_penalty"]
+        # a malformed Sokoban action: gym-sokoban's no-op step (-0.1) and the environment's format_penalty, as ROLL
+        assert results[3].reward == pytest.approx(
+            -0.1 + config.custom_envs["SimpleSokoban"].env_config["format_penalty"]
+        )
     finally:
         manager.close()
     train = {group_seed(1, "train", s, 0, g) for s in range(50) for g in range(20)}
@@ -279,7 +282,8 @@ def test_a_managers_format_penalty_changes_nothing_as_in_roll():
         manager.reset(seeds)
         result = manager.step({0: "no answer here"})[0]
         assert not result.info["action_is_valid"]
-        assert result.reward == config.custom_envs[manager.slots[0].tag].env_config["format_penalty"] != -0.7
+        penalty = config.custom_envs[manager.slots[0].tag].env_config["format_penalty"]
+        assert result.reward == pytest.approx(-0.1 + penalty) and penalty != -0.7  # Sokoban: no-op step + penalty
     finally:
         manager.close()
     assert "train_env_manager.format_penalty (-0.7) changes nothing" in manager_penalty_notes(config)[0]
