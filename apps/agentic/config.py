@@ -375,7 +375,9 @@ class AgenticConfig:
     response_length: int | None = None
     """ROLL's shared length key: see ``prompt_length``. Each turn generates at most ``max_tokens_per_step``."""
     batch_adjust_mode: str = "copy"
-    """Step samples: how their count is made a multiple of the training batch (copy, delete, auto, random_sample)."""
+    """How a step's sample count (episodes, or turns with step samples) is made a multiple of ROLL's size_divide,
+    the lcm of the training batch and the log-prob passes' infer_batch_size x data-parallel size (copy, delete,
+    auto, random_sample), as ROLL adjusts every batch."""
     step_reward_gamma: float = 0.95
     """gigpo / step_reinforce: discount of later turns' rewards in a turn's return."""
     episode_reward_weight: float = 1.0

@@ -88,7 +88,7 @@ class AgenticPipeline:
         self.rounds = config.train_env_manager.rounds(self.base.rollout_batch_size)
         generating = self.base.actor_infer.generating_args
         self.step_mode = config.mode(config.train_env_manager) != "trajectory"
-        self.divisor = size_divisor(config, role_sections(self.base)) if self.step_mode else 1
+        self.divisor = size_divisor(config, role_sections(self.base))
         self.runner = self._runner(config.train_env_manager, self.train_envs, generating, record_frames=False)
         self.val_envs, self.val_runner = self._validation(config.val_env_manager)
         self.replay = RolloutReplay.from_config(self.base.rollout_mock)
@@ -276,14 +276,17 @@ class AgenticPipeline:
     def _samples(
         self, rollout: RolloutBatch, step: int
     ) -> tuple[RolloutBatch, dict[str, TrainBatchPlan], dict[str, float]]:
-        """The samples to train on, their batch plans and the adjustment metrics: the rollout itself with whole
-        episodes; step samples with their step returns, resized by ``batch_adjust_mode`` (apps.agentic.step_batch)."""
-        if not self.step_mode:
-            return rollout, self.report.train_plans, {}
-        samples = with_step_returns(rollout.index(slice(None)), self.config.step_reward_gamma)
+        """The samples to train on, their batch plans and the adjustment metrics: the episodes (step samples with
+        their step returns), resized by ``batch_adjust_mode`` as ROLL resizes every batch (apps.agentic.step_batch)."""
+        samples = rollout
+        if self.step_mode:
+            samples = with_step_returns(rollout.index(slice(None)), self.config.step_reward_gamma)
         rng = np.random.default_rng([self.base.seed, step, 0xAD])
         samples, counts = adjust_batch(samples, self.config.batch_adjust_mode, self.divisor, rng)
-        counts["system/step_samples"] = float(len(rollout))
+        if self.step_mode:
+            counts["system/step_samples"] = float(len(rollout))
+        elif len(samples) == len(rollout):
+            return samples, self.report.train_plans, counts
         return samples, train_plans(self.config, role_sections(self.base), len(samples)), counts
 
     def _sync_weights(self) -> dict[str, float]:

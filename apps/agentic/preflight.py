@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from apps.agentic.config import AgenticConfig
 from apps.agentic.envs.tools import check_tool_machine
-from apps.agentic.step_batch import size_divisor
+from apps.agentic.step_batch import adjusted_size, size_divisor
 from apps.common.preflight import (
     PreflightError,
     PreflightReport,
@@ -61,11 +61,12 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
                      "that acted on the same state, as the GiGPO paper defines anchor-state groups; ROLL keys them by "
                      "the state alone, so there the same state seen by two env groups shares one group's statistics "
                      "(rl_core.step_rewards).")  # fmt: skip
-    samples = None
+    divisor = size_divisor(config, sections)
+    # Whole episodes: rollout_batch_size resized by batch_adjust_mode, as ROLL resizes every batch. Step samples: as
+    # many as the turns, resized likewise; plan the smallest such step (every episode one turn), each step's own
+    # plan comes with its batch (apps.agentic.step_batch).
+    samples = adjusted_size(base.rollout_batch_size, config.batch_adjust_mode, divisor)
     if config.mode(config.train_env_manager) != "trajectory":
-        # Step samples: as many as the turns, resized to a multiple of size_divide; plan the smallest such step
-        # (every episode one turn), each step's own plan comes with its batch (apps.agentic.step_batch).
-        divisor = size_divisor(config, sections)
         samples = -(-base.rollout_batch_size // divisor) * divisor
     report = plan_training(base, placement, sections, samples=samples)
     check_old_log_prob_switches(base, report)

@@ -1,4 +1,5 @@
-"""Step samples between the rollout and training (ROLL's agentic pipeline, in its order):
+"""Samples between the rollout and training (ROLL's agentic pipeline, in its order; step 2 applies to whole episodes
+too, as ROLL adjusts every batch):
 
 1. ``step_rewards`` column: each turn's discounted return over the later turns of its episode (``step_reward_gamma``;
    only gigpo and step_reinforce read it), computed before any sample is copied or dropped;
@@ -60,6 +61,27 @@ def with_step_returns(rollout: RolloutBatch, gamma: float) -> RolloutBatch:
     return rollout
 
 
+def resolved_mode(size: int, mode: str, divisor: int) -> str:
+    """What ``batch_adjust_mode`` does to ``size`` samples that ``divisor`` does not divide (ROLL's rules): ``auto``
+    copies when the remainder is at least half the batch or the batch is below ``divisor``, else deletes; ``delete``
+    and ``random_sample`` copy when the batch is below ``divisor``."""
+    remainder = size % divisor
+    if mode == "auto":
+        mode = "copy" if remainder >= 0.5 * size or size < divisor else "delete"
+    if mode in ("delete", "random_sample") and size < divisor:
+        mode = "copy"
+    return mode
+
+
+def adjusted_size(size: int, mode: str, divisor: int) -> int:
+    """The sample count :func:`adjust_batch` leaves of ``size`` samples."""
+    remainder = size % divisor
+    if remainder == 0:
+        return size
+    return {"delete": size - remainder, "random_sample": divisor}.get(resolved_mode(size, mode, divisor),
+                                                                        size + divisor - remainder)  # fmt: skip
+
+
 def adjust_batch(
     rollout: RolloutBatch, mode: str, divisor: int, rng: np.random.Generator
 ) -> tuple[RolloutBatch, dict[str, float]]:
@@ -70,10 +92,7 @@ def adjust_batch(
     counts = {"system/batch_add_count": 0.0, "system/batch_remove_count": 0.0}
     if remainder == 0:
         return rollout, counts
-    if mode == "auto":
-        mode = "copy" if remainder >= 0.5 * size or size < divisor else "delete"
-    if mode in ("delete", "random_sample") and size < divisor:
-        mode = "copy"
+    mode = resolved_mode(size, mode, divisor)
     if mode == "delete":
         drop = set(rng.choice(size, remainder, replace=False).tolist())
         counts["system/batch_remove_count"] = float(remainder)

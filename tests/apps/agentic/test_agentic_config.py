@@ -305,3 +305,29 @@ def test_validation_samples_with_actor_infers_generating_args_when_its_manager_h
         pipeline.train_envs.close()
         if pipeline.val_envs is not None:
             pipeline.val_envs.close()
+
+
+def test_whole_episodes_are_resized_by_batch_adjust_mode_as_roll_resizes_every_batch(tmp_path):
+    """ROLL's adjust_batch runs on trajectory batches too: 8 episodes with a log-prob pass of 3 samples (size_divide
+    lcm(4, 3) = 12) train 12 samples with batch_adjust_mode: copy (4 copies). Only step samples had been resized."""
+    from agentic_fixtures import make_setup
+
+    from apps.agentic.pipeline import AgenticPipeline
+    from apps.agentic.step_batch import adjusted_size
+
+    raw = load_config(make_setup(tmp_path) / "agentic.yaml")
+    raw["actor_train"]["infer_batch_size"] = 3
+    pipeline = AgenticPipeline(AgenticConfig.from_dict(raw))
+    try:
+        assert pipeline.divisor == 12 and pipeline.report.train_plans["actor_train"].samples_per_step == 12  # too
+        episodes = RolloutBatch.from_dict({"response_mask": torch.ones(8, 3)}, {"traj_group_id": list("aabbccdd")})
+        samples, plans, counts = pipeline._samples(episodes, step=0)
+        assert len(samples) == 12 and counts["system/batch_add_count"] == 4.0
+        assert plans["actor_train"].samples_per_step == 12 and plans["actor_train"].optimizer_steps_per_rollout == 3
+        assert list(samples.non_tensor_batch["traj_group_id"])[:8] == list("aabbccdd")  # the episodes, then copies
+    finally:
+        pipeline.train_envs.close()
+        if pipeline.val_envs is not None:
+            pipeline.val_envs.close()
+    assert [adjusted_size(8, mode, 12) for mode in ("copy", "delete", "auto", "random_sample")] == [12, 12, 12, 12]
+    assert [adjusted_size(14, mode, 12) for mode in ("copy", "delete", "auto", "random_sample")] == [24, 12, 12, 12]
