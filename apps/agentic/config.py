@@ -62,11 +62,21 @@ RLVR_ONLY = {
     "length_loss_weight": "length weights are an RLVR feature",
     "rl_loss_coef": "ROLL's agentic config has no rl_loss_coef (its parser drops it and its agentic actor workers "
     "never scale the loss by it)",
-    "importance_sampling": "ROLL's agentic config has no importance_sampling (its parser drops it and its agentic "
-    "actor workers take the token ratio, or the segment ratio with ratio_type: segment)",
-    "add_len_reward": "ROLL's agentic pipeline reads add_len_reward nowhere (episode rewards are the environments' "
-    "scores)",
 }
+ROLL_AGENTIC_IGNORED = {
+    "importance_sampling": (
+        "token",
+        "ROLL's agentic config has no importance_sampling (its parser drops it and "
+        "its agentic actor workers take the token ratio, or the segment ratio with "
+        "ratio_type: segment)",
+    ),
+    "add_len_reward": (
+        False,
+        "ROLL's agentic pipeline reads add_len_reward nowhere (episode rewards are the environments' scores)",
+    ),
+}
+"""Shared keys ROLL's agentic pipeline drops or never reads: their defaults pass (they change nothing there either),
+another value is refused."""
 
 # ROLL's env manager classes (custom_env.env_manager_cls, train_env_manager.worker_cls) by their last component ->
 # the sample layout ours runs: "trajectory" (one multi-turn conversation per episode, one sample), "step" (each turn
@@ -395,6 +405,9 @@ class AgenticConfig:
         for key, instead in RLVR_ONLY.items():
             if key in values:
                 raise WorkerConfigError(f"{key} is not an agentic pipeline key: {instead}. Remove it.")
+        for key, (default, why) in ROLL_AGENTIC_IGNORED.items():
+            if key in values and values[key] != default:
+                raise WorkerConfigError(f"{key}={values[key]!r} changes nothing in an agentic run: {why}. Remove it.")
         own = {f.name for f in dataclasses.fields(cls)} - {"base"}
         agentic = {k: values.pop(k) for k in list(values) if k in own}
         config = cls(base=SharedConfig.from_dict(_manager_sampling(values, agentic)))

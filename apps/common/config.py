@@ -89,7 +89,8 @@ class SharedConfig:
     val_batch_size: int | None = None
     """Prompts per validation batch (None = the whole validation set at once)."""
     sequence_length: int | None = None
-    """Total context; must be >= prompt_length + response_length when set."""
+    """Total context. RLVR: when set, it wins over response_length (= sequence_length - prompt_length, as ROLL).
+    Agentic: the tokens an episode may fill (null: prompt_length + response_length when given, else 8192)."""
     async_generation_ratio: float = 0.0
     """Batches generation may run ahead of training (needs actor_infer on its own devices)."""
     pretrain: str | None = None

@@ -81,8 +81,9 @@ class RLVRConfig(SharedConfig):
     global_template: str | None = None
     """Chat template of every prompt (training and validation), over ``actor_train.data_args.template``."""
     prompt_length: int = ROLL_PROMPT_LENGTH
-    """Longest prompt in tokens: as ROLL's ``preprocess_dataset``, training and validation prompts with more tokens,
-    or with 5 or fewer, are dropped when the data is loaded (a log line says how many)."""
+    """Longest prompt in tokens: as ROLL's ``preprocess_dataset``, a text model's training and validation prompts
+    with more tokens, or with 5 or fewer, are dropped when the data is loaded (a log line says how many); a
+    vision-language model's are kept and cut from the left."""
     response_length: int = 1024
     """Response tokens generated at most: actor_infer's and validation's ``generating_args.max_new_tokens`` are set
     to it, as ROLL sets them to ``sequence_length - prompt_length``; a ``sequence_length`` given beside it wins

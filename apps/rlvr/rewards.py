@@ -13,6 +13,7 @@ A section whose ``world_size`` is set is scored by that many CPU Ray actors (``a
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -221,7 +222,7 @@ class RewardRouter:
         when set (it must name a section), else the section whose ``tag_included`` has its ``tag``, else ROLL's
         default domain ``math_rule`` when there is such a section, else a section without ``tag_included``."""
         domain = record.get("domain")
-        if domain is not None:
+        if domain is not None and domain != "" and not (isinstance(domain, float) and math.isnan(domain)):
             if str(domain) not in self.sections:
                 raise ValueError(
                     f"a record's domain column is {domain!r}, which names no reward section (ROLL grades a record by "

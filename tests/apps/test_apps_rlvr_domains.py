@@ -63,6 +63,7 @@ def test_a_record_is_graded_by_the_reward_its_domain_names_as_in_roll():
     assert router.section_for({"tag": "code"}) == "code"
     assert router.section_for({"tag": "code", "domain": "mc"}) == "mc"  # graded by mc's reward, not code's
     assert router.section_for({"tag": "aime2024", "domain": "math"}) == "math"
+    assert router.section_for({"tag": "code", "domain": ""}) == "code"  # a CSV's empty cell: no domain (HF: None)
     with pytest.raises(ValueError, match=r"domain column is 'vision', which names no reward section"):
         router.section_for({"tag": "code", "domain": "vision"})
     with pytest.raises(ValueError, match=r"validation record 1: no reward takes tag 'aime2024'"):

@@ -540,6 +540,7 @@ def test_a_custom_pipeline_layout_places_the_layers_and_trains_as_fsdp2(ray_sess
     ("config", "match"),
     [
         ({"pipeline_model_parallel_layout": "Et|tx|L"}, r"holds \['x'\]"),
+        ({"pipeline_model_parallel_layout": "Et|t t|t|tL"}, r"holds \[' '\]"),  # megatron-core refuses spaces
         ({"pipeline_model_parallel_layout": "tE|tt|tt|tL"}, r"'E' must come once, first"),
         ({"pipeline_model_parallel_layout": "Et|t|tL"}, r"has 3 stages, which .*pipeline_model_parallel_size=2 does"),
         (

@@ -74,3 +74,11 @@ def test_metric_accumulator_takes_max_and_min_of_the_ratio_extremes():
     empty = MetricAccumulator()
     empty.add({"ratio_max": torch.tensor(-math.inf), "ratio_min": torch.tensor(math.inf)}, 1.0)
     assert empty.result() == {}  # no token anywhere: left out
+    diverged = MetricAccumulator()
+    for value in (math.nan, 2.0):  # a NaN ratio shows, whichever micro-batch held it (as torch.max shows it)
+        diverged.add({"ratio_max": torch.tensor(value)}, 0.5)
+    assert math.isnan(diverged.result()["ratio_max"])
+    assert MetricAccumulator.reported({"ratio_min": torch.tensor(0.5), "pg_loss": torch.tensor(2.0)}, False) == {
+        "ratio_min": torch.tensor(math.inf),
+        "pg_loss": torch.tensor(0.0),
+    }

@@ -118,7 +118,9 @@ def test_ulysses_on_two_ranks_equals_one_rank(tiny_model_dir, split_heads_model_
         expected = json.loads((tmp_path / f"single{index}.json").read_text())
         for rank in (0, 1):
             got_metrics = json.loads((tmp_path / f"ulysses{index}-{rank}.json").read_text())
-            keys = ["pg_loss", "entropy", "ppo_kl", "grad_norm"] + ["load_balancing_loss"] * (index == 2)
+            # ratio_min / ratio_max: the rank a Ulysses group does not count adds neutral values (a 0 had been the min)
+            keys = ["pg_loss", "entropy", "ppo_kl", "grad_norm", "ratio_mean", "ratio_min", "ratio_max"]
+            keys += ["load_balancing_loss"] * (index == 2)
             for key in keys:
                 name = next(k for k in expected if k.endswith(key))
                 assert got_metrics[name] == pytest.approx(expected[name], rel=1e-6, abs=1e-6), (index, name)

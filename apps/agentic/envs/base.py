@@ -111,7 +111,8 @@ def make_env(env_type: str, env_config: Mapping[str, Any] | None = None) -> Text
 
 
 def invalid_action_result(observation: str, format_penalty: float, truncated: bool) -> StepResult:
-    """The result of a response without a valid action: state unchanged, ``format_penalty``, not terminated."""
+    """The result of a response without a valid action: state unchanged, reward ``format_penalty`` (what the
+    environment gives such a step: Sokoban adds its step reward), not terminated."""
     info = {"action_is_valid": False, "action_is_effective": False, "success": False, "action": None}
     return StepResult(observation, float(format_penalty), terminated=False, truncated=truncated, info=info)
 

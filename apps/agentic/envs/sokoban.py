@@ -3,7 +3,8 @@
 Rooms come from :mod:`apps.agentic.envs.sokoban_rooms` (reverse play: solvable by construction, one room per
 seed). Rewards follow gym-sokoban / ROLL: -0.1 per step, +1 for a box pushed onto a target, -1 for a box pushed
 off one, +10 when every box is on a target (the episode terminates with success). A response without a valid
-action costs ``format_penalty`` and leaves the room unchanged.
+action leaves the room unchanged and earns the -0.1 step reward plus ``format_penalty`` (ROLL steps gym-sokoban
+with its no-op, then adds the penalty).
 
 Text render, one line per row (ROLL's symbols, with ``*`` instead of ``√`` to stay ASCII)::
 
@@ -61,7 +62,7 @@ class SokobanConfig:
     action_pattern: str = ANSWER_PATTERN
     """Regex finding the action in the response; its last group is the action."""
     format_penalty: float = -0.15
-    """Reward of a step whose response holds no valid action (<= 0)."""
+    """Added to the -0.1 step reward of a step whose response holds no valid action (<= 0)."""
     grid_lookup: dict[int, str] | None = None
     """Cell code (0 wall, 1 empty, 2 target, 3 box on target, 4 box, 5 player, 6 player on target) -> symbol."""
     grid_vocab: dict[str, str] | None = None

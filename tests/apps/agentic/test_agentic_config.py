@@ -108,8 +108,8 @@ def _config(**changes):
         ({"rewards": {}}, "rewards is not an agentic pipeline key"),
         ({"rl_loss_coef": 0.5}, "rl_loss_coef is not an agentic pipeline key: ROLL's agentic config has no"),
         # ROLL's agentic pipeline drops / never reads them: they had trained sequence_ppo and added a length reward
-        ({"importance_sampling": "seq"}, "importance_sampling is not an agentic pipeline key: ROLL's agentic config"),
-        ({"add_len_reward": True}, "add_len_reward is not an agentic pipeline key: ROLL's agentic pipeline reads"),
+        ({"importance_sampling": "seq"}, "importance_sampling='seq' changes nothing in an agentic run: ROLL's agentic"),
+        ({"add_len_reward": True}, "add_len_reward=True changes nothing in an agentic run: ROLL's agentic pipeline"),
         ({"reward_normalization": {"grouping": "nope", "method": "mean_std"}}, "reward_normalization.grouping='nope'"),
         ({"reward_normalization": {"grouping": "traj_group_id", "norm_std_type": "sample"}},
          "reward_normalization.norm_std_type='sample'; use batch, group or null"),
@@ -258,7 +258,7 @@ def test_ratio_type_and_the_agentic_pg_worker_pick_the_loss(changes, loss):
         ({"ratio_type": "segment", "actor_train": {"worker_cls": AGENTIC_PG, "pg_variant": "tis"}},
          "ratio_type: segment is ROLL's PPO on one ratio per segment (an assistant turn), but the configured loss is "
          "'tis'"),
-        ({"ratio_type": "segment", "importance_sampling": "seq"}, "importance_sampling is not an agentic pipeline key"),
+        ({"ratio_type": "segment", "importance_sampling": "seq"}, "importance_sampling='seq' changes nothing"),
     ],
 )  # fmt: skip
 def test_a_segment_ratio_is_refused_where_it_is_not_built(changes, message):
@@ -331,3 +331,10 @@ def test_whole_episodes_are_resized_by_batch_adjust_mode_as_roll_resizes_every_b
             pipeline.val_envs.close()
     assert [adjusted_size(8, mode, 12) for mode in ("copy", "delete", "auto", "random_sample")] == [12, 12, 12, 12]
     assert [adjusted_size(14, mode, 12) for mode in ("copy", "delete", "auto", "random_sample")] == [24, 12, 12, 12]
+
+
+def test_the_defaults_of_shared_keys_roll_drops_in_agentic_runs_pass():
+    """ROLL runs agentic files that give add_len_reward: false or importance_sampling: token (it drops or never reads
+    them); only another value is refused (test_bad_agentic_keys_name_the_key)."""
+    config = AgenticConfig.from_dict(_config(add_len_reward=False, importance_sampling="token"))
+    assert config.base.add_len_reward is False and config.base.importance_sampling == "token"

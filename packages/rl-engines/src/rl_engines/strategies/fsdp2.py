@@ -344,7 +344,6 @@ class Fsdp2TrainStrategy(TrainScoring):
         assert self.optimizer is not None
         # under Ulysses the ranks of a group hold the same samples: count them, and their metrics, once
         info = minibatch_info(micros, self.ulysses.data_group if self.ulysses is not None else None)
-        counted = float(self._counted)
         self.optimizer.zero_grad(set_to_none=True)
         # router loss: a Ulysses group's ranks each add their slice's share, so its micro-batches count once
         weight = moe.micro_weight(self.router, len(micros), self.ulysses.data_group if self.ulysses else None)
@@ -354,7 +353,7 @@ class Fsdp2TrainStrategy(TrainScoring):
                 outputs = self._outputs(micro, self.planners["train"], temperature=objective.temperature,
                                         with_entropy=objective.needs_entropy)  # fmt: skip
             loss, values = objective(outputs, micro, info)
-            values = {name: value * counted for name, value in values.items()}
+            values = MetricAccumulator.reported(values, self._counted)
             loss = moe.with_router_loss(self.router, loss, weight, values)
             loss.backward()  # type: ignore[no-untyped-call]
             metrics.add(values, token_share(micro, info))

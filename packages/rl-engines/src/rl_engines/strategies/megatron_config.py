@@ -305,7 +305,7 @@ def pipeline_layout_stages(layout: str, key: str) -> tuple[str, ...]:
     """Megatron's ``pipeline_model_parallel_layout`` string as its virtual stages in order, each the letters of its
     layers (Megatron's syntax: ``|`` between stages, ``(...)*n`` and ``x*n`` repeat, commas are cosmetic), checked
     as Megatron checks it: the embedding once, first, and the output layer once, last. ``key`` names it in errors."""
-    text = layout.replace(",", "").replace(" ", "")
+    text = layout.replace(",", "")  # not spaces: megatron-core refuses them
     for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
         text = re.sub(pattern, lambda match: match.group(1) * int(match.group(2)), text)
     stages = tuple(text.split("|"))

@@ -295,7 +295,7 @@ class MegatronTrainStrategy(TrainScoring):
             found = [{k: torch.tensor(v, dtype=torch.float64) for k, v in values.items()} for values in received]
         reports = self.model.layout.tp_rank == 0 and stage.last
         for micro, values in zip(micros, found, strict=True):
-            metrics.add({k: v if reports else metrics.neutral(k) for k, v in values.items()}, token_share(micro, info))
+            metrics.add(MetricAccumulator.reported(values, reports), token_share(micro, info))
         metrics.end_minibatch()
 
     def _add_router_metric(self, weight: float, metrics: MetricAccumulator) -> None:

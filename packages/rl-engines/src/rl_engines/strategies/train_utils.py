@@ -198,13 +198,19 @@ class MetricAccumulator:
         kind = EXTREME_METRICS.get(name)
         return torch.tensor(-math.inf if kind == "max" else math.inf if kind == "min" else 0.0)
 
+    @classmethod
+    def reported(cls, metrics: dict[str, torch.Tensor], reports: bool) -> dict[str, torch.Tensor]:
+        """``metrics`` as this rank adds them: as they are when it reports, else each name's :meth:`neutral` value
+        (ranks that hold the same samples as another, so that every rank adds the same names)."""
+        return metrics if reports else {name: cls.neutral(name) for name in metrics}
+
     def add(self, metrics: dict[str, torch.Tensor], token_share: float) -> None:
         """One micro-batch's metrics; ``token_share`` = its valid tokens / the mini-batch's (all ranks)."""
         for name, value in metrics.items():
             kind = EXTREME_METRICS.get(name)
-            if kind is not None:
+            if kind is not None:  # a NaN wins, as torch.max shows it (a diverged ratio must not look plausible)
                 signed = float(value) if kind == "max" else -float(value)
-                self._maxima[name] = max(self._maxima.get(name, -math.inf), signed)
+                self._maxima[name] = _nan_max(self._maxima.get(name, -math.inf), signed)
                 continue
             weight = 1.0 if name in ADDITIVE_METRICS else token_share
             self._sums[name] = self._sums.get(name, 0.0) + weight * float(value)
@@ -226,6 +232,11 @@ class MetricAccumulator:
             if value != -math.inf:
                 out[name] = value if EXTREME_METRICS[name] == "max" else -value
         return out
+
+
+def _nan_max(a: float, b: float) -> float:
+    """``max(a, b)``, NaN when either is (Python's ``max`` keeps whichever came first)."""
+    return math.nan if math.isnan(a) or math.isnan(b) else max(a, b)
 
 
 OptimizerStep = Callable[[list[RolloutBatch], MetricAccumulator], float]
