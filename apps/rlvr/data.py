@@ -20,6 +20,15 @@ from apps.common.sampler_state import SamplerState
 
 # ROLL names its own templates; a tokenizer's chat template serves all of them here ("native" = the tokenizer's).
 KNOWN_TEMPLATES = ("native", "qwen2_5", "qwen2", "qwen3", "chatml", "llama3", "default")
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""ROLL's ``chatml`` template: every turn as ``<|im_start|>role``, content, ``<|im_end|>`` and nothing else (no
+default system turn, whatever the tokenizer's own template adds)."""
+TEMPLATE_OPTIONS: dict[str, dict[str, Any]] = {"qwen3": {"enable_thinking": True}, "chatml": {"chat_template": CHATML}}
+"""ROLL's templates that are not the tokenizer's own as it is (``roll/datasets/chat_template.py``): ``qwen3`` turns
+thinking on, ``chatml`` is a fixed template; the other names apply the tokenizer's template."""
 
 
 class DataError(ValueError):
@@ -145,9 +154,10 @@ def prompt_text(messages: list[dict[str, str]], tokenizer: Any, template: str) -
     """The chat-formatted prompt, ending where the assistant's answer starts."""
     if template not in KNOWN_TEMPLATES:
         raise DataError(f"data_args.template={template!r} is not supported; use 'native' (the tokenizer's template).")
-    if not getattr(tokenizer, "chat_template", None):
+    options = TEMPLATE_OPTIONS.get(template, {})
+    if "chat_template" not in options and not getattr(tokenizer, "chat_template", None):
         raise DataError("the tokenizer has no chat_template; data_args.template needs one (save it with the model).")
-    return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
+    return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **options))
 
 
 def encode_prompts(texts: Sequence[str], tokenizer: Any, prompt_length: int) -> dict[str, torch.Tensor]:

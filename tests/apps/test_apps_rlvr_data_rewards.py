@@ -145,3 +145,24 @@ def test_prompts_longer_than_prompt_length_or_of_five_tokens_or_fewer_are_droppe
     assert none is None and len(unchanged.records) == 3
     with pytest.raises(DataError, match=r"every validation prompt has more than prompt_length=5 tokens or 5 or fewer"):
         PromptSource(records, tokenizer, "native", "prompt", None, 5).within_prompt_length("validation")
+
+
+def test_rolls_chatml_and_qwen3_templates(tmp_path):
+    """ROLL's chatml is a fixed template (no default system turn, whatever the tokenizer's own adds) and its qwen3
+    turns thinking on; both had applied the tokenizer's template as it is."""
+    from transformers import AutoTokenizer
+
+    from rl_engines.tiny_model import build_tiny_tokenizer
+
+    build_tiny_tokenizer(tmp_path, ["1+1=2"], vocab_size=256)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    tokenizer.chat_template = (  # a Qwen-like template: a default system turn, thinking off unless asked
+        "<|im_start|>system\nYou are a helper.<|im_end|>\n{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+        "{% if not enable_thinking is defined or not enable_thinking %}<think>\n\n</think>\n\n{% endif %}"
+    )
+    turn = [{"role": "user", "content": "1+1="}]
+    assert prompt_text(turn, tokenizer, "chatml") == "<|im_start|>user\n1+1=<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt_text(turn, tokenizer, "native").startswith("<|im_start|>system\nYou are a helper.")
+    assert prompt_text(turn, tokenizer, "native").endswith("<think>\n\n</think>\n\n")
+    assert prompt_text(turn, tokenizer, "qwen3").endswith("<|im_start|>assistant\n")  # thinking on
