@@ -468,6 +468,38 @@ def test_rolls_embedding_and_loss_counted_in_the_pipeline_split_fail_naming_the_
         _check_divisors(read_spec(str(tiny_model_dir), "actor_train"), options, "actor_train", str(tiny_model_dir))
 
 
+def two_rank_actor(model_dir, strategy_config):
+    """An actor_train role config of megatron_train with ``strategy_config`` on two ranks."""
+    section = megatron("megatron_train", strategy_config)
+    return {"actor_train": worker_config(model_dir, "actor_train", training_args=TRAIN_ARGS, device_mapping=[0, 1],
+                                         infer_batch_size=4, **section)}  # fmt: skip
+
+
+def check_split_scores_and_trains_as_fsdp2(model_dir, strategy_config, local_layers, out, checkpoint=None):
+    """On two ranks with ``strategy_config`` each rank holds ``local_layers``, scores as the HF model, and one update
+    (and its save_hf export) equals fsdp2_train's; ``checkpoint``: where to save one after the update."""
+    batch = rollout_batch(batch_size=8, seed=6)
+    mask = batch.batch["response_mask"]
+    with Roles(ClusterSpec(num_nodes=1, num_gpus_per_node=2), two_rank_actor(model_dir, strategy_config),
+               rpc_timeout=180) as roles:  # fmt: skip
+        actor = roles["actor_train"]
+        assert on_ranks(actor, lambda w: w.strategy.model.layout.local_layers) == local_layers
+        scored = with_old_log_probs(actor, batch).batch["old_log_probs"]
+        torch.testing.assert_close(scored[mask].double(), reference_log_probs(model_dir, batch)[mask], atol=2e-6,
+                                   rtol=0)  # fmt: skip
+        metrics = actor.call("train_step", batch, ActorObjective(), dispatch="dp_split")[0]
+        actor.call("save_hf", str(out / "hf"))
+        if checkpoint is not None:
+            actor.call("save_checkpoint", str(checkpoint))
+    single = fsdp2(model_dir)
+    expected = single.train_step(batch, ActorObjective())
+    assert metrics["actor/pg_loss"] == pytest.approx(expected["pg_loss"], abs=1e-6)
+    assert metrics["actor/grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    saved = hf_state(out / "hf")
+    for name, value in single.named_weights():
+        torch.testing.assert_close(saved[name], value, atol=2e-6, rtol=0, msg=name)
+
+
 def test_the_embedding_counted_as_a_layer_gives_the_first_stage_one_fewer_and_trains_as_pp1(ray_session, tmp_path):
     """ROLL's Qwen3-235B files count the embedding (and the loss) as a layer in the pipeline split
     (account_for_*_in_pipeline_split): a 5-layer model over 2 stages with the embedding counted holds layers 0-1 on
@@ -478,25 +510,7 @@ def test_the_embedding_counted_as_a_layer_gives_the_first_stage_one_fewer_and_tr
     build_tiny_causal_lm(tmp_path, vocab_size=len(AutoTokenizer.from_pretrained(str(tmp_path))), num_hidden_layers=5,
                          num_attention_heads=4, num_key_value_heads=2, seed=5)  # fmt: skip
     split = {**PP2, "account_for_embedding_in_pipeline_split": True}
-    configs = {"actor_train": worker_config(tmp_path, "actor_train", training_args=TRAIN_ARGS, device_mapping=[0, 1],
-                                            infer_batch_size=4, **megatron("megatron_train", split))}  # fmt: skip
-    batch = rollout_batch(batch_size=8, seed=6)
-    mask = batch.batch["response_mask"]
-    with Roles(ClusterSpec(num_nodes=1, num_gpus_per_node=2), configs, rpc_timeout=180) as roles:
-        actor = roles["actor_train"]
-        assert on_ranks(actor, lambda w: w.strategy.model.layout.local_layers) == [(0, 1), (2, 3, 4)]
-        scored = with_old_log_probs(actor, batch).batch["old_log_probs"]
-        torch.testing.assert_close(scored[mask].double(), reference_log_probs(tmp_path, batch)[mask], atol=2e-6,
-                                   rtol=0)  # fmt: skip
-        metrics = actor.call("train_step", batch, ActorObjective(), dispatch="dp_split")[0]
-        actor.call("save_hf", str(tmp_path / "hf"))
-    single = fsdp2(tmp_path)
-    expected = single.train_step(batch, ActorObjective())
-    assert metrics["actor/pg_loss"] == pytest.approx(expected["pg_loss"], abs=1e-6)
-    assert metrics["actor/grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
-    saved = hf_state(tmp_path / "hf")
-    for name, value in single.named_weights():
-        torch.testing.assert_close(saved[name], value, atol=2e-6, rtol=0, msg=name)
+    check_split_scores_and_trains_as_fsdp2(tmp_path, split, [(0, 1), (2, 3, 4)], tmp_path)
 
 
 def test_a_custom_pipeline_layout_places_the_layers_and_trains_as_fsdp2(ray_session, tiny_model_dir, tmp_path):
@@ -506,33 +520,11 @@ def test_a_custom_pipeline_layout_places_the_layers_and_trains_as_fsdp2(ray_sess
     output layer. It scores as the HF model, one update equals fsdp2_train's, and a checkpoint resumes only under
     the same split."""
     layout = {**PP2, "pipeline_model_parallel_layout": "E|tt|t|tL"}
-    configs = {"actor_train": worker_config(tiny_model_dir, "actor_train", training_args=TRAIN_ARGS,
-                                            device_mapping=[0, 1], infer_batch_size=4,
-                                            **megatron("megatron_train", layout))}  # fmt: skip
-    batch = rollout_batch(batch_size=8, seed=6)
-    mask = batch.batch["response_mask"]
-    with Roles(ClusterSpec(num_nodes=1, num_gpus_per_node=2), configs, rpc_timeout=180) as roles:
-        actor = roles["actor_train"]
-        assert on_ranks(actor, lambda w: w.strategy.model.layout.local_layers) == [(2,), (0, 1, 3)]
-        scored = with_old_log_probs(actor, batch).batch["old_log_probs"]
-        torch.testing.assert_close(scored[mask].double(), reference_log_probs(tiny_model_dir, batch)[mask],
-                                   atol=2e-6, rtol=0)  # fmt: skip
-        metrics = actor.call("train_step", batch, ActorObjective(), dispatch="dp_split")[0]
-        actor.call("save_hf", str(tmp_path / "hf"))
-        actor.call("save_checkpoint", str(tmp_path / "ckpt"))
-    single = fsdp2(tiny_model_dir)
-    expected = single.train_step(batch, ActorObjective())
-    assert metrics["actor/pg_loss"] == pytest.approx(expected["pg_loss"], abs=1e-6)
-    assert metrics["actor/grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
-    saved = hf_state(tmp_path / "hf")
-    for name, value in single.named_weights():
-        torch.testing.assert_close(saved[name], value, atol=2e-6, rtol=0, msg=name)
+    check_split_scores_and_trains_as_fsdp2(tiny_model_dir, layout, [(2,), (0, 1, 3)], tmp_path, tmp_path / "ckpt")
     other = {**PP2, "pipeline_model_parallel_layout": "E|t|tt|tL"}  # the same sizes, another split
-    configs = {"actor_train": worker_config(tiny_model_dir, "actor_train", training_args=TRAIN_ARGS,
-                                            device_mapping=[0, 1], **megatron("megatron_train", other))}  # fmt: skip
     split = r"at \(0, 0, 2, 3, 4\), this run splits them at \(0, 0, 1, 3, 4\)"
-    with Roles(ClusterSpec(num_nodes=1, num_gpus_per_node=2), configs, rpc_timeout=180) as roles, \
-            pytest.raises(Exception, match=split):  # fmt: skip
+    with Roles(ClusterSpec(num_nodes=1, num_gpus_per_node=2), two_rank_actor(tiny_model_dir, other),
+               rpc_timeout=180) as roles, pytest.raises(Exception, match=split):  # fmt: skip
         roles["actor_train"].call("load_checkpoint", str(tmp_path / "ckpt"))
 
 
