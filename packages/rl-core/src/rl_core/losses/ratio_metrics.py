@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 
 from rl_core.losses.aggregation import GlobalBatchInfo, aggregate_masked
-from rl_core.masked import is_set, segment_mean
+from rl_core.masked import is_set, masked_mean, segment_mean
 
 RATIO_LEVELS = ("token", "sequence", "segment")
 
@@ -57,7 +57,7 @@ def ratio_metrics(
         maskf = mask.to(log_prob.dtype)
         zero = torch.zeros((), dtype=log_prob.dtype, device=log_prob.device)
         log_ratio = torch.where(mask, log_prob - old_log_prob.to(log_prob.dtype), zero)
-        shared = _shared_log_ratio(log_ratio, mask, maskf, ratio_level)
+        shared = _shared_log_ratio(log_ratio, mask, ratio_level)
         ratio = torch.where(mask, torch.exp(shared), zero)
 
         def aggregate(values: torch.Tensor, mode: str) -> torch.Tensor:
@@ -76,7 +76,7 @@ def ratio_metrics(
     return out
 
 
-def _shared_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, maskf: torch.Tensor, level: str) -> torch.Tensor:
+def _shared_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torch.Tensor:
     """The log-ratio each token's ratio is ``exp`` of at ``level`` (0 at padding)."""
     if level == "token":
         return log_ratio
@@ -84,8 +84,8 @@ def _shared_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor, maskf: torch.
         return segment_mean(log_ratio, mask)
     if level != "sequence":
         raise ValueError(f"ratio_level={level!r}: use one of {list(RATIO_LEVELS)}.")
-    per_sample = log_ratio.sum(dim=-1) / maskf.sum(dim=-1).clamp(min=1.0)
-    return torch.where(mask, per_sample.unsqueeze(-1).expand_as(log_ratio), torch.zeros_like(log_ratio))
+    per_sample = masked_mean(log_ratio, mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
+    return torch.where(mask, per_sample, torch.zeros_like(log_ratio))
 
 
 def _clip_fractions(
