@@ -65,8 +65,9 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
     # Whole episodes: rollout_batch_size resized by batch_adjust_mode, as ROLL resizes every batch. Step samples: as
     # many as the turns, resized likewise; plan the smallest such step (every episode one turn), each step's own
     # plan comes with its batch (apps.agentic.step_batch).
-    samples = adjusted_size(base.rollout_batch_size, config.batch_adjust_mode, divisor)
-    if config.mode(config.train_env_manager) != "trajectory":
+    if config.mode(config.train_env_manager) == "trajectory":
+        samples = adjusted_size(base.rollout_batch_size, config.batch_adjust_mode, divisor)
+    else:
         samples = -(-base.rollout_batch_size // divisor) * divisor
     report = plan_training(base, placement, sections, samples=samples)
     check_old_log_prob_switches(base, report)

@@ -152,6 +152,12 @@ def _given_max_new_tokens(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _generating_at_most(section: Any, tokens: int) -> Any:
+    """``section`` (a worker or the validation section) with ``generating_args.max_new_tokens`` = ``tokens``."""
+    return dataclasses.replace(section, generating_args=dataclasses.replace(section.generating_args,
+                                                                            max_new_tokens=tokens))  # fmt: skip
+
+
 def roll_lengths(config: RLVRConfig, given: dict[str, Any]) -> RLVRConfig:
     """ROLL's length rules (its base config and RLVR config ``__post_init__``): a ``sequence_length`` wins over
     ``response_length`` (the budget is ``sequence_length - prompt_length``), and actor_infer's and validation's
@@ -165,13 +171,9 @@ def roll_lengths(config: RLVRConfig, given: dict[str, Any]) -> RLVRConfig:
                      "response_length given beside it.")  # fmt: skip
         config = dataclasses.replace(config, response_length=budget)
     budget = config.response_length
-    infer = config.actor_infer
-    config = dataclasses.replace(config, actor_infer=dataclasses.replace(
-        infer, generating_args=dataclasses.replace(infer.generating_args, max_new_tokens=budget)))  # fmt: skip
+    config = dataclasses.replace(config, actor_infer=_generating_at_most(config.actor_infer, budget))
     if config.validation is not None:
-        generating = dataclasses.replace(config.validation.generating_args, max_new_tokens=budget)
-        config = dataclasses.replace(config, validation=dataclasses.replace(config.validation,
-                                                                           generating_args=generating))  # fmt: skip
+        config = dataclasses.replace(config, validation=_generating_at_most(config.validation, budget))
     for section, value in given.items():
         if section == "validation" and config.validation is None:
             continue

@@ -232,9 +232,10 @@ class RewardRouter:
         tag = record.get("tag")
         if tag in self.by_tag:
             return self.by_tag[str(tag)]
-        for fallback in (ROLL_DEFAULT_DOMAIN if ROLL_DEFAULT_DOMAIN in self.sections else None, self.default):
-            if fallback is not None:
-                return fallback
+        if ROLL_DEFAULT_DOMAIN in self.sections:
+            return ROLL_DEFAULT_DOMAIN
+        if self.default is not None:
+            return self.default
         raise ValueError(
             f"no reward takes tag {tag!r}: add it to some rewards.<name>.tag_included, name a section "
             f"{ROLL_DEFAULT_DOMAIN} (ROLL's default domain), or add a reward section without tag_included to take "
