@@ -39,20 +39,13 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
             f"actor_infer.generating_args.num_return_sequences is {generating.num_return_sequences}; an episode "
             "samples one response per turn: set it to 1 (group_size of train_env_manager sets the group)."
         )
-    longest = max(config.env_spec(tag).max_tokens_per_step for tag in config.custom_envs)
-    given = base.sequence_length or config.derived_sequence_length
-    if given is not None and given <= longest:
-        raise PreflightError(
-            f"sequence_length ({given}{'' if base.sequence_length else ' = prompt_length + response_length'}) leaves "
-            f"no room for a prompt before a turn of max_tokens_per_step={longest} tokens; raise sequence_length or "
-            "lower max_tokens_per_step."
-        )
     for manager in (config.train_env_manager, config.val_env_manager):
         for tag in manager.tags if manager is not None else ():
             if config.custom_envs[tag].tool_wrapper is not None:
                 check_tool_machine(f"custom_envs.{tag}.tool_wrapper")
     notes = check_token_budgets(sections, config.sequence_length, "sequence_length") + device_only_notes(sections)
-    notes += dropped_key_notes(config.base) + length_key_notes(config) + manager_penalty_notes(config)
+    notes += dropped_key_notes(config.base) + length_key_notes(config) + turn_budget_notes(config)
+    notes += manager_penalty_notes(config)
     if config.reward_normalization.method == "asym_clip":
         notes.append("[preflight] reward_normalization.method: asym_clip normalises as mean_std, as ROLL does since "
                      "its agentic norm refactor (no clamp to [-1, 3]).")  # fmt: skip
@@ -88,6 +81,18 @@ def manager_penalty_notes(config: AgenticConfig) -> list[str]:
                      "which declares it and reads it nowhere: a malformed action is scored by its environment's "
                      f"env_config.format_penalty ({per_tag}).")  # fmt: skip
     return notes
+
+
+def turn_budget_notes(config: AgenticConfig) -> list[str]:
+    """A ``sequence_length`` no longer than some env's ``max_tokens_per_step``: no turn there gets its full budget
+    (each generates at most what its context leaves, as ROLL's make_decision cuts it)."""
+    longest = max(config.env_spec(tag).max_tokens_per_step for tag in config.custom_envs)
+    if config.sequence_length > longest:
+        return []
+    given = f"{config.sequence_length}{'' if config.base.sequence_length else ' = prompt_length + response_length'}"
+    return [f"[preflight] sequence_length ({given}) is at most max_tokens_per_step ({longest}): a turn generates at "
+            "most the room its context leaves in sequence_length (as ROLL), so no turn gets its full budget; an "
+            "episode whose first prompt fills sequence_length stops with an error naming its env."]  # fmt: skip
 
 
 def length_key_notes(config: AgenticConfig) -> list[str]:

@@ -3,8 +3,10 @@
 Every turn, the contexts of all running episodes go to ``actor_infer`` as one batch (so N environments cost one
 generate call per turn, not N); each response is decoded and stepped in its environment, and the episode's
 context grows by the sampled tokens and the next user turn (``apps.agentic.chat``). An episode ends when its
-environment terminates or truncates, after ``custom_envs.<tag>.max_steps`` turns, or when the next turn would
-not fit in ``sequence_length``.
+environment terminates or truncates, after ``custom_envs.<tag>.max_steps`` turns, or when the context fills
+``sequence_length``. As ROLL's ``make_decision``, a turn generates at most the env's ``max_tokens_per_step``,
+``generating_args.max_new_tokens`` and the room the context leaves in ``sequence_length``: the last turn's budget is
+cut to what fits, and the episode ends once the next user turn leaves no room at all.
 
 A finished episode is one training sample: ``prompts`` = the first prompt (left-padded), ``responses`` =
 everything after it (right-padded), ``response_mask`` = the tokens the model sampled (environment text and
@@ -136,12 +138,11 @@ class TrajectoryRunner:
     def _start(self, slot: EnvSlot, seed: int, round_index: int, observation: str) -> Episode:
         episode = Episode(slot, seed, round_index, [], observation=observation)
         episode.prompt_ids = self._first_prompt(episode)
-        if len(episode.prompt_ids) + self._turn_limit(episode) > self.sequence_length:
+        if len(episode.prompt_ids) >= self.sequence_length:
             raise ValueError(
-                f"the first prompt of a {slot.tag} episode is {len(episode.prompt_ids)} tokens; with "
-                f"{self._turn_limit(episode)} tokens for a turn (max_tokens_per_step) it does not fit in "
-                f"sequence_length={self.sequence_length}. Raise sequence_length or shorten custom_envs.{slot.tag}'s "
-                "templates."
+                f"the first prompt of a {slot.tag} episode is {len(episode.prompt_ids)} tokens, which leaves no room "
+                f"for a response in sequence_length={self.sequence_length}. Raise sequence_length or shorten "
+                f"custom_envs.{slot.tag}'s templates."
             )
         if self.record_frames:
             episode.frames.append(self._frame(slot, observation))
@@ -178,8 +179,10 @@ class TrajectoryRunner:
             self._record(episode, ids, log_probs, texts[episode.slot.index], results[episode.slot.index], turn)
 
     def _turn_limit(self, episode: Episode) -> int:
-        """Tokens one turn may generate: the env's max_tokens_per_step, at most generating_args.max_new_tokens."""
-        return min(episode.slot.spec.max_tokens_per_step, self.generating.max_new_tokens)
+        """Tokens the episode's next turn may generate: the env's max_tokens_per_step, at most
+        generating_args.max_new_tokens and the room its context leaves in sequence_length (ROLL's make_decision)."""
+        room = self.sequence_length - len(episode.context)
+        return min(episode.slot.spec.max_tokens_per_step, self.generating.max_new_tokens, room)
 
     def _generate(
         self, infer: Any, episodes: list[Episode], args: GeneratingArgs
@@ -226,7 +229,9 @@ class TrajectoryRunner:
         episode.log_probs += log_probs
 
     def _next_context(self, episode: Episode, ids: list[int], turn: int) -> None:
-        """Extend the conversation by the next user turn, or end the episode when the next turn would not fit."""
+        """Extend the conversation by the next user turn, or end the episode when that turn leaves no room for a
+        response in sequence_length (ROLL: a context of sequence_length tokens or more stops the episode, its last
+        user turn left out of the sample)."""
         eos_text = self.tokenizer.decode(ids[-1:]) if ids and ids[-1] in self.eos_ids else ""
         formatter = self.formatters[episode.slot.tag]
         if episode.tool_message:
@@ -235,8 +240,8 @@ class TrajectoryRunner:
         else:
             user, pictures = self._user_text(episode, turn + 1)
             following = formatter.continuation(eos_text, user)
-        if len(episode.context) + len(following) + self._turn_limit(episode) > self.sequence_length:
-            episode.done = True  # the next turn would not fit: truncated, finish stays "length"
+        if len(episode.context) + len(following) >= self.sequence_length:
+            episode.done = True  # no room for the next response: truncated, finish stays "length"
             return
         episode.pictures += pictures
         episode.tokens += following

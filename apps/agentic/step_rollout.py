@@ -95,8 +95,8 @@ class StepRunner(TrajectoryRunner):
 
     def _next_context(self, episode: Episode, ids: list[int], turn: int) -> None:
         prompt = self._step_prompt(episode)
-        if len(prompt) + self._turn_limit(episode) > self.sequence_length:
-            episode.done = True  # the next turn's prompt would not fit: truncated, finish stays "length"
+        if len(prompt) >= self.sequence_length:
+            episode.done = True  # the next turn's prompt leaves no room for a response: finish stays "length"
             return
         episode.prompt_ids = prompt
 

@@ -13,7 +13,6 @@ from apps.agentic.env_manager import EnvManager, group_seed
 from apps.agentic.envs import make_env
 from apps.agentic.preflight import agentic_preflight
 from apps.agentic.step_batch import step_sample_rewards
-from apps.common.preflight import PreflightError
 from apps.common.yaml_config import load_config
 from rl_core.batch import RolloutBatch
 from rl_engines.config import WorkerConfigError
@@ -77,10 +76,16 @@ def test_prompt_and_response_length_derive_a_null_sequence_length_as_in_roll(cha
     assert any(note in n for n in agentic_preflight(config).notes)
 
 
-def test_a_derived_sequence_length_without_room_for_a_turn_or_a_bad_length_names_the_keys():
+def test_a_sequence_length_within_a_turn_passes_as_in_roll_and_a_bad_length_names_the_key():
+    """ROLL cuts each turn to the room its context leaves (make_decision), so a sequence_length no longer than
+    max_tokens_per_step runs there: it passes, with a note (the turns' budgets: test_agentic_episodes.py)."""
     config = AgenticConfig.from_dict(_config(response_length=40, prompt_length=20, sequence_length=None))
-    with pytest.raises(PreflightError, match=r"sequence_length \(60 = prompt_length \+ response_length\) leaves"):
-        agentic_preflight(config)  # every turn may take max_tokens_per_step = 64 tokens
+    notes = agentic_preflight(config).notes  # every turn may take max_tokens_per_step = 64 tokens
+    assert any("sequence_length (60 = prompt_length + response_length) is at most max_tokens_per_step (64)" in note
+               for note in notes)  # fmt: skip
+    assert not any(
+        "is at most max_tokens_per_step" in note for note in agentic_preflight(AgenticConfig.from_dict(_config())).notes
+    )
     with pytest.raises(WorkerConfigError, match=r"response_length must be >= 1, got 0"):
         AgenticConfig.from_dict(_config(response_length=0))
 

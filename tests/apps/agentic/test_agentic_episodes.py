@@ -11,6 +11,7 @@ from agentic_fixtures import InProcessGroup, make_setup
 from apps.agentic.config import AgenticConfig
 from apps.agentic.env_manager import EnvManager
 from apps.agentic.rollout import TrajectoryRunner, episodes_to_batch, user_turn
+from apps.agentic.step_rollout import StepRunner
 from apps.common.preflight import fill_model_paths
 from apps.common.yaml_config import load_config
 from rl_engines.role_worker import RoleWorker
@@ -18,14 +19,20 @@ from rl_engines.worker_group import WorkerBase
 
 
 @pytest.fixture(scope="module")
-def episodes(tmp_path_factory):
+def setup(tmp_path_factory):
+    """The config (max_tokens_per_step 4), actor_infer's strategy in this process and its tokenizer."""
     root = make_setup(tmp_path_factory.mktemp("episodes"))
     config = AgenticConfig.from_dict(load_config(root / "agentic.yaml", ["max_tokens_per_step=4"]))
     fill_model_paths(config.base)
     worker = RoleWorker("actor_infer", 0, 1, "127.0.0.1", WorkerBase.free_port(), {}, config.base.actor_infer)
     worker.initialize()
+    return config, worker, worker.strategy.tokenizer
+
+
+@pytest.fixture(scope="module")
+def episodes(setup):
+    config, worker, tokenizer = setup
     manager = EnvManager(config, config.train_env_manager, "train")
-    tokenizer = worker.strategy.tokenizer
     # A turn generates at most the smaller of max_tokens_per_step (4) and generating_args.max_new_tokens (3).
     generating = replace(config.base.actor_infer.generating_args, temperature=1.0, max_new_tokens=3)
     runner = TrajectoryRunner(manager, tokenizer, generating, 600, record_frames=True)
@@ -33,6 +40,43 @@ def episodes(tmp_path_factory):
         yield runner.run(InProcessGroup(worker), step=0, rounds=2), tokenizer
     finally:
         manager.close()
+
+
+class BudgetLog(InProcessGroup):
+    """actor_infer in this process, noting each generate call's context lengths and max_new_tokens."""
+
+    def __init__(self, worker: RoleWorker) -> None:
+        super().__init__(worker)
+        self.calls: list[tuple[list[int], int]] = []
+
+    def call(self, method, batch, args, dispatch):
+        self.calls.append((batch.batch["attention_mask"].sum(dim=-1).tolist(), args.max_new_tokens))
+        return super().call(method, batch, args, dispatch)
+
+
+@pytest.mark.parametrize("runner_cls", [TrajectoryRunner, StepRunner])
+def test_the_last_turn_generates_what_fits_in_sequence_length_as_rolls_make_decision(setup, runner_cls):
+    """ROLL's make_decision: a turn generates at most min(max_tokens_per_step, max_new_tokens, sequence_length -
+    context), and the episode stops once its context leaves no room. Here sequence_length leaves the longest first
+    prompt 2 tokens of a 3-token turn: that turn is cut to 2, the other env's turns are not cut more than they must."""
+    config, worker, tokenizer = setup
+    manager = EnvManager(config, config.train_env_manager, "train")
+    generating = replace(config.base.actor_infer.generating_args, temperature=1.0, max_new_tokens=3)
+    probe = runner_cls(manager, tokenizer, generating, 10**6)
+    try:
+        observations = manager.reset(manager.seeds(0, 0))
+        prompts = [len(probe._start(slot, 0, 0, obs).prompt_ids) for slot, obs in zip(manager.slots, observations)]
+        length = max(prompts) + 2
+        infer = BudgetLog(worker)
+        runs = runner_cls(manager, tokenizer, generating, length).run(infer, step=0)
+    finally:
+        manager.close()
+    budgets = [(context, tokens) for contexts, tokens in infer.calls for context in contexts]
+    assert all(tokens == min(3, length - context) for context, tokens in budgets)
+    assert (max(prompts), 2) in budgets  # the longest first prompt's turn, cut to what fits
+    assert all(e.done for e in runs)
+    samples = probe.to_batch(runs)
+    assert samples.batch["attention_mask"].sum(dim=-1).max().item() <= length
 
 
 def spans(mask: list[bool]) -> list[tuple[int, int]]:
