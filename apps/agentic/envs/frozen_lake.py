@@ -47,21 +47,22 @@ MAP_LETTERS = {"S": FROZEN, "F": FROZEN, "H": HOLE, "G": GOAL}
 
 @dataclass(frozen=True)
 class FrozenLakeConfig:
-    """``env_config`` of ``env_type: frozen_lake`` (ROLL's FrozenLakeEnvConfig keys)."""
+    """``env_config`` of ``env_type: frozen_lake``: ROLL's FrozenLakeEnv keys, each defaulting as there (its
+    constructor's defaults: a key a file leaves out means what it means in ROLL)."""
 
     size: int = 4
     """Side of the random map (ignored when map_name is set)."""
     p: float = 0.8
     """Probability that a cell of the random map is frozen rather than a hole."""
-    is_slippery: bool = False
+    is_slippery: bool = True
     """Slippery ice: the move goes in the chosen direction 1/3 of the time, else to one of the two perpendicular."""
     map_name: str | None = None
     """gymnasium's fixed map ("4x4" or "8x8") instead of a random one per seed."""
-    max_steps: int = 100
+    max_steps: int = 20
     """Steps (valid or not) before the episode is truncated."""
     action_pattern: str = ANSWER_PATTERN
     """Regex finding the action in the response; its last group is the action."""
-    format_penalty: float = -0.01
+    format_penalty: float = 0.0
     """Reward of a step whose response holds no valid action (<= 0)."""
     env_instruction: str | None = None
     """Replaces the opening task description of the instructions (symbols, actions and format still follow)."""

@@ -49,19 +49,20 @@ COLORS: dict[int, tuple[RGB, RGB | None]] = {
 
 @dataclass(frozen=True)
 class SokobanConfig:
-    """``env_config`` of ``env_type: sokoban`` (ROLL's SokobanEnvConfig keys)."""
+    """``env_config`` of ``env_type: sokoban``: ROLL's SokobanEnv keys, each defaulting as there (its constructor's
+    defaults: a key a file leaves out means what it means in ROLL)."""
 
-    dim_room: tuple[int, int] = (6, 6)
+    dim_room: tuple[int, int] = (10, 10)
     """Room size (rows, columns), outer walls included."""
-    num_boxes: int = 1
+    num_boxes: int = 4
     """Boxes (and targets) in the room."""
-    max_steps: int = 100
+    max_steps: int = 20
     """Steps (valid or not) before the episode is truncated."""
-    search_depth: int = 30
+    search_depth: int = 300
     """Random reverse moves played from the solved room; a room is solvable in at most this many moves."""
     action_pattern: str = ANSWER_PATTERN
     """Regex finding the action in the response; its last group is the action."""
-    format_penalty: float = -0.15
+    format_penalty: float = 0.0
     """Added to the -0.1 step reward of a step whose response holds no valid action (<= 0)."""
     grid_lookup: dict[int, str] | None = None
     """Cell code (0 wall, 1 empty, 2 target, 3 box on target, 4 box, 5 player, 6 player on target) -> symbol."""

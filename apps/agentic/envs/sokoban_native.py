@@ -7,8 +7,8 @@ response as an assistant message and a user message with the new state. Each sta
 ``observation_suffix`` (default: ROLL's reminder of the answer format and the valid actions). After a response
 without a valid action the next user message starts with ROLL's tip to follow the format; ROLL's own code adds that
 tip after a *valid* action (an inverted condition), here it follows the invalid one, as its text says.
-Rooms, rewards and actions are those of ``sokoban``; the defaults follow ROLL's native env (search_depth 300,
-format_penalty -0.1, max_steps 10).
+Rooms, rewards and actions are those of ``sokoban``; the defaults follow ROLL's native env (dim_room (6, 6),
+num_boxes 1, search_depth 300, format_penalty -0.1, max_steps 10).
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ def default_suffix() -> str:
 class SokobanNativeConfig(SokobanConfig):
     """``env_config`` of ``sokoban_native_env``: the ``sokoban`` keys plus the conversation's texts."""
 
+    dim_room: tuple[int, int] = (6, 6)
+    num_boxes: int = 1
     max_steps: int = 10
     search_depth: int = 300
     format_penalty: float = -0.1

@@ -31,7 +31,7 @@ def test_random_map_comes_from_the_seed():
 
 
 def test_fixed_map_reaches_the_goal():
-    env = lake(map_name="4x4", max_steps=10)
+    env = lake(map_name="4x4", max_steps=10, is_slippery=False)
     assert env.reset(0) == "P___\n_O_O\n___O\nO__G"
     results = [env.step(answer(a)) for a in ("Right", "Right", "Down", "Down", "Down", "Right")]
     assert [r.reward for r in results] == [0.0] * 5 + [1.0]
@@ -41,7 +41,7 @@ def test_fixed_map_reaches_the_goal():
 
 
 def test_hole_terminates_without_success():
-    env = lake(map_name="4x4")
+    env = lake(map_name="4x4", is_slippery=False)
     env.reset(0)
     env.step(answer("Right"))
     fall = env.step(answer("Down"))
@@ -52,7 +52,7 @@ def test_hole_terminates_without_success():
 
 
 def test_edge_moves_and_unparsable_answers_keep_the_state():
-    env = lake(map_name="4x4", max_steps=2)
+    env = lake(map_name="4x4", max_steps=2, is_slippery=False, format_penalty=-0.01)
     start = env.reset(0)
     edge = env.step("<answer> left </answer>")
     assert edge.observation == start and edge.info["action_is_valid"] and not edge.info["action_is_effective"]
@@ -62,7 +62,7 @@ def test_edge_moves_and_unparsable_answers_keep_the_state():
 
 
 def test_number_answers_use_gymnasium_order():
-    env = lake(map_name="4x4")
+    env = lake(map_name="4x4", is_slippery=False)
     env.reset(0)
     assert env.step(answer("2")).info["action"] == "Down"  # 1 Left, 2 Down, 3 Right, 4 Up
     assert env.position == (1, 0)
@@ -114,7 +114,19 @@ def test_instructions_name_symbols_actions_and_format():
     text = lake(is_slippery=True).instructions
     for needed in ("P: player", "O: hole", "G: goal", "_: frozen", "Left (1)", "Up (4)", "<answer>", "slippery"):
         assert needed in text
-    assert "slippery" not in lake().instructions
+    assert "slippery" not in lake(is_slippery=False).instructions
+
+
+def test_keys_left_out_mean_what_they_mean_in_roll():
+    """ROLL's FrozenLakeEnv constructor defaults: a 4 x 4 random map (p 0.8) of slippery ice, truncated after 20
+    steps, no penalty for a malformed answer (the files ROLL ships set their own)."""
+    env = lake()
+    config = env.config
+    assert (config.size, config.p, config.is_slippery, config.max_steps) == (4, 0.8, True, 20)
+    assert "slippery" in env.instructions
+    env.reset(0)
+    results = [env.step("no answer") for _ in range(20)]
+    assert [r.reward for r in results] == [0.0] * 20 and results[-1].truncated and not results[-2].truncated
 
 
 @pytest.mark.parametrize(

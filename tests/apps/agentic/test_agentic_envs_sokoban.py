@@ -98,10 +98,10 @@ def test_blocked_moves_leave_the_room_unchanged(room, action):
 
 
 def test_max_steps_truncates_and_invalid_actions_count():
-    env = sokoban(max_steps=3)
+    env = sokoban(dim_room=(6, 6), num_boxes=1, search_depth=30, max_steps=3, format_penalty=-0.15)
     start = env.reset(0)
     garbage = env.step("I would go up")
-    # ROLL steps gym-sokoban with its no-op (-0.1 per step) and adds format_penalty (-0.15 by default here)
+    # ROLL steps gym-sokoban with its no-op (-0.1 per step) and adds format_penalty
     assert garbage.reward == pytest.approx(-0.1 - 0.15)
     assert garbage.observation == start
     assert garbage.info == {"action_is_valid": False, "action_is_effective": False, "success": False, "action": None}
@@ -109,6 +109,28 @@ def test_max_steps_truncates_and_invalid_actions_count():
     env.step(answer("Sideways"))
     last = env.step("<answer>Up")
     assert last.truncated and not last.terminated
+
+
+def test_keys_left_out_mean_what_they_mean_in_roll():
+    """ROLL's SokobanEnv constructor defaults: a 10 x 10 room with 4 boxes (300 reverse moves), truncated after 20
+    steps, no format penalty (a malformed answer earns the -0.1 step reward alone); its SokobanNativeEnv's: 6 x 6,
+    one box, 10 steps, format penalty -0.1."""
+    env = sokoban()
+    assert (env.config.dim_room, env.config.num_boxes, env.config.search_depth) == ((10, 10), 4, 300)
+    rows = env.reset(0).splitlines()
+    assert len(rows) == 10 and all(len(row) == 10 for row in rows)
+    assert sum(row.count("X") + row.count("*") for row in rows) == 4  # boxes, off or on a target
+    results = [env.step("no answer") for _ in range(20)]
+    assert [r.reward for r in results] == [pytest.approx(-0.1)] * 20
+    assert results[-1].truncated and not results[-2].truncated
+    native = make_env("sokoban_native_env").config
+    assert (native.dim_room, native.num_boxes, native.max_steps, native.search_depth, native.format_penalty) == (
+        (6, 6),
+        1,
+        10,
+        300,
+        -0.1,
+    )
 
 
 def test_same_seed_and_actions_give_the_same_trajectory():
