@@ -11,12 +11,19 @@ from typing import Any
 
 from apps.agentic.config import AgenticConfig
 from apps.common.loop import cli_main
+from apps.common.preflight import PreflightError
 
 
 def build(mapping: dict[str, Any]) -> Any:
     """The pipeline of a loaded config mapping (pre-flight runs here: errors exit 2)."""
     from apps.agentic.pipeline import AgenticPipeline
 
+    if not mapping.get("actor_train"):
+        raise PreflightError(
+            "the config has no actor_train section, so there is nothing to train: ROLL runs such a file (e.g. its "
+            "agentic_rollout_sokoban.yaml) with start_agentic_rollout_pipeline.py. To sample episodes only, run "
+            "`python -m apps.agentic.rollout_pipeline` with the same flags; to train, add an actor_train section."
+        )
     return AgenticPipeline(AgenticConfig.from_dict(mapping))
 
 

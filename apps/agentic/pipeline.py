@@ -59,6 +59,18 @@ LOGGED = ("env/success_rate", "critic/score/mean", "actor/pg_loss", "actor/grad_
           "val/success_rate", "time/step")  # fmt: skip
 
 
+def build_runner(config: AgenticConfig, section: EnvManagerConfig, envs: EnvManager, tokenizer: Any,
+                 sampling: GeneratingArgs, record_frames: bool) -> TrajectoryRunner:  # fmt: skip
+    """The runner of a manager's sample layout; VLTrajEnvManager tags: the vision-language runner, with the actor's
+    image processor."""
+    if config.visual(section):
+        model = str(config.base.actor_infer.model_args.model_name_or_path)
+        return VisionTrajectoryRunner(envs, tokenizer, sampling, config.sequence_length,
+                                      load_vl_processor(model, "actor_infer"), record_frames)  # fmt: skip
+    return RUNNERS[config.mode(section)](envs, tokenizer, sampling, config.sequence_length,
+                                         record_frames=record_frames)  # fmt: skip
+
+
 class _Episodes:
     """A background rollout as the generation queue expects it (``get()`` returns the batch)."""
 
@@ -125,14 +137,7 @@ class AgenticPipeline:
 
     def _runner(self, section: EnvManagerConfig, envs: EnvManager, sampling: GeneratingArgs,
                 record_frames: bool) -> TrajectoryRunner:  # fmt: skip
-        """The runner of a manager's sample layout; VLTrajEnvManager tags: the vision-language runner, with the
-        actor's image processor."""
-        if self.config.visual(section):
-            model = str(self.base.actor_infer.model_args.model_name_or_path)
-            return VisionTrajectoryRunner(envs, self.tokenizer, sampling, self.sequence_length,
-                                          load_vl_processor(model, "actor_infer"), record_frames)  # fmt: skip
-        return RUNNERS[self.config.mode(section)](envs, self.tokenizer, sampling, self.sequence_length,
-                                                  record_frames=record_frames)  # fmt: skip
+        return build_runner(self.config, section, envs, self.tokenizer, sampling, record_frames)
 
     # ---- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:

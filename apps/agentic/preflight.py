@@ -5,7 +5,7 @@ sequence_length)."""
 
 from __future__ import annotations
 
-from apps.agentic.config import AgenticConfig
+from apps.agentic.config import AgenticConfig, EnvManagerConfig
 from apps.agentic.envs.tools import check_tool_machine
 from apps.agentic.step_batch import adjusted_size, size_divisor
 from apps.common.preflight import (
@@ -21,6 +21,7 @@ from apps.common.preflight import (
     plan_training,
     role_sections,
 )
+from rl_engines.config import WorkerConfig
 from rl_engines.placement import ClusterSpec
 from rl_engines.roles import plan_roles
 
@@ -33,19 +34,8 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
     sections = role_sections(base)
     placement = plan_roles(ClusterSpec(base.num_nodes, base.num_gpus_per_node), sections)
     check_async(base, placement)
-    generating = base.actor_infer.generating_args
-    if generating.num_return_sequences != 1:
-        raise PreflightError(
-            f"actor_infer.generating_args.num_return_sequences is {generating.num_return_sequences}; an episode "
-            "samples one response per turn: set it to 1 (group_size of train_env_manager sets the group)."
-        )
-    for manager in (config.train_env_manager, config.val_env_manager):
-        for tag in manager.tags if manager is not None else ():
-            if config.custom_envs[tag].tool_wrapper is not None:
-                check_tool_machine(f"custom_envs.{tag}.tool_wrapper")
-    notes = check_token_budgets(sections, config.sequence_length, "sequence_length") + device_only_notes(sections)
-    notes += dropped_key_notes(config.base) + length_key_notes(config) + turn_budget_notes(config)
-    notes += manager_penalty_notes(config)
+    notes = episode_notes(config, sections, (config.train_env_manager, config.val_env_manager))
+    notes += dropped_key_notes(config.base)
     if config.reward_normalization.method == "asym_clip":
         notes.append("[preflight] reward_normalization.method: asym_clip normalises as mean_std, as ROLL does since "
                      "its agentic norm refactor (no clamp to [-1, 3]).")  # fmt: skip
@@ -66,6 +56,45 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
     check_old_log_prob_switches(base, report)
     report.notes.extend(notes)
     return report
+
+
+def rollout_preflight(config: AgenticConfig) -> PreflightReport:
+    """The checks of the rollout pipeline (``apps.agentic.rollout_pipeline``): actor_infer alone is placed and
+    started, episodes come from train_env_manager; the training roles and keys are not read (a note says so)."""
+    base = config.base
+    if base.resume_from_checkpoint is not False:
+        raise PreflightError(
+            f"resume_from_checkpoint={base.resume_from_checkpoint!r}: the rollout pipeline trains nothing, so it has "
+            "nothing to resume; to sample with a checkpoint's policy set pretrain (or actor_infer.model_args."
+            "model_name_or_path) to its HuggingFace folder (<checkpoint>/actor_hf), and remove resume_from_checkpoint."
+        )
+    fill_model_paths(base)
+    sections = {"actor_infer": base.actor_infer}
+    placement = plan_roles(ClusterSpec(base.num_nodes, base.num_gpus_per_node), sections)
+    notes = episode_notes(config, sections, (config.train_env_manager,))
+    unread = "; val_env_manager does not run either" if config.val_env_manager is not None else ""
+    notes.append("[preflight] rollout pipeline: only actor_infer starts and nothing trains, as ROLL's "
+                 "AgenticRolloutPipeline: each step samples rollout_batch_size episodes of train_env_manager; the "
+                 f"actor_train / reference / critic sections and the training keys are not read{unread}.")  # fmt: skip
+    return PreflightReport(placement, {}, {}, notes)
+
+
+def episode_notes(config: AgenticConfig, sections: dict[str, WorkerConfig],
+                  managers: tuple[EnvManagerConfig | None, ...]) -> list[str]:  # fmt: skip
+    """The checks of sampling episodes with actor_infer in ``managers`` (one response per turn, a machine for the
+    tools, the token budgets of ``sections``); returns their notes."""
+    generating = config.base.actor_infer.generating_args
+    if generating.num_return_sequences != 1:
+        raise PreflightError(
+            f"actor_infer.generating_args.num_return_sequences is {generating.num_return_sequences}; an episode "
+            "samples one response per turn: set it to 1 (group_size of train_env_manager sets the group)."
+        )
+    for manager in managers:
+        for tag in manager.tags if manager is not None else ():
+            if config.custom_envs[tag].tool_wrapper is not None:
+                check_tool_machine(f"custom_envs.{tag}.tool_wrapper")
+    notes = check_token_budgets(sections, config.sequence_length, "sequence_length") + device_only_notes(sections)
+    return notes + length_key_notes(config) + turn_budget_notes(config) + manager_penalty_notes(config)
 
 
 def manager_penalty_notes(config: AgenticConfig) -> list[str]:

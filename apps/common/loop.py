@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from apps.common.plots import DEFAULT_CURVES, plot_metrics
 from apps.common.progress import StepProgress
@@ -27,10 +27,17 @@ class LoopPipeline(Protocol):
 
     def start(self) -> None: ...
     def stop(self) -> None: ...
-    def resume(self, folder: Path) -> int: ...  # returns the checkpoint's step
     def step(self, step: int) -> dict[str, float]: ...
     def validates_at(self, step: int) -> bool: ...
     def validate(self, step: int) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class CheckpointedPipeline(LoopPipeline, Protocol):
+    """A pipeline that trains: :func:`run_loop` also saves it every ``save_steps`` and resumes it. One without these
+    (the rollout pipelines) neither saves nor resumes."""
+
+    def resume(self, folder: Path) -> int: ...  # returns the checkpoint's step
     def save(self, step: int) -> Path: ...
 
 
@@ -43,7 +50,8 @@ def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, .
     """
     output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    resume_from = resume_folder(config)
+    saving = pipeline if isinstance(pipeline, CheckpointedPipeline) else None
+    resume_from = None if saving is None else resume_folder(config)
     first = 0 if resume_from is None else saved_step(resume_from) + 1
     if resume_from is None:
         (output / "metrics.jsonl").unlink(missing_ok=True)  # a new run; a resumed one appends
@@ -56,8 +64,8 @@ def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, .
                               kwargs=config.tracker_kwargs, stdout=stdout, first_step=first)  # fmt: skip
     try:
         pipeline.start()  # in the try: stop() frees what a start that failed half-way took
-        if resume_from is not None:
-            pipeline.resume(resume_from)
+        if saving is not None and resume_from is not None:
+            saving.resume(resume_from)
             # The run resumed may have logged steps after its checkpoint before it was killed: this run redoes them.
             keep_metrics_before(output / "metrics.jsonl", first)
             pipeline.timeline.resume(output / "timeline.json", first)
@@ -72,8 +80,8 @@ def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, .
             if step % config.logging_steps == 0:
                 for tracker in trackers:
                     tracker.log(step, metrics)
-            if (step + 1) % config.save_steps == 0 or step + 1 == config.max_steps:
-                pipeline.save(step)
+            if saving is not None and ((step + 1) % config.save_steps == 0 or step + 1 == config.max_steps):
+                saving.save(step)
                 pipeline.timeline.write(output / "timeline.json")  # what a resume from this checkpoint continues
             progress.update(metrics)
     finally:

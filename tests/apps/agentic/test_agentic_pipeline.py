@@ -7,9 +7,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
+import yaml
 from agentic_fixtures import make_setup
 
 from apps.agentic.__main__ import main
+from apps.common.yaml_config import load_config
 
 pytestmark = pytest.mark.usefixtures("ray_session")  # the session's shared Ray (tests/conftest.py)
 
@@ -166,3 +169,41 @@ def test_gigpo_on_step_samples_replays_bitwise_and_resumes_like_the_uninterrupte
     assert [row["step"] for row in resumed] == [0, 1]
     for key in (*keys, "system/step_samples", "env/num_turns/mean", "mismatch/mismatch_kl"):
         assert resumed[1][key] == pytest.approx(rows[1][key], abs=1e-6), key
+
+
+def test_the_rollout_pipeline_samples_what_training_samples_and_trains_nothing(setup, dumped, tmp_path, capsys):
+    """ROLL's AgenticRolloutPipeline on a file shaped as its agentic_rollout_sokoban.yaml (no actor_train section,
+    adv_estimator left at gae with no critic), which the training entry point refuses, naming this one. With the
+    same seeds and weights its step-0 episodes are bit for bit those the training run sampled at its step 0 (both
+    dumped by rollout_mock); nothing trains or is saved."""
+    from safetensors.torch import load_file
+
+    from apps.agentic.config import AgenticConfig
+    from apps.agentic.rollout_pipeline import AgenticRolloutPipeline
+
+    _, train_dumps = dumped
+    rollout_dumps = tmp_path / "dumps"
+    dump = ["+rollout_mock.enable=true", "+rollout_mock.mode=dump", f"+rollout_mock.dump_dir={rollout_dumps}"]
+    raw = load_config(setup / "agentic.yaml", [f"output_dir={tmp_path / 'out'}", "max_steps=1", *dump])
+    del raw["actor_train"], raw["adv_estimator"]
+    with open(tmp_path / "rollout.yaml", "w") as file:
+        yaml.safe_dump(raw, file)
+    assert main(["--config_path", str(tmp_path), "--config_name", "rollout"]) == 2
+    assert "python -m apps.agentic.rollout_pipeline" in capsys.readouterr().err
+    lines: list[str] = []
+    (row,) = AgenticRolloutPipeline(AgenticConfig.from_dict(raw), log=lines.append).run()
+    step_0 = "train/step_000000.safetensors"
+    ours, trained = load_file(rollout_dumps / step_0), load_file(train_dumps / step_0)
+    assert set(trained) - set(ours) == {"non_tensor_batch/policy_version"}  # the training queue's weights version
+    assert all(torch.equal(ours[k], trained[k]) for k in ours)
+    trained_row = _rows(setup / "out")[0]
+    for key in ("success_rate", "num_turns/mean", "FrozenLake/success_rate", "SimpleSokoban/success_rate"):
+        assert row[f"val/{key}"] == trained_row[f"env/{key}"], key
+    assert row["val/score/mean"] == pytest.approx(trained_row["env/episode_reward/mean"], abs=1e-6)
+    assert row["system/samples"] == 8 and row["time/step_rollout"] > 0
+    examples = json.loads(next(line for line in lines if line.startswith("[{")))
+    assert len(examples) == 8 and all(example["prompt"] and example["response"] for example in examples)
+    scores = sorted(example["episode_score"] for example in examples)
+    assert (scores[0], scores[-1]) == (row["val/score/min"], row["val/score/max"])
+    assert row["val/score/mean"] == pytest.approx(sum(scores) / 8, abs=1e-6)
+    assert not (tmp_path / "out" / "checkpoints").exists() and _rows(tmp_path / "out")[0]["step"] == 0
