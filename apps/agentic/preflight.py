@@ -14,6 +14,7 @@ from apps.common.preflight import (
     check_algorithm_roles,
     check_async,
     check_old_log_prob_switches,
+    check_rollout_only,
     check_token_budgets,
     device_only_notes,
     dropped_key_notes,
@@ -62,14 +63,9 @@ def rollout_preflight(config: AgenticConfig) -> PreflightReport:
     """The checks of the rollout pipeline (``apps.agentic.rollout_pipeline``): actor_infer alone is placed and
     started, episodes come from train_env_manager; the training roles and keys are not read (a note says so)."""
     base = config.base
-    if base.resume_from_checkpoint is not False:
-        raise PreflightError(
-            f"resume_from_checkpoint={base.resume_from_checkpoint!r}: the rollout pipeline trains nothing, so it has "
-            "nothing to resume; to sample with a checkpoint's policy set pretrain (or actor_infer.model_args."
-            "model_name_or_path) to its HuggingFace folder (<checkpoint>/actor_hf), and remove resume_from_checkpoint."
-        )
     fill_model_paths(base)
     sections = {"actor_infer": base.actor_infer}
+    check_rollout_only(base, sections)
     placement = plan_roles(ClusterSpec(base.num_nodes, base.num_gpus_per_node), sections)
     notes = episode_notes(config, sections, (config.train_env_manager,))
     unread = "; val_env_manager does not run either" if config.val_env_manager is not None else ""

@@ -42,12 +42,15 @@ class CheckpointedPipeline(LoopPipeline, Protocol):
 
 
 def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, ...],
-             curves: Sequence[tuple[str, str]] = DEFAULT_CURVES) -> list[dict[str, float]]:  # fmt: skip
-    """All of ``config.max_steps`` steps (after a resume, the rest); returns each step's metrics.
+             curves: Sequence[tuple[str, str]] = DEFAULT_CURVES,
+             steps: int | None = None) -> list[dict[str, float]]:  # fmt: skip
+    """All of ``config.max_steps`` steps (``steps`` when given; after a resume, the rest); returns each step's
+    metrics.
 
     ``config`` has the shared top-level keys (output_dir, max_steps, logging / save steps, trackers, resume);
     ``name`` prefixes log lines; ``shown`` are the metrics of the stdout line; ``curves`` those of curves.png.
     """
+    max_steps = config.max_steps if steps is None else steps
     output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
     saving = pipeline if isinstance(pipeline, CheckpointedPipeline) else None
@@ -56,7 +59,7 @@ def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, .
     if resume_from is None:
         (output / "metrics.jsonl").unlink(missing_ok=True)  # a new run; a resumed one appends
     history = []
-    progress = StepProgress(config.max_steps, 0, desc=config.exp_name, enabled=pipeline.progress_bar)
+    progress = StepProgress(max_steps, 0, desc=config.exp_name, enabled=pipeline.progress_bar)
     if pipeline.log is print:  # log lines above the bar
         pipeline.log = progress.write
     stdout = StdoutTracker(output_dir=output, exp_name=name, shown=shown, log=pipeline.log)
@@ -70,7 +73,7 @@ def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, .
             keep_metrics_before(output / "metrics.jsonl", first)
             pipeline.timeline.resume(output / "timeline.json", first)
         progress.bar.update(first)
-        for step in range(first, config.max_steps):
+        for step in range(first, max_steps):
             # as ROLL: validation first, on the weights of `step` updates (step 0: the model before any)
             validation = pipeline.validate(step) if pipeline.validates_at(step) else {}
             metrics = pipeline.step(step)
@@ -80,7 +83,7 @@ def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, .
             if step % config.logging_steps == 0:
                 for tracker in trackers:
                     tracker.log(step, metrics)
-            if saving is not None and ((step + 1) % config.save_steps == 0 or step + 1 == config.max_steps):
+            if saving is not None and ((step + 1) % config.save_steps == 0 or step + 1 == max_steps):
                 saving.save(step)
                 pipeline.timeline.write(output / "timeline.json")  # what a resume from this checkpoint continues
             progress.update(metrics)

@@ -138,6 +138,24 @@ def fill_model_paths(config: SharedConfig) -> None:
             section.model_args.model_name_or_path = config.pretrain
 
 
+def check_rollout_only(config: SharedConfig, sections: dict[str, WorkerConfig]) -> None:
+    """What a rollout pipeline (nothing trains, ROLL's *RolloutPipeline) cannot run: a resume (there is nothing to
+    resume) and an inference engine started with dummy weights (only a training run's weight sync fills them)."""
+    if config.resume_from_checkpoint is not False:
+        raise PreflightError(
+            f"resume_from_checkpoint={config.resume_from_checkpoint!r}: the rollout pipeline trains nothing, so it "
+            "has nothing to resume; to sample with a checkpoint's policy set pretrain (or actor_infer.model_args."
+            "model_name_or_path) to its HuggingFace folder (<checkpoint>/actor_hf), and remove resume_from_checkpoint."
+        )
+    for role, section in sections.items():
+        if section.strategy_args.strategy_config.get("load_format") == "dummy":
+            raise PreflightError(
+                f"{role}.strategy_args.strategy_config.load_format: dummy starts the engine with random weights, "
+                "which only a training run's weight sync replaces; the rollout pipeline syncs none: set it to auto "
+                "(as ROLL's rollout pipelines require)."
+            )
+
+
 def check_algorithm_roles(config: SharedConfig) -> None:
     """The roles the algorithm keys need: a critic for gae, a reference for any KL to it."""
     if config.adv_estimator == "gae" and config.critic is None:

@@ -16,6 +16,7 @@ from apps.common.preflight import (
     check_algorithm_roles,
     check_async,
     check_old_log_prob_switches,
+    check_rollout_only,
     check_token_budgets,
     device_only_notes,
     dropped_key_notes,
@@ -67,6 +68,32 @@ def preflight(config: RLVRConfig) -> PreflightReport:
         report.notes.extend(check_data_args(config.validation.data_args, "validation"))
         check_video_model(config.validation.data_args, "validation", model_type(config))
     return report
+
+
+def rollout_preflight(config: RLVRConfig) -> PreflightReport:
+    """The checks of the rollout pipeline (``apps.rlvr.rollout_pipeline``, ROLL's RLVRRolloutPipeline): the
+    validation set, its rewards, and actor_infer with the reward roles placed; the training roles and keys are not
+    read (a note says so)."""
+    if config.validation is None or not config.validation.data_args.get("file_name"):
+        raise PreflightError(
+            "the rollout pipeline generates for and scores the validation set, as ROLL's RLVRRolloutPipeline: give "
+            "validation.data_args.file_name (and validation.generating_args for its sampling)."
+        )
+    fill_model_paths(config)
+    if not config.rewards:
+        raise PreflightError("no `rewards` section: the rollout pipeline scores with them (e.g. rewards.math_rule).")
+    check_reward_sections(config.rewards)
+    sections = {name: section for name, section in worker_sections(config).items()
+                if name == "actor_infer" or name.startswith("rewards.")}  # fmt: skip
+    placement = plan_roles(ClusterSpec(config.num_nodes, config.num_gpus_per_node), sections)
+    check_rollout_only(config, sections)
+    notes = device_only_notes(sections) + check_data_args(config.validation.data_args, "validation")
+    check_video_model(config.validation.data_args, "validation", model_type(config))
+    notes.append("[preflight] rollout pipeline: one pass over the validation set with actor_infer (validation."
+                 "generating_args) and the rewards, as ROLL's RLVRRolloutPipeline; nothing trains, max_steps and "
+                 "the actor_train / reference / critic sections are not read, except actor_train.data_args' "
+                 "prompt template and columns, which the validation data falls back to as in training.")  # fmt: skip
+    return PreflightReport(placement, {}, {}, notes)
 
 
 def _check_generation(config: RLVRConfig, placement: PlacementPlan) -> None:

@@ -9,7 +9,7 @@ import pytest
 from apps.common.preflight import PreflightError
 from apps.common.yaml_config import load_config
 from apps.rlvr.config import RLVRConfig
-from apps.rlvr.preflight import preflight
+from apps.rlvr.preflight import preflight, rollout_preflight
 from rl_core.batch import BatchSizeError
 from rl_engines.config import WorkerConfigError
 from rl_engines.device_mapping import parse_device_mapping
@@ -469,3 +469,20 @@ def test_roll_length_rules_set_max_new_tokens_and_let_sequence_length_win():
         RLVRConfig.from_dict({"rewards": rewards, "prompt_length": 32, "sequence_length": 32})
     with pytest.raises(WorkerConfigError, match=r"unknown key\(s\) \['length_notes'\]"):
         RLVRConfig.from_dict({"rewards": rewards, "length_notes": ["derived, not a key"]})
+
+
+def test_every_roll_rlvr_file_with_a_validation_set_passes_the_rollout_pipelines_preflight(roll_file):
+    """ROLL runs its rollout pipeline on its training files: actor_infer and the rewards placed with their own
+    engines, the training roles left out; an engine started with dummy weights is refused, as ROLL asserts."""
+    raw = without_context_parallel(with_cluster(load_config(roll_file)))
+    if not (raw.get("validation") or {}).get("data_args"):
+        pytest.skip("no validation set: ROLL's rollout pipeline asserts one")
+    config = RLVRConfig.from_dict(raw)
+    if config.actor_infer.strategy_args.strategy_config.get("load_format") == "dummy":
+        with pytest.raises(PreflightError, match=r"actor_infer\.strategy_args\.strategy_config\.load_format: dummy"):
+            rollout_preflight(config)
+        return
+    report = rollout_preflight(config)
+    roles = set(report.placement.roles)
+    assert "actor_infer" in roles and all(role.startswith("rewards.") for role in roles - {"actor_infer"})
+    assert any("rollout pipeline" in note for note in report.notes) and not report.train_plans

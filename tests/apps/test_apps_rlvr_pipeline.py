@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from rlvr_fixtures import NO_KL, make_setup
 
 from apps.rlvr.__main__ import main
@@ -272,3 +273,36 @@ def test_profiler_timeline_writes_a_trace_per_role_call(setup):
     assert traces >= {"actor_infer/generate", "actor_train/compute_log_probs", "actor_train/train_step"}
     trace = json.loads(next((run / "actor_train" / "train_step").glob("*.pt.trace.json")).read_text())
     assert any(event.get("name", "").startswith("aten::") for event in trace["traceEvents"])  # torch ops recorded
+
+
+def test_the_rollout_pipeline_scores_the_validation_set_as_training_validates_and_trains_nothing(
+    setup, dumped, tmp_path, capsys
+):
+    """ROLL's RLVRRolloutPipeline on the training file itself (as ROLL runs it on rlvr_config_8gpus.yaml): one pass
+    over the validation set whose generations and scores are bit for bit the training run's step-0 validation
+    (both dumped by rollout_mock), logged once as step 0 whatever max_steps says; nothing trains or is saved. What
+    it cannot run is refused before anything starts."""
+    from safetensors.torch import load_file
+
+    from apps.rlvr.rollout_pipeline import main as rollout_main
+
+    _, train_dumps = dumped
+    out, dumps = tmp_path / "out", tmp_path / "dumps"
+    args = ["--config_path", str(setup), "--config_name", "rlvr", f"output_dir={out}"]
+    assert rollout_main([*args, "resume_from_checkpoint=true"]) == 2
+    assert "the rollout pipeline trains nothing" in capsys.readouterr().err
+    assert rollout_main([*args, "validation=null"]) == 2
+    assert "give validation.data_args.file_name" in capsys.readouterr().err
+    assert rollout_main([*args, *DUMP, f"+rollout_mock.dump_dir={dumps}"]) == 0
+    step_0 = "val/step_000000.safetensors"
+    ours, trained = load_file(dumps / step_0), load_file(train_dumps / step_0)
+    assert ours.keys() == trained.keys() and all(torch.equal(ours[k], trained[k]) for k in ours)
+    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    first = json.loads((setup / "out" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["step"] == 0 and row["time/step_generate"] > 0
+    for key in ("val_correct/all/mean", "val/score/mean", "val/score/math_rule", "val/samples"):
+        assert row[key] == first[key], key
+    logged = capsys.readouterr().out
+    examples = json.loads(next(line for line in logged.splitlines() if line.startswith("[{")))
+    assert len(examples) == 10 and all("+" in example["prompt"] for example in examples)
+    assert not (out / "checkpoints").exists()
