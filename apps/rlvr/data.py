@@ -160,10 +160,13 @@ def prompt_text(messages: list[dict[str, str]], tokenizer: Any, template: str) -
     return str(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **options))
 
 
-def encode_prompts(texts: Sequence[str], tokenizer: Any, prompt_length: int) -> dict[str, torch.Tensor]:
-    """Token ids ``[B, P]`` left-padded to the longest prompt, keeping the last ``prompt_length`` tokens of each."""
-    return left_padded([tokenizer(text, add_special_tokens=False)["input_ids"][-prompt_length:] for text in texts],
-                       tokenizer)  # fmt: skip
+def encode_prompts(
+    texts: Sequence[str], tokenizer: Any, prompt_length: int, special_tokens: bool = False
+) -> dict[str, torch.Tensor]:
+    """Token ids ``[B, P]`` left-padded to the longest prompt, keeping the last ``prompt_length`` tokens of each;
+    ``special_tokens``: the tokenizer adds its own (a BOS) to text that is not chat-formatted."""
+    ids = [tokenizer(text, add_special_tokens=special_tokens)["input_ids"][-prompt_length:] for text in texts]
+    return left_padded(ids, tokenizer)
 
 
 def left_padded(ids: Sequence[Sequence[int]], tokenizer: Any) -> dict[str, torch.Tensor]:

@@ -42,6 +42,12 @@ NOTES = {
     "it nowhere, and neither does this pipeline",
 }
 """Accepted keys that change no result, and why."""
+PROMPT_NOTE = (
+    "[preflight] {name}: a text model reads the {value!r} column's text as it is, with no chat template (as ROLL, "
+    "whose data_args.template formats a messages column only): give the formatted prompt there, or the chat as a "
+    "messages column (a vision-language model's prompt goes into ROLL's VL question template)."
+)
+"""The note of ``data_args.prompt``: what ROLL's RLVR ``encode_function`` does with that column."""
 
 
 def check_data_args(data_args: dict[str, Any], section: str) -> list[str]:
@@ -60,6 +66,8 @@ def check_data_args(data_args: dict[str, Any], section: str) -> list[str]:
                     VideoOptions.check(data_args, section)
             except DataError as err:
                 raise PreflightError(str(err)) from None
+            if key == "prompt" and value is not None:
+                notes.append(PROMPT_NOTE.format(name=name, value=value))
         elif key in DEFAULTS_ONLY:
             if value != DEFAULTS_ONLY[key]:
                 raise PreflightError(

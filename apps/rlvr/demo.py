@@ -25,9 +25,11 @@ WINDOW = 5
 
 
 def write_prompts(path: Path) -> Path:
-    """Every single-digit addition as a jsonl row with its ground truth."""
+    """Every single-digit addition as a jsonl row (the question as a one-turn chat, which the config's template
+    formats) with its ground truth."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(json.dumps({"prompt": p, "ground_truth": a}) for p, a in problems()) + "\n")
+    rows = ({"messages": [{"role": "user", "content": p}], "ground_truth": a} for p, a in problems())
+    path.write_text("\n".join(map(json.dumps, rows)) + "\n")
     return path
 
 

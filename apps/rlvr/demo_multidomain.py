@@ -33,26 +33,31 @@ WARM_UP = replace(RECIPE, sft_steps=300)
 
 
 def records() -> list[dict[str, Any]]:
-    """Every single-digit addition in each domain's format, with what its reward grades against."""
+    """Every single-digit addition in each domain's format (the question as a one-turn chat, which the config's
+    template formats), with what its reward grades against."""
     rows: list[dict[str, Any]] = []
     for a in range(10):
         for b in range(10):
             total = a + b
-            rows.append({"tag": "math", "prompt": f"{a}+{b}=", "ground_truth": str(total), "answer": str(total)})
-            rows.append({"tag": "code", "prompt": f"print {a}+{b}", "case_type": "input", "answer": f"print({total})",
+            rows.append({"tag": "math", **_asked(f"{a}+{b}="), "ground_truth": str(total), "answer": str(total)})
+            rows.append({"tag": "code", **_asked(f"print {a}+{b}"), "case_type": "input", "answer": f"print({total})",
                          "test_cases": json.dumps([{"stdin": "", "expected_stdout": str(total)}])})  # fmt: skip
             wrong = total + 1 if (7 * a + b) % 2 or total == 0 else total - 1
             right_first = (a + 3 * b) % 2 == 0
             options = (total, wrong) if right_first else (wrong, total)
             letter = "A" if right_first else "B"
-            rows.append({"tag": "mc", "prompt": f"{a}+{b}? A:{options[0]} B:{options[1]}", "ground_truth": letter,
+            rows.append({"tag": "mc", **_asked(f"{a}+{b}? A:{options[0]} B:{options[1]}"), "ground_truth": letter,
                          "answer": letter})  # fmt: skip
     return rows
 
 
+def _asked(question: str) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": question}]}
+
+
 def warm_up_pairs() -> list[tuple[str, str]]:
-    """(prompt, answer) of every record: what the warm-up teaches."""
-    return [(row["prompt"], row["answer"]) for row in records()]
+    """(question, answer) of every record: what the warm-up teaches."""
+    return [(row["messages"][0]["content"], row["answer"]) for row in records()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -41,14 +41,14 @@ class PromptSource:
         """Left-padded prompts ``[B, P]`` with ``record_index`` and ``prompt_uid`` per sample (and, for a
         vision-language model, each sample's images as the model's visual inputs)."""
         records = [self.records[i] for i in indices]
-        messages = [self._messages(r) for r in records]
-        texts = [prompt_text(m, self.tokenizer, self.template) for m in messages]
+        texts = self.texts(records)
         columns: dict[str, Any] = {"record_index": list(indices), "prompt_uid": list(uids)}
         if self.image_processor is None:
             if any(record.get(VIDEO_KEY) for record in records):
                 raise DataError(f"a record has a {VIDEO_KEY!r} column and the policy is a text model; use a "
                                 "vision-language model (Qwen2-VL / Qwen2.5-VL / Qwen3-VL) for video data.")  # fmt: skip
-            return RolloutBatch.from_dict(encode_prompts(texts, self.tokenizer, self.prompt_length), columns)
+            encoded = encode_prompts(texts, self.tokenizer, self.prompt_length, special_tokens=self.raw)
+            return RolloutBatch.from_dict(encoded, columns)
         prompts = vl_prompt_batch(texts, records, self.tokenizer, self.image_processor, self.prompt_length,
                                   self.videos, self.model_type)  # fmt: skip
         return RolloutBatch(prompts.batch, {**prompts.non_tensor_batch, **columns})
@@ -60,8 +60,8 @@ class PromptSource:
         when none is left. ``what`` names the data in both."""
         if self.image_processor is not None or not self.records:
             return self, None
-        texts = [prompt_text(self._messages(r), self.tokenizer, self.template) for r in self.records]
-        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        texts = self.texts(self.records)
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=self.raw)["input_ids"]]
         kept = [r for r, n in zip(self.records, lengths, strict=True) if MIN_PROMPT_TOKENS < n <= self.prompt_length]
         if not kept:
             raise DataError(f"every {what} prompt has more than prompt_length={self.prompt_length} tokens or "
@@ -74,6 +74,20 @@ class PromptSource:
             f"them: more than prompt_length={self.prompt_length} tokens or {MIN_PROMPT_TOKENS} or fewer."
         )
         return replace(self, records=kept), line
+
+    @property
+    def raw(self) -> bool:
+        """A text model's ``prompt`` column goes to the tokenizer as it is, special tokens added, as ROLL's RLVR
+        ``encode_function`` takes it: the data holds the formatted prompt, and ``data_args.template`` applies to a
+        ``messages`` column only. (A vision-language model's prompt goes into ROLL's VL question template.)"""
+        return self.prompt_key is not None and self.image_processor is None
+
+    def texts(self, records: Sequence[dict[str, Any]]) -> list[str]:
+        """What the tokenizer encodes for each record: its prompt as it is (:attr:`raw`), else its conversation
+        through the chat template."""
+        if self.raw:
+            return [str(record[str(self.prompt_key)]) for record in records]
+        return [prompt_text(self._messages(record), self.tokenizer, self.template) for record in records]
 
     def _messages(self, record: dict[str, Any]) -> list[dict[str, str]]:
         messages = chat_messages(record, prompt_key=self.prompt_key, messages_key=self.messages_key)

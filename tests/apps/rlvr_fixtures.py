@@ -31,7 +31,7 @@ pretrain: {model}
 actor_train:
   device_mapping: [0, 1]
   training_args: {{learning_rate: 1.0e-3, per_device_train_batch_size: 2, gradient_accumulation_steps: 2}}
-  data_args: {{template: native, file_name: {data}, prompt: prompt}}
+  data_args: {{template: native, file_name: {data}, messages: messages}}
   infer_batch_size: 4
 actor_infer:
   device_mapping: [0, 1]
@@ -64,7 +64,8 @@ def make_setup(root: Path, **model: int) -> Path:
     corpus = [f"{a}+{b}={a + b}" for a in range(10) for b in range(10)]
     build_tiny_tokenizer(root / "model", corpus, vocab_size=256)
     build_tiny_causal_lm(root / "model", vocab_size=259, **model)
-    rows = [{"prompt": f"{a}+{b}=", "ground_truth": str(a + b)} for a in range(4) for b in range(4)]
+    rows = [{"messages": [{"role": "user", "content": f"{a}+{b}="}], "ground_truth": str(a + b)}
+            for a in range(4) for b in range(4)]  # fmt: skip
     (root / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     config = CONFIG.format(out=root / "out", model=root / "model", data=root / "train.jsonl")
     (root / "rlvr.yaml").write_text(config)

@@ -99,7 +99,8 @@ def variants() -> dict[str, list[str]]:
 def _varied_prompts(setup) -> str:
     """Prompts of 4 to 10 characters, 23 to 29 tokens in the template (prompt_length 32 keeps them whole): every
     batch has left padding, which the padding-free passes drop. Returns the override that reads them."""
-    rows = [{"prompt": f"{a}+{b}=", "ground_truth": str(a + b)} for a in (1, 23, 456, 7890) for b in (2, 34, 567, 8901)]
+    rows = [{"messages": [{"role": "user", "content": f"{a}+{b}="}], "ground_truth": str(a + b)}
+            for a in (1, 23, 456, 7890) for b in (2, 34, 567, 8901)]  # fmt: skip
     (setup / "varied.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
     return f"actor_train.data_args.file_name={setup / 'varied.jsonl'}"
 

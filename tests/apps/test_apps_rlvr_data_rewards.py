@@ -131,20 +131,46 @@ def test_prompts_longer_than_prompt_length_or_of_five_tokens_or_fewer_are_droppe
 
     build_tiny_tokenizer(tmp_path, [f"{a}+{b}={a + b}" for a in range(20) for b in range(20)], vocab_size=256)
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
-    records = [{"prompt": "1+1="}, {"prompt": " ".join(["12+13="] * 40)}, {"prompt": "2+2="}]
-    lengths = [len(tokenizer(prompt_text([{"role": "user", "content": r["prompt"]}], tokenizer, "native"),
-                             add_special_tokens=False)["input_ids"]) for r in records]  # fmt: skip
+    questions = ["1+1=", " ".join(["12+13="] * 40), "2+2="]
+    records = [{"messages": [{"role": "user", "content": q}]} for q in questions]
+    lengths = [len(tokenizer(prompt_text(r["messages"], tokenizer, "native"), add_special_tokens=False)["input_ids"])
+               for r in records]  # fmt: skip
     limit = max(lengths[0], lengths[2])
     assert lengths[1] > limit > 5
-    source = PromptSource(records, tokenizer, "native", "prompt", None, limit)
+    source = PromptSource(records, tokenizer, "native", None, "messages", limit)
     kept, line = source.within_prompt_length("training")
-    assert [r["prompt"] for r in kept.records] == ["1+1=", "2+2="]
+    assert [r["messages"][0]["content"] for r in kept.records] == ["1+1=", "2+2="]
     assert line is not None and "1 of 3 training prompts dropped" in line
     assert len(source.records) == 3  # the source is left as it was
-    unchanged, none = PromptSource(records, tokenizer, "native", "prompt", None, 10_000).within_prompt_length("x")
+    unchanged, none = PromptSource(records, tokenizer, "native", None, "messages", 10_000).within_prompt_length("x")
     assert none is None and len(unchanged.records) == 3
     with pytest.raises(DataError, match=r"every validation prompt has more than prompt_length=5 tokens or 5 or fewer"):
-        PromptSource(records, tokenizer, "native", "prompt", None, 5).within_prompt_length("validation")
+        PromptSource(records, tokenizer, "native", None, "messages", 5).within_prompt_length("validation")
+
+
+def test_a_prompt_column_is_tokenized_as_it_is_and_a_messages_column_through_the_template_as_roll(tmp_path):
+    """ROLL's RLVR encode_function: the messages column goes through data_args.template, the prompt column to the
+    tokenizer as it is (special tokens added: the text is the formatted prompt); preprocess_dataset's length rule
+    counts those same tokens, so a short raw prompt is dropped where its templated chat is kept."""
+    from transformers import AutoTokenizer
+
+    from apps.rlvr.rollout import PromptSource
+    from rl_engines.tiny_model import build_tiny_tokenizer
+
+    build_tiny_tokenizer(tmp_path, [f"{a}+{b}={a + b}" for a in range(20) for b in range(20)], vocab_size=256)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    formatted = prompt_text([{"role": "user", "content": "12+13="}], tokenizer, "native")
+    as_chat = PromptSource([{"messages": [{"role": "user", "content": "12+13="}]}], tokenizer, "native", None,
+                           "messages", 64)  # fmt: skip
+    as_text = PromptSource([{"prompt": formatted}, {"prompt": "1+1="}], tokenizer, "native", "prompt", None, 64)
+    chat_ids, text_ids = (
+        as_chat.batch([0], ["a"]).batch["input_ids"][0],
+        as_text.batch([0], ["b"]).batch["input_ids"][0],
+    )
+    assert text_ids.tolist() == tokenizer(formatted)["input_ids"]  # no second template around the formatted text
+    assert chat_ids.tolist() == tokenizer(formatted, add_special_tokens=False)["input_ids"]
+    kept, line = as_text.within_prompt_length("training")
+    assert [r["prompt"] for r in kept.records] == [formatted] and line is not None  # "1+1=": 5 tokens or fewer
 
 
 def test_rolls_chatml_and_qwen3_templates(tmp_path):

@@ -84,11 +84,14 @@ def test_rolls_rollout_dump_holds_each_steps_trained_responses_with_their_scores
     replay = RolloutReplay.from_config({"enable": True, "mode": "mock", "dump_dir": str(dumps)})
     assert replay is not None
     tokenizer = AutoTokenizer.from_pretrained(str(setup / "model"))
-    records = {row["prompt"]: row["ground_truth"] for row in map(json.loads, (setup / "train.jsonl").open())}
+    question = lambda messages: messages[0]["content"]  # noqa: E731
+    records = {
+        question(row["messages"]): row["ground_truth"] for row in map(json.loads, (setup / "train.jsonl").open())
+    }
     for step, metrics in enumerate(_rows(out)):
         (line,) = (folder / f"rollout_dump_data.step_{step}.jsonl").read_text().splitlines()
         columns = json.loads(line)
-        assert list(columns) == ["global_step", "prompt", "ground_truth", "domain", "responses", "scores",
+        assert list(columns) == ["global_step", "messages", "ground_truth", "domain", "responses", "scores",
                                  "sampling_params"]  # fmt: skip
         trained = replay.load(step)
         assert columns["global_step"] == [step] * len(trained)
@@ -96,7 +99,7 @@ def test_rolls_rollout_dump_holds_each_steps_trained_responses_with_their_scores
         assert columns["responses"] == tokenizer.batch_decode(trained.batch["responses"], skip_special_tokens=True)
         assert columns["scores"] == trained.batch["scores"].tolist()
         assert sum(columns["scores"]) / len(trained) == pytest.approx(metrics["critic/score/mean"], abs=1e-6)
-        assert [records[prompt] for prompt in columns["prompt"]] == columns["ground_truth"]
+        assert [records[question(messages)] for messages in columns["messages"]] == columns["ground_truth"]
         assert columns["domain"] == ["math_rule"] * len(trained)  # the reward section (ROLL's default domain)
         request = json.loads(columns["sampling_params"][0])
         assert request["global_step"] == step and request["generation_config"]["max_new_tokens"] == 8
