@@ -41,6 +41,11 @@ def check_rlvr_ranges(config: Any) -> None:
             f"global_template={config.global_template!r} is not supported; use one of {list(KNOWN_TEMPLATES)} (each "
             "applies the tokenizer's own chat template)."
         )
+    if not isinstance(config.tag_to_template, dict):
+        fail(f"tag_to_template must map a data tag to a template name, got {config.tag_to_template!r}.")
+    for tag, template in config.tag_to_template.items():
+        if template not in KNOWN_TEMPLATES:
+            fail(f"tag_to_template.{tag}={template!r} is not supported; use one of {list(KNOWN_TEMPLATES)}.")
     validation = config.validation
     if validation is not None and validation.eval_steps is not None and validation.eval_steps != config.eval_steps:
         fail(

@@ -94,6 +94,7 @@ class RLVRPipeline:
             image_processor(config),
             model_type(config),
             VideoOptions.from_data_args(data_args),
+            dict(config.tag_to_template),
         ).within_prompt_length("training")
         if dropped:
             log(dropped)

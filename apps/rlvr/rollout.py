@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,8 @@ class PromptSource:
     """The policy's model type (a vision-language model's rewards read it)."""
     videos: VideoOptions | None = None
     """How the records' videos are sampled (``data_args.video_*``)."""
+    tag_templates: dict[str, str] = field(default_factory=dict)
+    """ROLL's ``tag_to_template``: the template of a chat whose ``tag`` column is a key, over :attr:`template`."""
 
     def batch(self, indices: Sequence[int], uids: Sequence[str]) -> RolloutBatch:
         """Left-padded prompts ``[B, P]`` with ``record_index`` and ``prompt_uid`` per sample (and, for a
@@ -87,7 +89,11 @@ class PromptSource:
         through the chat template."""
         if self.raw:
             return [str(record[str(self.prompt_key)]) for record in records]
-        return [prompt_text(self._messages(record), self.tokenizer, self.template) for record in records]
+        return [prompt_text(self._messages(record), self.tokenizer, self._template(record)) for record in records]
+
+    def _template(self, record: dict[str, Any]) -> str:
+        tag = record.get("tag")
+        return self.tag_templates.get(str(tag), self.template) if tag is not None else self.template
 
     def _messages(self, record: dict[str, Any]) -> list[dict[str, str]]:
         messages = chat_messages(record, prompt_key=self.prompt_key, messages_key=self.messages_key)

@@ -65,7 +65,7 @@ class RLVRRolloutPipeline:
         template = str(config.global_template or data_args.get("template", "native"))
         no_records = PromptSource([], self.tokenizer, template, self.prompt_key, self.messages_key,
                                   config.prompt_length, image_processor(config), model_type(config),
-                                  VideoOptions.from_data_args(data_args))  # fmt: skip
+                                  VideoOptions.from_data_args(data_args), dict(config.tag_to_template))  # fmt: skip
         self.router = RewardRouter(config.rewards)
         replay = RolloutReplay.from_config(config.rollout_mock)
         self.validator = Validator.from_config(config, no_records, self.router, replay, log)

@@ -165,6 +165,7 @@ def test_the_small_config_passes():
         ({"system_envs": {"X": 1}}, WorkerConfigError, r"system_envs\.X must be a string"),
         ({"actor_train__system_envs": {"X": 1}}, WorkerConfigError, r"actor_train\.system_envs\.X must be a string"),
         ({"global_template": "vicuna"}, WorkerConfigError, r"global_template='vicuna' is not supported; use one of"),
+        ({"tag_to_template": {"code": "vicuna"}}, WorkerConfigError, r"tag_to_template.code='vicuna' is not supported"),
         ({"rollout_dump_dir": "./dumps"}, WorkerConfigError,
          r"rollout_dump_dir='\./dumps' is not an absolute path: ROLL writes its rollout dumps only to an absolute one"),
         ({"profiler_timeline": True, "profiler_memory": True}, WorkerConfigError,

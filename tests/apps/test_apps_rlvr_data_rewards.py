@@ -173,6 +173,27 @@ def test_a_prompt_column_is_tokenized_as_it_is_and_a_messages_column_through_the
     assert [r["prompt"] for r in kept.records] == [formatted] and line is not None  # "1+1=": 5 tokens or fewer
 
 
+def test_tag_to_template_formats_each_tags_chats_with_its_own_template_as_roll(tmp_path):
+    """ROLL's tag_to_template: a chat whose tag is a key takes that template, any other the data_args.template."""
+    from transformers import AutoTokenizer
+
+    from apps.rlvr.rollout import PromptSource
+    from rl_engines.tiny_model import build_tiny_tokenizer
+
+    build_tiny_tokenizer(tmp_path, ["1+1=2"], vocab_size=256)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    tokenizer.chat_template = (  # a default system turn, which ROLL's chatml leaves out
+        "<|im_start|>system\nYou are a helper.<|im_end|>\n{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{{ m['content'] }}<|im_end|>\n{% endfor %}<|im_start|>assistant\n"
+    )
+    chat = [{"role": "user", "content": "1+1="}]
+    records = [{"tag": "code", "messages": chat}, {"tag": "math", "messages": chat}, {"messages": chat}]
+    source = PromptSource(records, tokenizer, "native", None, "messages", 64, tag_templates={"code": "chatml"})
+    native, chatml = prompt_text(chat, tokenizer, "native"), prompt_text(chat, tokenizer, "chatml")
+    assert native != chatml
+    assert source.texts(records) == [chatml, native, native]
+
+
 def test_rolls_chatml_and_qwen3_templates(tmp_path):
     """ROLL's chatml is a fixed template (no default system turn, whatever the tokenizer's own adds) and its qwen3
     turns thinking on; both had applied the tokenizer's template as it is."""
