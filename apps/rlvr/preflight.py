@@ -33,6 +33,7 @@ from rl_core.batch import BatchSizeError
 from rl_engines.config import WorkerConfig
 from rl_engines.placement import ClusterSpec, PlacementPlan
 from rl_engines.roles import plan_roles
+from rl_engines.vision import is_vl_model
 
 
 def worker_sections(config: RLVRConfig) -> dict[str, WorkerConfig]:
@@ -66,8 +67,24 @@ def preflight(config: RLVRConfig) -> PreflightReport:
     check_video_model(config.actor_train.data_args, "actor_train", model_type(config))
     if config.validation is not None:
         report.notes.extend(check_data_args(config.validation.data_args, "validation"))
+        report.notes.extend(validation_encoding_notes(config))
         check_video_model(config.validation.data_args, "validation", model_type(config))
     return report
+
+
+def validation_encoding_notes(config: RLVRConfig) -> list[str]:
+    """The ``validation.data_args`` template and columns a text model's validation does not read, where they differ
+    from training's: ROLL's RLVR pipeline encodes the validation prompts with the training encode_function."""
+    if config.validation is None or is_vl_model(str(config.actor_train.model_args.model_name_or_path)):
+        return []  # ROLL's VLM pipeline reads validation's own
+    own, train = config.validation.data_args, config.actor_train.data_args
+    applied = {"template": config.global_template or train.get("template", "native"),
+               "prompt": train.get("prompt"), "messages": train.get("messages")}  # fmt: skip
+    where = {"template": "global_template" if config.global_template else "actor_train.data_args.template",
+             "prompt": "actor_train.data_args.prompt", "messages": "actor_train.data_args.messages"}  # fmt: skip
+    return [f"[preflight] validation.data_args.{key}={own[key]!r} is not read (a text model): as ROLL's RLVR "
+            f"pipeline, validation prompts are encoded as training's, with {where[key]} ({applied[key]!r}); set it "
+            "there to change both." for key in applied if key in own and own[key] != applied[key]]  # fmt: skip
 
 
 def rollout_preflight(config: RLVRConfig) -> PreflightReport:
@@ -88,11 +105,12 @@ def rollout_preflight(config: RLVRConfig) -> PreflightReport:
     placement = plan_roles(ClusterSpec(config.num_nodes, config.num_gpus_per_node), sections)
     check_rollout_only(config, sections)
     notes = device_only_notes(sections) + check_data_args(config.validation.data_args, "validation")
+    notes += validation_encoding_notes(config)
     check_video_model(config.validation.data_args, "validation", model_type(config))
     notes.append("[preflight] rollout pipeline: one pass over the validation set with actor_infer (validation."
                  "generating_args) and the rewards, as ROLL's RLVRRolloutPipeline; nothing trains, max_steps and "
                  "the actor_train / reference / critic sections are not read, except actor_train.data_args' "
-                 "prompt template and columns, which the validation data falls back to as in training.")  # fmt: skip
+                 "template and columns, which encode the validation prompts as in training.")  # fmt: skip
     return PreflightReport(placement, {}, {}, notes)
 
 

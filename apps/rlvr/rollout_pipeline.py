@@ -9,8 +9,8 @@ actor_infer (the weights of ``pretrain`` / ``actor_infer.model_args``; to evalua
 Logged once, as step 0: ROLL's ``val_correct/all/mean`` and ``val_correct/<tag>/mean`` (fraction of score-1
 answers), ``val/score/mean`` and ``val/score/<reward section>``, ``time/step_generate``; and the first ten prompts
 with their responses as one JSON log line, as ROLL. Only actor_infer and the reward roles start; ``max_steps`` and
-the training sections are not read, except ``actor_train.data_args``' template and prompt columns, which the
-validation data falls back to as in training. ``rollout_mock`` dumps or replays the validation rollout (split
+the training sections are not read, except ``actor_train.data_args``' template and prompt columns, which encode
+a text model's validation prompts as in training. ``rollout_mock`` dumps or replays the validation rollout (split
 ``val``) as in training.
 """
 
@@ -60,7 +60,7 @@ class RLVRRolloutPipeline:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(config.actor_infer.model_args.model_name_or_path))
-        data_args = config.actor_train.data_args  # the template and columns validation falls back to
+        data_args = config.actor_train.data_args  # a text model's validation prompts are encoded with these
         self.prompt_key, self.messages_key = data_args.get("prompt"), data_args.get("messages")
         template = str(config.global_template or data_args.get("template", "native"))
         no_records = PromptSource([], self.tokenizer, template, self.prompt_key, self.messages_key,

@@ -45,8 +45,10 @@ class Validator:
         cls, config: RLVRConfig, train_prompts: PromptSource, router: RewardRouter, replay: RolloutReplay | None = None,
         log: Callable[[str], None] = print,
     ) -> Validator:  # fmt: skip
-        """Validation data (``validation.data_args``, prompt / messages columns as for training) and sampling; the
-        prompts ROLL drops for their length are dropped (``log`` says how many)."""
+        """Validation data (``validation.data_args.file_name``) and sampling; the prompts ROLL drops for their length
+        are dropped (``log`` says how many). A text model's prompts are encoded as training's (its columns,
+        templates), as ROLL's RLVR pipeline encodes both with one encode_function; a vision-language model's read
+        validation's own ``data_args`` (columns, template, pixel bounds, video sampling), as ROLL's VLM pipeline."""
         assert config.validation is not None
         data_args = config.validation.data_args
         files = data_args.get("file_name")
@@ -54,11 +56,17 @@ class Validator:
             raise ValueError(
                 "validation.data_args.file_name is not set; give the validation prompts or drop eval_steps."
             )
-        prompt_key = data_args.get("prompt", train_prompts.prompt_key if "messages" not in data_args else None)
-        messages_key = data_args.get("messages", train_prompts.messages_key if prompt_key is None else None)
+        prompt_key, messages_key, template = (
+            train_prompts.prompt_key,
+            train_prompts.messages_key,
+            train_prompts.template,
+        )
+        if train_prompts.image_processor is not None:
+            prompt_key = data_args.get("prompt", prompt_key if "messages" not in data_args else None)
+            messages_key = data_args.get("messages", messages_key if prompt_key is None else None)
+            template = config.global_template or data_args.get("template", template)
         records = load_records(files, prompt_key=prompt_key, messages_key=messages_key,
                                layout=record_layout(data_args, "validation"))  # fmt: skip
-        template = config.global_template or data_args.get("template", train_prompts.template)
         processor = train_prompts.image_processor
         if processor is not None and ("image_min_pixels" in data_args or "image_max_pixels" in data_args):
             processor = image_processor(config, data_args)  # its own pixel bounds

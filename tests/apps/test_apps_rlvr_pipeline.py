@@ -233,6 +233,22 @@ def test_global_template_overrides_the_data_args_template(setup):
     assert templates("+global_template=qwen2_5") == ("qwen2_5", "qwen2_5")
 
 
+def test_a_text_models_validation_prompts_are_encoded_as_trainings_as_roll(setup):
+    """ROLL's RLVR pipeline encodes validation prompts with the training encode_function: a different
+    validation.data_args.template (or column) is not read, and pre-flight says so; the per-tag templates apply."""
+    from apps.common.yaml_config import load_config
+    from apps.rlvr.config import RLVRConfig
+    from apps.rlvr.pipeline import RLVRPipeline
+
+    lines: list[str] = []
+    overrides = ["+validation.data_args.template=chatml", "+tag_to_template={math: qwen3}"]
+    pipeline = RLVRPipeline(RLVRConfig.from_dict(load_config(setup / "rlvr.yaml", overrides)), log=lines.append)
+    assert pipeline.validator is not None
+    shown = pipeline.validator.prompts
+    assert (shown.template, shown.messages_key, shown.tag_templates) == ("native", "messages", {"math": "qwen3"})
+    assert any("validation.data_args.template='chatml' is not read" in line for line in lines)
+
+
 def test_a_lora_actor_trains_adapters_against_its_own_base_as_the_reference(setup, capsys):
     """LoRA (ROLL's model_args.lora_*) with the KL loss: no reference role starts, actor_train scores the base with
     its adapters disabled. At step 0 the fresh adapters (B = 0) are the base, so the KL to the reference is 0; once
