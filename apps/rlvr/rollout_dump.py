@@ -54,7 +54,8 @@ def dump_columns(
     columns["responses"] = list(responses)
     columns["scores"] = [float(score) for score in rollout.batch["scores"]]
     config = dataclasses.asdict(generating)
-    if config["include_stop_str_in_output"] is None:  # ROLL's GeneratingArguments.to_dict() leaves it out then
+    del config["max_length"]  # ROLL's GeneratingArguments.to_dict() leaves it out when max_new_tokens is set
+    if config["include_stop_str_in_output"] is None:  # and this one when None
         del config["include_stop_str_in_output"]
     columns["sampling_params"] = [json.dumps({"global_step": step, "generation_config": config})] * count
     return columns

@@ -66,6 +66,10 @@ def test_the_worker_sections_of_a_real_roll_file_load():
             {"generating_args": {"include_stop_str_in_output": False}},
             r"actor_train\.generating_args\.include_stop_str_in_output=false is not supported: .* set it to true",
         ),
+        ({"generating_args": {"do_sample": False}}, r"generating_args\.do_sample=False is not supported: for greedy"),
+        ({"generating_args": {"max_length": 512}}, r"generating_args\.max_length=512 .* cap the response with max_new"),
+        ({"generating_args": {"length_penalty": 0.5}}, r"generating_args\.length_penalty=0\.5 .* beam search"),
+        ({"generating_args": {"logprobs": 5}}, r"generating_args\.logprobs=5 is not supported"),
         ({"infer_batch_size": True}, r"actor_train\.infer_batch_size must be int, got bool"),
         ({"device_mapping": "list(range(0,8)) + os.system('x')"}, r"actor_train\.device_mapping"),
         ({"training_args": {"max_grad_norm": -1}}, r"actor_train\.training_args\.max_grad_norm must be > 0 or null"),
@@ -74,6 +78,16 @@ def test_the_worker_sections_of_a_real_roll_file_load():
 def test_bad_values_are_rejected_with_the_key_path(section, message):
     with pytest.raises(WorkerConfigError, match=message):
         WorkerConfig.from_dict(section, "actor_train")
+
+
+def test_rolls_other_generating_args_keys_load_at_their_defaults():
+    """ROLL's GeneratingArguments keys that change nothing here at their defaults (as its to_dict() passes them)."""
+    keys = {"do_sample": True, "max_length": 8192, "length_penalty": 1.0, "logprobs": 0}
+    config = WorkerConfig.from_dict({"generating_args": keys}, "actor_infer")
+    assert (config.generating_args.do_sample, config.generating_args.logprobs) == (True, 0)
+    assert (
+        WorkerConfig.from_dict({"generating_args": {"logprobs": None}}, "actor_infer").generating_args.logprobs is None
+    )
 
 
 def test_null_is_accepted_only_where_the_default_allows_it():

@@ -263,9 +263,19 @@ class GeneratingArgs:
     default, and what ``true`` asks for. ``false`` (the engine trims the stop from what it returns) is refused."""
     seed: int | None = None
     """Sampling seed (offset by the worker's rank); with it a generate call is reproducible."""
+    do_sample: bool = True
+    """ROLL's key, accepted at its default: responses are sampled (``temperature: 0`` decodes greedily). ``false``
+    is refused: ROLL's vLLM and SGLang strategies ignore it and keep sampling, its HF strategy decodes greedily."""
+    max_length: int = 8192
+    """ROLL's key, accepted at its default: ROLL drops it whenever ``max_new_tokens`` is set (always here)."""
+    length_penalty: float = 1.0
+    """ROLL's key, accepted at its default: it weighs beam search's hypotheses, and ``num_beams`` is 1."""
+    logprobs: int | None = 0
+    """ROLL's key, accepted at its default (0 or null): the engines return the sampled tokens' log-probs only."""
 
     def validate(self, prefix: str) -> None:
         """Raise :class:`WorkerConfigError` naming ``<prefix>.<key>`` for the first bad value."""
+        self._check_roll_defaults(prefix)
         if self.max_new_tokens < 1:
             raise WorkerConfigError(f"{prefix}.max_new_tokens must be >= 1, got {self.max_new_tokens}.")
         if self.temperature < 0:
@@ -280,6 +290,24 @@ class GeneratingArgs:
             raise WorkerConfigError(
                 f"{prefix}.include_stop_str_in_output=false is not supported: responses keep the tokens of the stop "
                 "string or EOS that ended them (ROLL's default); remove the key or set it to true."
+            )
+
+    def _check_roll_defaults(self, prefix: str) -> None:
+        """ROLL's GeneratingArguments keys that do nothing here but at their defaults: any other value is refused."""
+        why = {
+            "do_sample": (True, "for greedy decoding set temperature: 0 (ROLL's vLLM and SGLang strategies ignore "
+                                "do_sample and keep sampling; its HF strategy decodes greedily)"),
+            "max_length": (8192, "ROLL drops it whenever max_new_tokens is set, as it always is; cap the response "
+                                 "with max_new_tokens"),
+            "length_penalty": (1.0, "it weighs beam search's hypotheses and num_beams is 1"),
+        }  # fmt: skip
+        for key, (default, reason) in why.items():
+            if getattr(self, key) != default:
+                raise WorkerConfigError(f"{prefix}.{key}={getattr(self, key)!r} is not supported: {reason}. Remove it.")
+        if self.logprobs not in (0, None):
+            raise WorkerConfigError(
+                f"{prefix}.logprobs={self.logprobs!r} is not supported: generation returns the sampled tokens' "
+                "log-probs only (ROLL's default 0); remove it."
             )
 
 
