@@ -40,21 +40,29 @@ def saves_of_run(config: Any) -> int:
     return steps // every + (1 if steps % every else 0)
 
 
+def checkpoints_on_disk(config: Any) -> int:
+    """The most checkpoints the run holds at once: every one it writes, or with ``max_ckpt_to_keep`` N, N + 1 (the
+    older ones are deleted after the new one is complete)."""
+    saves, keep = saves_of_run(config), int(getattr(config, "max_ckpt_to_keep", 0))
+    return saves if keep <= 0 else min(saves, keep + 1)
+
+
 def checkpoint_space_warning(config: Any) -> str | None:
     """A warning when the file system of the checkpoint folder has less free space than one checkpoint needs (or
-    than all the checkpoints the run writes, which are all kept); None when they fit or the size is unknown."""
+    than the checkpoints the run holds at once, :func:`checkpoints_on_disk`); None when they fit or the size is
+    unknown."""
     one = checkpoint_bytes(config)
     if not one:
         return None
     root = checkpoint_dir(config, 0).parent
-    free, saves = free_bytes(root), saves_of_run(config)
+    free, saves = free_bytes(root), checkpoints_on_disk(config)
     if free >= one * saves:
         return None
     fits = free // one
-    what = f"room for {fits} of the {saves} checkpoints this run writes" if fits else "the first save will fail"
+    what = f"room for {fits} of the {saves} checkpoints this run holds" if fits else "the first save will fail"
     return (
         f"[preflight] warning: {root} has {format_bytes(free)} free, but one checkpoint needs about "
         f"{format_bytes(one)} (model + optimizer states of the training roles over all ranks, plus the HuggingFace "
         f"export of the policy): {what}. Free space there, point output_dir (or checkpoint_config.output_dir) at a "
-        "larger disk, or save less often (raise save_steps) and delete older checkpoint-<step> folders."
+        "larger disk, or save less often (raise save_steps) or keep fewer (max_ckpt_to_keep)."
     )

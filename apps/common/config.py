@@ -77,6 +77,9 @@ class SharedConfig:
     """Pipeline steps (rollout + train) to run."""
     save_steps: int = 10000
     """Checkpoint every this many steps."""
+    max_ckpt_to_keep: int = 0
+    """Complete checkpoints kept: after each save the older ones beyond the newest this many are deleted (ROLL's
+    cleanup, with its log line); 0 keeps every one."""
     logging_steps: int = 1
     """Log metrics every this many steps."""
     eval_steps: int = 10

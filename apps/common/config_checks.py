@@ -23,7 +23,7 @@ NORM_TYPES = (None, "batch", "group")
 MINIMUM = {
     "rollout_batch_size": 1, "ppo_epochs": 1, "max_steps": 1, "logging_steps": 1, "save_steps": 1, "eval_steps": 0,
     "num_nodes": 1, "num_gpus_per_node": 1, "rpc_timeout": 1e-9, "async_generation_ratio": 0.0, "critic_warmup": 0,
-    "kl_horizon": 1,
+    "kl_horizon": 1, "max_ckpt_to_keep": 0,
 }  # fmt: skip
 UNIT_INTERVAL = ("gamma", "lambd", "difficulty_low_threshold", "difficulty_high_threshold")
 

@@ -14,7 +14,7 @@ from apps.common.plots import DEFAULT_CURVES, plot_metrics
 from apps.common.progress import StepProgress
 from apps.common.timeline import Timeline
 from apps.common.trackers import StdoutTracker, build_trackers, keep_metrics_before
-from apps.common.training import resume_folder
+from apps.common.training import prune_checkpoints, resume_folder
 from rl_replay.metrics import append_metrics
 
 
@@ -85,6 +85,9 @@ def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, .
                     tracker.log(step, metrics)
             if saving is not None and ((step + 1) % config.save_steps == 0 or step + 1 == max_steps):
                 saving.save(step)
+                if deleted := prune_checkpoints(config):
+                    pipeline.log(f"[{name}] Cleaning up old checkpoints. Keeping {config.max_ckpt_to_keep}, deleting "
+                                 f"steps: {deleted}")  # fmt: skip
                 pipeline.timeline.write(output / "timeline.json")  # what a resume from this checkpoint continues
             progress.update(metrics)
     finally:

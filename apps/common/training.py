@@ -136,6 +136,25 @@ def resume_folder(config: Any) -> Path | None:
     return folder
 
 
+def prune_checkpoints(config: Any) -> list[int]:
+    """ROLL's ``max_ckpt_to_keep``: the newest that many complete checkpoints stay; every other ``checkpoint-<step>``
+    folder of an older step (complete, or left half-written by a killed save) is deleted. Returns the steps deleted
+    (none when the key is 0)."""
+    keep = int(config.max_ckpt_to_keep)
+    root = checkpoint_dir(config, 0).parent
+    if keep <= 0 or not root.is_dir():
+        return []
+    folders = {int(p.name.split("-")[-1]): p for p in root.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()}
+    complete = sorted((step for step, p in folders.items() if (p / PIPELINE_STATE).exists()), reverse=True)
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[keep - 1]
+    doomed = sorted(step for step in folders if step < oldest_kept)
+    for step in doomed:
+        shutil.rmtree(folders[step], ignore_errors=True)
+    return doomed
+
+
 def save_checkpoint(roles: Roles, folder: Path, state: dict[str, Any]) -> None:
     """Resumable checkpoints of the training roles, the policy as a HuggingFace folder (``actor_hf``), then the
     driver's ``state`` (``pipeline_state.json``, which marks the folder complete).

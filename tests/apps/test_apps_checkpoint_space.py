@@ -49,13 +49,16 @@ def test_preflight_warns_with_both_numbers_when_checkpoints_will_not_fit(setup, 
         f"[preflight] warning: {root} has {format_bytes(one - 1)} free, but one checkpoint needs about "
         f"{format_bytes(one)} (model + optimizer states of the training roles over all ranks, plus the HuggingFace "
         "export of the policy): the first save will fail. Free space there, point output_dir (or "
-        "checkpoint_config.output_dir) at a larger disk, or save less often (raise save_steps) and delete older "
-        "checkpoint-<step> folders."
+        "checkpoint_config.output_dir) at a larger disk, or save less often (raise save_steps) or keep fewer "
+        "(max_ckpt_to_keep)."
     )
     free["bytes"] = one + one // 2  # max_steps=4, save_steps=2: two checkpoints, both kept
-    assert ": room for 1 of the 2 checkpoints this run writes. " in str(checkpoint_space_warning(config))
+    assert ": room for 1 of the 2 checkpoints this run holds. " in str(checkpoint_space_warning(config))
     free["bytes"] = 2 * one
     assert checkpoint_space_warning(config) is None
+    free["bytes"] = 3 * one  # every step saved: four; keeping two, three at once (the new one before the cleanup)
+    assert ": room for 3 of the 4 checkpoints" in str(checkpoint_space_warning(_config(setup, "save_steps=1")))
+    assert checkpoint_space_warning(_config(setup, "save_steps=1", "+max_ckpt_to_keep=2")) is None
     free["bytes"] = 0
     logged: list[str] = []
     RLVRPipeline(_config(setup), log=logged.append)  # the pipeline logs it before any worker starts
