@@ -40,7 +40,14 @@ from apps.common.preflight import replays_rollouts, role_sections, started_secti
 from apps.common.profiler import worker_envs
 from apps.common.sampler_state import SamplerState
 from apps.common.timeline import Timeline
-from apps.common.training import checkpoint_dir, load_roles, save_checkpoint, score_with_roles, train_roles
+from apps.common.training import (
+    checkpoint_dir,
+    load_roles,
+    save_checkpoint,
+    score_with_roles,
+    sync_bucket_bytes,
+    train_roles,
+)
 from rl_core.batch import RolloutBatch
 from rl_core.batch_size import TrainBatchPlan
 from rl_engines.config import GeneratingArgs
@@ -152,7 +159,8 @@ class AgenticPipeline:
         sections = started_sections(self.base)
         envs = worker_envs(self.base, self.log)
         self.roles = Roles(cluster, sections, rpc_timeout=self.base.rpc_timeout, system_envs=envs)
-        self.updater = None if replays_rollouts(self.base) else self.roles.model_updater()
+        bucket_bytes = sync_bucket_bytes(self.base)
+        self.updater = None if replays_rollouts(self.base) else self.roles.model_updater(bucket_bytes=bucket_bytes)
         self.log(f"[agentic] train environments: {self.train_envs.describe()}")
 
     def stop(self) -> None:

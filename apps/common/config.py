@@ -77,6 +77,10 @@ class SharedConfig:
     """Pipeline steps (rollout + train) to run."""
     save_steps: int = 10000
     """Checkpoint every this many steps."""
+    model_update_buffer_size_mb: int | None = None
+    """ROLL's bucket size of the train -> infer weight sync, in MiB (ROLL's default 1024); null: 64 MiB, a size a
+    small ``/dev/shm`` holds (colocated roles sync through shared memory). ``model_update/buckets`` reports the
+    count."""
     max_ckpt_to_keep: int = 0
     """Complete checkpoints kept: after each save the older ones beyond the newest this many are deleted (ROLL's
     cleanup, with its log line); 0 keeps every one."""

@@ -54,8 +54,9 @@ def check_ranges(config: Any) -> None:
     if config.entropy_loss_coef < 0:
         fail(f"entropy_loss_coef={config.entropy_loss_coef}: ROLL adds the entropy term only when the coefficient is "
              "> 0, so a negative one changes nothing there; set 0, or a positive bonus.")  # fmt: skip
-    if config.val_batch_size is not None and config.val_batch_size < 1:
-        fail(f"val_batch_size must be >= 1 or null, got {config.val_batch_size}.")
+    for key in ("val_batch_size", "model_update_buffer_size_mb"):
+        if getattr(config, key) is not None and getattr(config, key) < 1:
+            fail(f"{key} must be >= 1 or null, got {getattr(config, key)}.")
     if float(config.async_generation_ratio) != int(config.async_generation_ratio):
         fail(
             f"async_generation_ratio must be a whole number of batches to generate ahead (0 = synchronous, 1, 2, "

@@ -15,6 +15,7 @@ from rl_core.batch_size import TrainBatchPlan
 from rl_core.seqlen_balance import balanced_minibatch_order
 from rl_engines.disk_space import SAVE_FIX, OutOfSpaceError, error_code, out_of_space_cause, out_of_space_message
 from rl_engines.roles import Roles
+from rl_engines.weight_sync import DEFAULT_BUCKET_BYTES
 from rl_engines.worker_group import WorkerGroup
 
 TRAIN_ROLES = ("actor_train", "critic")
@@ -134,6 +135,12 @@ def resume_folder(config: Any) -> Path | None:
             f"resume_from_checkpoint={value!r}: {folder} is not a complete checkpoint (no pipeline_state.json)."
         )
     return folder
+
+
+def sync_bucket_bytes(config: Any) -> int:
+    """Bytes of one weight-sync bucket: ``model_update_buffer_size_mb`` MiB, else rl-engines' default."""
+    size = config.model_update_buffer_size_mb
+    return DEFAULT_BUCKET_BYTES if size is None else int(size) * 2**20
 
 
 def prune_checkpoints(config: Any) -> list[int]:

@@ -30,7 +30,14 @@ from apps.common.profiler import worker_envs
 from apps.common.sample_filters import SampleShaping, apply_sample_masks, apply_sample_weights
 from apps.common.sampler_state import SamplerState
 from apps.common.timeline import Timeline
-from apps.common.training import checkpoint_dir, load_roles, save_checkpoint, score_with_roles, train_roles
+from apps.common.training import (
+    checkpoint_dir,
+    load_roles,
+    save_checkpoint,
+    score_with_roles,
+    sync_bucket_bytes,
+    train_roles,
+)
 from apps.rlvr.config import RLVRConfig
 from apps.rlvr.data import PromptSampler, load_records, record_layout
 from apps.rlvr.domains import DomainSampler, domain_probs
@@ -149,7 +156,7 @@ class RLVRPipeline:
             sections.update(self.router.role_sections())  # LLM judges: a model role each (rewards.<name>)
         envs = worker_envs(self.config, self.log)
         self.roles = Roles(cluster, sections, rpc_timeout=self.config.rpc_timeout, system_envs=envs)
-        self.updater = None if replaying else self.roles.model_updater()
+        self.updater = None if replaying else self.roles.model_updater(bucket_bytes=sync_bucket_bytes(self.config))
         if not replaying:
             self.router.start_workers(self.config.rpc_timeout, envs)
             self.router.attach_judges(self.roles, self.prompt_key, self.messages_key)

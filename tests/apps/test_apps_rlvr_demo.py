@@ -37,11 +37,14 @@ def test_a_short_seeded_grpo_run_raises_the_expected_reward(tmp_path, capsys, lo
     computed exactly over every problem from the saved HF folder), and the demo reports its rewards. With --lora
     only the adapters train; the exported folder is the base with them merged in (and the adapters apart)."""
     out = tmp_path / "demo"
+    buffer = [] if lora else ["+model_update_buffer_size_mb=1"]  # ROLL's sync bucket size, in MiB
     assert main([*(["--lora"] if lora else []), f"max_steps={STEPS}", f"save_steps={STEPS}", "eval_steps=0",
-                 f"output_dir={out}", f"logging_dir={out}/logs"]) == 0  # fmt: skip
+                 f"output_dir={out}", f"logging_dir={out}/logs", *buffer]) == 0  # fmt: skip
     assert "[demo] mean reward (fraction of correct sums): first" in capsys.readouterr().out
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == list(range(STEPS))
+    if not lora:  # the 7.9 MB of weights in 1 MiB buckets (one bucket of the default 64 MiB)
+        assert steps[0]["model_update/buckets"] >= steps[0]["model_update/bytes"] / 2**20
     before = score_policy(warm_model())
     exported = out / "checkpoints" / f"checkpoint-{STEPS - 1}" / "actor_hf"
     after = score_policy(exported)
