@@ -45,6 +45,8 @@ from apps.common.training import (
     load_roles,
     save_checkpoint,
     score_with_roles,
+    start_pipeline_ray,
+    stop_pipeline_roles,
     sync_bucket_bytes,
     train_roles,
 )
@@ -53,7 +55,6 @@ from rl_core.batch_size import TrainBatchPlan
 from rl_engines.config import GeneratingArgs
 from rl_engines.model_update import ModelUpdater
 from rl_engines.placement import ClusterSpec
-from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.roles import Roles
 from rl_replay import RolloutReplay
 
@@ -150,11 +151,7 @@ class AgenticPipeline:
     def start(self) -> None:
         """Start Ray (CPU device slots when there is no GPU) and every role."""
         cluster = ClusterSpec(self.base.num_nodes, self.base.num_gpus_per_node)
-        # Ray found running (a test session's, a notebook's) is shared: stop() leaves it running.
-        if not torch.cuda.is_available():
-            self._started_ray = start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
-        else:
-            self._started_ray = start_ray()
+        self._started_ray = start_pipeline_ray(cluster)
         # a reference that enable_reference leaves off does not start, nor actor_infer in a replay
         sections = started_sections(self.base)
         envs = worker_envs(self.base, self.log)
@@ -166,11 +163,8 @@ class AgenticPipeline:
     def stop(self) -> None:
         """Wait for background episodes, stop every worker (and Ray when start() started it), close the environments."""
         self.executor.shutdown(wait=True)
-        if self.roles is not None:
-            self.roles.shutdown()
-            self.roles = None
-        if self._started_ray:
-            stop_ray(remove_temp_dir=True)
+        stop_pipeline_roles(self.roles, self._started_ray)
+        self.roles = None
         for envs in (self.train_envs, self.val_envs):
             if envs is not None:
                 envs.close()

@@ -21,7 +21,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
 from apps.agentic.config import AgenticConfig
 from apps.agentic.env_manager import EnvManager
@@ -33,9 +32,9 @@ from apps.common.model_hub import resolve_config_models
 from apps.common.preflight import replays_rollouts
 from apps.common.profiler import worker_envs
 from apps.common.timeline import Timeline
+from apps.common.training import start_pipeline_ray, stop_pipeline_roles
 from rl_core.batch import RolloutBatch
 from rl_engines.placement import ClusterSpec
-from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.roles import Roles
 from rl_replay import RolloutReplay
 
@@ -73,10 +72,7 @@ class AgenticRolloutPipeline:
         """Start Ray (CPU device slots when there is no GPU) and actor_infer (none when a replay gives the
         episodes)."""
         cluster = ClusterSpec(self.base.num_nodes, self.base.num_gpus_per_node)
-        if torch.cuda.is_available():
-            self._started_ray = start_ray()
-        else:  # Ray found running (a test session's) is shared: stop() leaves it running
-            self._started_ray = start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
+        self._started_ray = start_pipeline_ray(cluster)
         sections = {} if replays_rollouts(self.base) else {"actor_infer": self.base.actor_infer}
         self.roles = Roles(cluster, sections, rpc_timeout=self.base.rpc_timeout,
                            system_envs=worker_envs(self.base, self.log))  # fmt: skip
@@ -84,11 +80,8 @@ class AgenticRolloutPipeline:
 
     def stop(self) -> None:
         """Stop actor_infer (and Ray when start() started it), close the environments."""
-        if self.roles is not None:
-            self.roles.shutdown()
-            self.roles = None
-        if self._started_ray:
-            stop_ray(remove_temp_dir=True)
+        stop_pipeline_roles(self.roles, self._started_ray)
+        self.roles = None
         self.envs.close()
 
     def run(self) -> list[dict[str, float]]:

@@ -9,11 +9,15 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from apps.common.config import critic_enabled, reference_from_actor
 from rl_core.batch import RolloutBatch
 from rl_core.batch_size import TrainBatchPlan
 from rl_core.seqlen_balance import balanced_minibatch_order
 from rl_engines.disk_space import SAVE_FIX, OutOfSpaceError, error_code, out_of_space_cause, out_of_space_message
+from rl_engines.placement import ClusterSpec
+from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.roles import Roles
 from rl_engines.weight_sync import DEFAULT_BUCKET_BYTES
 from rl_engines.worker_group import WorkerGroup
@@ -135,6 +139,22 @@ def resume_folder(config: Any) -> Path | None:
             f"resume_from_checkpoint={value!r}: {folder} is not a complete checkpoint (no pipeline_state.json)."
         )
     return folder
+
+
+def start_pipeline_ray(cluster: ClusterSpec) -> bool:
+    """Start Ray for a pipeline's ``cluster`` (CPU device slots for it when there is no GPU). False when Ray was found
+    running (a test session's, a notebook's): it is shared, and :func:`stop_pipeline_roles` leaves it running."""
+    if torch.cuda.is_available():
+        return start_ray()
+    return start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
+
+
+def stop_pipeline_roles(roles: Roles | None, started_ray: bool) -> None:
+    """Stop every worker of ``roles``, then Ray when the pipeline started it."""
+    if roles is not None:
+        roles.shutdown()
+    if started_ray:
+        stop_ray(remove_temp_dir=True)
 
 
 def sync_bucket_bytes(config: Any) -> int:

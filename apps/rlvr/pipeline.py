@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from apps.common.algorithm import AlgorithmSettings, TargetBuilder
 from apps.common.checkpoint_space import checkpoint_space_warning
@@ -35,6 +34,8 @@ from apps.common.training import (
     load_roles,
     save_checkpoint,
     score_with_roles,
+    start_pipeline_ray,
+    stop_pipeline_roles,
     sync_bucket_bytes,
     train_roles,
 )
@@ -54,7 +55,6 @@ from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs
 from rl_engines.model_update import ModelUpdater
 from rl_engines.placement import ClusterSpec
-from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.request_scheduler import ScheduledGeneration
 from rl_engines.roles import Roles
 from rl_replay import RolloutReplay
@@ -143,11 +143,7 @@ class RLVRPipeline:
     def start(self) -> None:
         """Start Ray (CPU device slots when there is no GPU) and every role."""
         cluster = ClusterSpec(self.config.num_nodes, self.config.num_gpus_per_node)
-        # Ray found running (a test session's, a notebook's) is shared: stop() leaves it running.
-        if not torch.cuda.is_available():
-            self._started_ray = start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
-        else:
-            self._started_ray = start_ray()
+        self._started_ray = start_pipeline_ray(cluster)
         # a reference that enable_reference leaves off does not start, nor what a replay has no use for (the
         # inference role, the LLM judges and the reward workers: the dumped rollouts come scored)
         sections = started_sections(self.config)
@@ -164,11 +160,8 @@ class RLVRPipeline:
     def stop(self) -> None:
         """Stop every worker, and Ray when start() started it."""
         self.router.shutdown()
-        if self.roles is not None:
-            self.roles.shutdown()
-            self.roles = None
-        if self._started_ray:
-            stop_ray(remove_temp_dir=True)
+        stop_pipeline_roles(self.roles, self._started_ray)
+        self.roles = None
 
     def run(self) -> list[dict[str, float]]:
         """All steps; returns each step's metrics (also logged and appended to metrics.jsonl)."""

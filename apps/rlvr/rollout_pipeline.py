@@ -21,13 +21,12 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
-
 from apps.common.loop import cli_main, run_loop
 from apps.common.model_hub import resolve_config_models
 from apps.common.preflight import replays_rollouts
 from apps.common.profiler import worker_envs
 from apps.common.timeline import Timeline
+from apps.common.training import start_pipeline_ray, stop_pipeline_roles
 from apps.rlvr.config import RLVRConfig
 from apps.rlvr.preflight import rollout_preflight
 from apps.rlvr.rewards import RewardRouter
@@ -37,7 +36,6 @@ from apps.rlvr.video_data import VideoOptions
 from apps.rlvr.vl_data import image_processor, model_type
 from rl_core.batch import RolloutBatch
 from rl_engines.placement import ClusterSpec
-from rl_engines.ray_cluster import cpu_device_resources, start_ray, stop_ray
 from rl_engines.roles import Roles
 from rl_replay import RolloutReplay
 
@@ -77,10 +75,7 @@ class RLVRRolloutPipeline:
         """Start Ray (CPU device slots when there is no GPU), actor_infer, the LLM judges and the reward workers
         (none of them when a replay gives the scored rollout)."""
         cluster = ClusterSpec(self.config.num_nodes, self.config.num_gpus_per_node)
-        if torch.cuda.is_available():
-            self._started_ray = start_ray()
-        else:  # Ray found running (a test session's) is shared: stop() leaves it running
-            self._started_ray = start_ray(num_cpus=2, resources=cpu_device_resources(cluster))
+        self._started_ray = start_pipeline_ray(cluster)
         replaying = replays_rollouts(self.config)
         sections = {} if replaying else {"actor_infer": self.config.actor_infer, **self.router.role_sections()}
         envs = worker_envs(self.config, self.log)
@@ -92,11 +87,8 @@ class RLVRRolloutPipeline:
     def stop(self) -> None:
         """Stop every worker, and Ray when start() started it."""
         self.router.shutdown()
-        if self.roles is not None:
-            self.roles.shutdown()
-            self.roles = None
-        if self._started_ray:
-            stop_ray(remove_temp_dir=True)
+        stop_pipeline_roles(self.roles, self._started_ray)
+        self.roles = None
 
     def run(self) -> list[dict[str, float]]:
         """The one pass (step 0); returns its metrics in a list, as the training pipeline returns its steps'."""
