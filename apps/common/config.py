@@ -284,6 +284,26 @@ DEAD_ROLL_KEYS = {
 """Top-level keys of ROLL's config that no ROLL code reads: refused with where the setting really lives."""
 
 
+UNREAD_SHARED_KEYS = {
+    "report_length_and_rewards": (False, "ROLL only exports REPORT_LENGTH_AND_REWARDS=1 for it, which none of its code "
+                                         "reads since its scheduler refactor (a TODO there)"),
+}  # fmt: skip
+"""Top-level keys of ROLL's BaseConfig that no ROLL code acts on: ROLL's default passes (changing nothing, as there),
+any other value is refused naming why (:func:`pop_unread_roll_keys`)."""
+
+
+def pop_unread_roll_keys(values: dict[str, Any], table: dict[str, tuple[Any, str]]) -> None:
+    """Drop each key of ``table`` given at ROLL's default (or null; a mapping of nulls and zeros for a section);
+    refuse another value, saying why it would change nothing there and where the setting lives."""
+    for key, (default, why) in table.items():
+        if key not in values:
+            continue
+        value = values.pop(key)
+        unset = value is None or (isinstance(value, dict) and all(v in (None, 0) for v in value.values()))
+        if not unset and value != default:
+            raise WorkerConfigError(f"{key}={value!r} changes nothing, as in ROLL: {why}. Remove it.")
+
+
 LORA_VARIABLES = ("lora_target", "lora_rank", "lora_alpha", "lora_dropout")
 """Top-level keys ROLL's LoRA files define only to interpolate into the roles' model_args (``${lora_rank}``)."""
 
@@ -309,6 +329,7 @@ def pop_lora_variables(values: dict[str, Any]) -> None:
 def pop_shared_sections(values: dict[str, Any]) -> dict[str, Any]:
     """Remove the worker sections and ``rollout_mock`` from ``values``; return them parsed, by key."""
     pop_lora_variables(values)
+    pop_unread_roll_keys(values, UNREAD_SHARED_KEYS)
     for key in DEAD_ROLL_KEYS:
         if key in values:
             raise WorkerConfigError(DEAD_ROLL_KEYS[key])

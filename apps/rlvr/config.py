@@ -15,7 +15,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from apps.common.config import ROLL_PROMPT_LENGTH, SharedConfig, pop_shared_sections, validate_shared
+from apps.common.config import (
+    ROLL_PROMPT_LENGTH,
+    SharedConfig,
+    pop_shared_sections,
+    pop_unread_roll_keys,
+    validate_shared,
+)
 from rl_engines.config import GeneratingArgs, WorkerConfig, WorkerConfigError, build_dataclass
 
 
@@ -70,6 +76,20 @@ class ValidationConfig:
     eval_steps: int | None = None
     """Found in ROLL's files but read nowhere by ROLL (the top-level eval_steps schedules validation): accepted
     when it equals eval_steps, refused otherwise."""
+
+
+UNREAD_RLVR_KEYS = {
+    "val_greedy": (False, "ROLL's RLVRConfig declares it and reads it nowhere; validation decodes greedily with "
+                          "validation.generating_args.temperature: 0"),
+    "val_n_sample": (1, "ROLL's RLVRConfig declares it and reads it nowhere; responses per validation prompt are "
+                        "validation.generating_args.num_return_sequences"),
+    "dataset_filter": ({}, "ROLL's RLVRConfig declares it (source, min_difficulty, max_difficulty, num_samples) and "
+                           "reads it nowhere; filter the data files themselves"),
+    "balance_length": (False, "ROLL's RLVRConfig declares it and reads it nowhere"),
+    "minibatch_data_iter_num": (1, "ROLL's RLVRConfig declares it and reads it nowhere; passes over each batch are "
+                                   "ppo_epochs"),
+}  # fmt: skip
+"""RLVR keys of ROLL's config that no ROLL code reads: their defaults pass, another value is refused."""
 
 
 @dataclass
@@ -131,6 +151,7 @@ class RLVRConfig(SharedConfig):
     def from_dict(cls, values: dict[str, Any]) -> RLVRConfig:
         """Build and validate from a loaded config mapping; every error names the key path."""
         values = dict(values)
+        pop_unread_roll_keys(values, UNREAD_RLVR_KEYS)
         given = _given_max_new_tokens(values)
         sections = pop_shared_sections(values)
         rewards = values.pop("rewards", None) or {}

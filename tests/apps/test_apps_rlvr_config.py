@@ -388,6 +388,31 @@ def test_top_level_keys_rolls_parser_drops_pass_with_a_note():
         RLVRConfig.from_dict({**base(), "reward_system_config": "skip"})
 
 
+def test_keys_roll_declares_and_reads_nowhere_pass_at_their_defaults_and_are_refused_otherwise():
+    """val_greedy, val_n_sample, dataset_filter, balance_length, minibatch_data_iter_num (RLVRConfig) and
+    report_length_and_rewards (BaseConfig): ROLL acts on none of them, so a value asking for something is refused,
+    naming where that setting lives; its defaults load."""
+    defaults = {
+        "val_greedy": False,
+        "val_n_sample": 1,
+        "balance_length": False,
+        "minibatch_data_iter_num": 1,
+        "report_length_and_rewards": False,
+        "dataset_filter": {"source": None, "min_difficulty": None, "max_difficulty": None, "num_samples": 0},
+    }
+    preflight(RLVRConfig.from_dict({**base(), **defaults}))
+    for key, value, where in (("val_greedy", True, "validation.generating_args.temperature: 0"),
+                              ("val_n_sample", 4, "validation.generating_args.num_return_sequences"),
+                              ("dataset_filter", {"min_difficulty": 0.2}, "filter the data files themselves"),
+                              ("report_length_and_rewards", True, "REPORT_LENGTH_AND_REWARDS")):  # fmt: skip
+        with pytest.raises(WorkerConfigError, match=rf"{key}=.* changes nothing, as in ROLL: .*{where}"):
+            RLVRConfig.from_dict({**base(), key: value})
+    from apps.agentic.config import AgenticConfig
+
+    with pytest.raises(WorkerConfigError, match="report_length_and_rewards=True changes nothing"):
+        AgenticConfig.from_dict({"report_length_and_rewards": True})
+
+
 def test_data_args_that_change_nothing_here_pass_with_a_note():
     data_args = {"template": "qwen2_5", "preprocessing_num_workers": 16, "dataset_dir": "data",
                  "interleave_probs": "1.0", "tag": "tag"}  # fmt: skip
