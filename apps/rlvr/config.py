@@ -111,6 +111,12 @@ class RLVRConfig(SharedConfig):
     """Response tokens generated at most: actor_infer's and validation's ``generating_args.max_new_tokens`` are set
     to it, as ROLL sets them to ``sequence_length - prompt_length``; a ``sequence_length`` given beside it wins
     (ROLL discards ``response_length`` then), so it is ``sequence_length - prompt_length`` (pre-flight notes)."""
+    val_prompt_length: int | None = None
+    """ROLL's validation lengths, set together with ``val_sequence_length``: validation's
+    ``generating_args.max_new_tokens`` is ``val_sequence_length - val_prompt_length`` (training's budget otherwise).
+    Validation prompts are still kept or dropped by ``prompt_length``, as ROLL's RLVR pipeline does."""
+    val_sequence_length: int | None = None
+    """See ``val_prompt_length``."""
     num_return_sequences_in_group: int = 1
     """Responses per prompt; samples per step = rollout_batch_size x this."""
     is_num_return_sequences_expand: bool = False
@@ -196,15 +202,22 @@ def roll_lengths(config: RLVRConfig, given: dict[str, Any]) -> RLVRConfig:
         config = dataclasses.replace(config, response_length=budget)
     budget = config.response_length
     config = dataclasses.replace(config, actor_infer=_generating_at_most(config.actor_infer, budget))
+    budgets = {"actor_infer": (budget, "sequence_length - prompt_length")}
     if config.validation is not None:
-        config = dataclasses.replace(config, validation=_generating_at_most(config.validation, budget))
+        budgets["validation"] = budgets["actor_infer"]
+        if config.val_sequence_length is not None and config.val_prompt_length is not None:
+            budgets["validation"] = (config.val_sequence_length - config.val_prompt_length,
+                                     "val_sequence_length - val_prompt_length")  # fmt: skip
+        config = dataclasses.replace(config, validation=_generating_at_most(config.validation,
+                                                                            budgets["validation"][0]))  # fmt: skip
     for section, value in given.items():
-        if section == "validation" and config.validation is None:
+        if section not in budgets:
             continue
-        if value != budget:
+        tokens, rule = budgets[section]
+        if value != tokens:
             said = "not given (128 by default)" if value is None else f"{value}"
-            notes.append(f"[preflight] {section}.generating_args.max_new_tokens is {said}; it is {budget} "
-                         "(sequence_length - prompt_length), as ROLL sets it whatever the file says.")  # fmt: skip
+            notes.append(f"[preflight] {section}.generating_args.max_new_tokens is {said}; it is {tokens} "
+                         f"({rule}), as ROLL sets it whatever the file says.")  # fmt: skip
     config.length_notes = tuple(notes)
     return config
 

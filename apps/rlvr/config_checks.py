@@ -41,6 +41,18 @@ def check_rlvr_ranges(config: Any) -> None:
             f"global_template={config.global_template!r} is not supported; use one of {list(KNOWN_TEMPLATES)} (each "
             "applies the tokenizer's own chat template)."
         )
+    if (config.val_prompt_length is None) != (config.val_sequence_length is None):
+        fail(
+            f"val_prompt_length ({config.val_prompt_length}) and val_sequence_length ({config.val_sequence_length}) "
+            "are set together, as ROLL asserts; give both (validation generates val_sequence_length - "
+            "val_prompt_length tokens at most) or neither."
+        )
+    lengths = (config.val_prompt_length, config.val_sequence_length)
+    if lengths[0] is not None and lengths[1] is not None and not 0 < lengths[0] < lengths[1]:
+        fail(
+            f"val_sequence_length ({lengths[1]}) must exceed val_prompt_length ({lengths[0]}) > 0: validation "
+            "generates their difference at most."
+        )
     if not isinstance(config.tag_to_template, dict):
         fail(f"tag_to_template must map a data tag to a template name, got {config.tag_to_template!r}.")
     for tag, template in config.tag_to_template.items():

@@ -497,6 +497,22 @@ def test_roll_length_rules_set_max_new_tokens_and_let_sequence_length_win():
         RLVRConfig.from_dict({"rewards": rewards, "length_notes": ["derived, not a key"]})
 
 
+def test_val_prompt_and_sequence_length_set_validations_budget_as_roll():
+    """ROLL's RLVR config: validation's max_new_tokens = val_sequence_length - val_prompt_length when both are set
+    (its base config asserts they come together); training's budget is unchanged."""
+    rewards = {"math": {"worker_cls": "x.ExactMatchRewardWorker"}}
+    base_values = {"rewards": rewards, "prompt_length": 32, "response_length": 64, "validation": {"data_args": {}}}
+    config = RLVRConfig.from_dict({**base_values, "val_prompt_length": 40, "val_sequence_length": 140})
+    assert config.validation.generating_args.max_new_tokens == 100
+    assert config.actor_infer.generating_args.max_new_tokens == 64
+    assert "validation.generating_args.max_new_tokens is not given (128 by default); it is 100 (val_sequence_length" \
+        in config.length_notes[1]  # fmt: skip
+    with pytest.raises(WorkerConfigError, match=r"val_prompt_length \(40\) and val_sequence_length \(None\) are set"):
+        RLVRConfig.from_dict({**base_values, "val_prompt_length": 40})
+    with pytest.raises(WorkerConfigError, match=r"val_sequence_length \(40\) must exceed val_prompt_length \(40\)"):
+        RLVRConfig.from_dict({**base_values, "val_prompt_length": 40, "val_sequence_length": 40})
+
+
 def test_every_roll_rlvr_file_with_a_validation_set_passes_the_rollout_pipelines_preflight(roll_file):
     """ROLL runs its rollout pipeline on its training files: actor_infer and the rewards placed with their own
     engines, the training roles left out; an engine started with dummy weights is refused, as ROLL asserts."""
