@@ -17,7 +17,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from apps.common.config import ROLL_PROMPT_LENGTH, SharedConfig
+from apps.common.config import ROLL_PROMPT_LENGTH, SharedConfig, sampling_default_notes
 from rl_core.agentic_rewards import AGENTIC_GROUPINGS, AGENTIC_NORM_METHODS, NORM_TYPES
 from rl_engines.config import GeneratingArgs, WorkerConfigError, build_dataclass
 
@@ -411,6 +411,7 @@ class AgenticConfig:
         own = {f.name for f in dataclasses.fields(cls)} - {"base"}
         agentic = {k: values.pop(k) for k in list(values) if k in own}
         config = cls(base=SharedConfig.from_dict(_manager_sampling(values, agentic)))
+        config.base.sampling_notes = tuple(sampling_default_notes(_sampling_sections(values, agentic)))
         if "reward_normalization" in agentic:
             config.reward_normalization = build_dataclass(RewardNormalization, agentic["reward_normalization"],
                                                           "reward_normalization")  # fmt: skip
@@ -474,6 +475,19 @@ class _Scalars:
     ratio_type: str = "token"
     prompt_length: int | None = None
     response_length: int | None = None
+
+
+def _sampling_sections(values: dict[str, Any], agentic: dict[str, Any]) -> dict[str, Any]:
+    """The ``generating_args`` mappings the episodes sample with, by the key path the file gives them at:
+    train_env_manager's (else actor_infer's) for training, val_env_manager's when it has its own."""
+    sections = {}
+    for name in ("train_env_manager", "val_env_manager"):
+        given = (agentic.get(name) or {}).get("generating_args")
+        if given:
+            sections[f"{name}.generating_args"] = given
+    if "train_env_manager.generating_args" not in sections:
+        sections["actor_infer.generating_args"] = (values.get("actor_infer") or {}).get("generating_args") or {}
+    return sections
 
 
 def _manager_sampling(values: dict[str, Any], agentic: dict[str, Any]) -> dict[str, Any]:

@@ -67,7 +67,7 @@ def rollout_preflight(config: AgenticConfig) -> PreflightReport:
     sections = {"actor_infer": base.actor_infer}
     check_rollout_only(base, sections)
     placement = plan_roles(ClusterSpec(base.num_nodes, base.num_gpus_per_node), sections)
-    notes = episode_notes(config, sections, (config.train_env_manager,))
+    notes = episode_notes(config, sections, (config.train_env_manager,)) + list(base.sampling_notes)
     unread = "; val_env_manager does not run either" if config.val_env_manager is not None else ""
     notes.append("[preflight] rollout pipeline: only actor_infer starts and nothing trains, as ROLL's "
                  "AgenticRolloutPipeline: each step samples rollout_batch_size episodes of train_env_manager; the "

@@ -21,7 +21,7 @@ from rl_core.train_infer_correction import (
     TrainInferFilterConfig,
     TrainInferISWeightConfig,
 )
-from rl_engines.config import WorkerConfig, WorkerConfigError, build_dataclass
+from rl_engines.config import GeneratingArgs, WorkerConfig, WorkerConfigError, build_dataclass
 
 ROLE_KEYS = ("actor_train", "actor_infer", "reference", "critic")
 
@@ -243,6 +243,9 @@ class SharedConfig:
     """rl-replay dump / mock (enable, mode, dump_dir)."""
     actor_policy: ActorPolicyArgs = field(default_factory=ActorPolicyArgs)
     """The policy-loss keys of the actor_train section (worker_cls, pg_variant, tis_* ...), parsed apart."""
+    sampling_notes: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
+    """Derived at load, not a key: the pre-flight lines of sampling keys a file leaves out where ROLL's defaults
+    differ (:func:`sampling_default_notes`)."""
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> SharedConfig:
@@ -290,6 +293,29 @@ UNREAD_SHARED_KEYS = {
 }  # fmt: skip
 """Top-level keys of ROLL's BaseConfig that no ROLL code acts on: ROLL's default passes (changing nothing, as there),
 any other value is refused naming why (:func:`pop_unread_roll_keys`)."""
+
+
+ROLL_SAMPLING_DEFAULTS = {"temperature": 0.95, "top_p": 0.7, "top_k": 50}
+"""ROLL's GeneratingArguments defaults where rl-engines' differ (1.0, 1.0, -1: plain sampling, as verl's)."""
+
+
+def sampling_default_notes(sections: dict[str, Any]) -> list[str]:
+    """For each ``generating_args`` mapping of a file (by its key path) that samples (temperature not 0) and leaves
+    temperature / top_p / top_k out: a pre-flight line saying the value used here and ROLL's default, which differ."""
+    notes = []
+    for where, given in sections.items():
+        if not isinstance(given, dict) or given.get("temperature") == 0:
+            continue
+        left_out = [key for key in ROLL_SAMPLING_DEFAULTS if key not in given]
+        if not left_out:
+            continue
+        ours = {field.name: field.default for field in dataclasses.fields(GeneratingArgs)}
+        here = ", ".join(f"{key} {ours[key]}" for key in left_out)
+        roll = ", ".join(f"{key} {ROLL_SAMPLING_DEFAULTS[key]}" for key in left_out)
+        notes.append(f"[preflight] {where} leaves {' / '.join(left_out)} out: this run samples with {here} (plain "
+                     f"sampling, as verl's defaults); ROLL's defaults would be {roll}. Set them to sample as a ROLL "
+                     "run does.")  # fmt: skip
+    return notes
 
 
 def pop_unread_roll_keys(values: dict[str, Any], table: dict[str, tuple[Any, str]]) -> None:

@@ -249,7 +249,7 @@ def dropped_key_notes(config: SharedConfig) -> list[str]:
                      "only its remote reward-system worker reads one, from batch metadata its pipelines never set), so "
                      "it changes nothing here either.")  # fmt: skip
     notes += _old_log_prob_notes(config)
-    return notes
+    return notes + list(config.sampling_notes)
 
 
 def _old_log_prob_notes(config: SharedConfig) -> list[str]:

@@ -20,6 +20,7 @@ from apps.common.config import (
     SharedConfig,
     pop_shared_sections,
     pop_unread_roll_keys,
+    sampling_default_notes,
     validate_shared,
 )
 from rl_engines.config import GeneratingArgs, WorkerConfig, WorkerConfigError, build_dataclass
@@ -159,6 +160,11 @@ class RLVRConfig(SharedConfig):
         values = dict(values)
         pop_unread_roll_keys(values, UNREAD_RLVR_KEYS)
         given = _given_max_new_tokens(values)
+        sampling = {
+            f"{section}.generating_args": (values.get(section) or {}).get("generating_args") or {}
+            for section in ("actor_infer", "validation")
+            if section == "actor_infer" or values.get(section)
+        }
         sections = pop_shared_sections(values)
         rewards = values.pop("rewards", None) or {}
         if not isinstance(rewards, dict):
@@ -170,7 +176,9 @@ class RLVRConfig(SharedConfig):
             sections["validation"] = validation
         config = dataclasses.replace(build_dataclass(cls, values, ""), **sections)
         validate_rlvr(config)
-        return roll_lengths(config, given)
+        config = roll_lengths(config, given)
+        config.sampling_notes = tuple(sampling_default_notes(sampling))
+        return config
 
 
 def _given_max_new_tokens(values: dict[str, Any]) -> dict[str, Any]:

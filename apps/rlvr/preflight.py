@@ -106,6 +106,7 @@ def rollout_preflight(config: RLVRConfig) -> PreflightReport:
     check_rollout_only(config, sections)
     notes = device_only_notes(sections) + check_data_args(config.validation.data_args, "validation")
     notes += validation_encoding_notes(config)
+    notes += [note for note in config.sampling_notes if note.startswith("[preflight] validation.")]
     check_video_model(config.validation.data_args, "validation", model_type(config))
     notes.append("[preflight] rollout pipeline: one pass over the validation set with actor_infer (validation."
                  "generating_args) and the rewards, as ROLL's RLVRRolloutPipeline; nothing trains, max_steps and "

@@ -120,6 +120,9 @@ def test_every_roll_rlvr_file_passes_preflight_after_the_allowed_changes(roll_fi
     assert report.lr_decay_steps["actor_train"] >= 1
 
 
+PLAIN_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+
+
 def base() -> dict:
     """A small valid config (4 CPU slots, GRPO)."""
     worker = {"device_mapping": "list(range(0,2))", "model_args": {"model_name_or_path": "/models/tiny"}}
@@ -129,7 +132,7 @@ def base() -> dict:
         "actor_train": {**worker,
                         "training_args": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}},
         "actor_infer": {**worker, "strategy_args": {"strategy_name": "hf_infer"},
-                        "generating_args": {"max_new_tokens": 16, "num_return_sequences": 2}},
+                        "generating_args": {"max_new_tokens": 16, "num_return_sequences": 2, **PLAIN_SAMPLING}},
         "rewards": {"math_rule": {"worker_cls": "roll.pipeline.rlvr.rewards.math_rule_reward_worker."
                                                 "MathRuleRewardWorker"}},
     }  # fmt: skip
@@ -495,6 +498,19 @@ def test_roll_length_rules_set_max_new_tokens_and_let_sequence_length_win():
         RLVRConfig.from_dict({"rewards": rewards, "prompt_length": 32, "sequence_length": 32})
     with pytest.raises(WorkerConfigError, match=r"unknown key\(s\) \['length_notes'\]"):
         RLVRConfig.from_dict({"rewards": rewards, "length_notes": ["derived, not a key"]})
+
+
+def test_sampling_keys_a_file_leaves_out_where_rolls_defaults_differ_get_a_note():
+    """ROLL samples with temperature 0.95, top_p 0.7, top_k 50 where a file leaves them out; here rl-engines' plain
+    sampling (1.0, 1.0, -1) applies, and pre-flight says so per section (greedy validation needs no line)."""
+    sampling = {"max_new_tokens": 16, "num_return_sequences": 2, "top_p": 0.9}
+    greedy = {"data_args": {"file_name": "v.jsonl"}, "generating_args": {"temperature": 0}}
+    values = with_(base(), actor_infer__generating_args=sampling, validation=greedy)
+    notes = [note for note in preflight(RLVRConfig.from_dict(values)).notes if "ROLL's defaults would be" in note]
+    assert notes == ["[preflight] actor_infer.generating_args leaves temperature / top_k out: this run samples with "
+                     "temperature 1.0, top_k -1 (plain sampling, as verl's defaults); ROLL's defaults would be "
+                     "temperature 0.95, top_k 50. Set them to sample as a ROLL run does."]  # fmt: skip
+    assert not RLVRConfig.from_dict(base()).sampling_notes  # every key given
 
 
 def test_val_prompt_and_sequence_length_set_validations_budget_as_roll():

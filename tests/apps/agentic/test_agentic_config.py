@@ -186,6 +186,17 @@ def test_per_manager_generating_args_follow_rolls_precedence():
         AgenticConfig.from_dict(raw)
 
 
+def test_sampling_keys_a_manager_leaves_out_get_a_note_naming_it():
+    """ROLL's defaults (temperature 0.95, top_p 0.7, top_k 50) differ from the plain sampling used here where a file
+    leaves a key out: pre-flight names the section the file gives the sampling in."""
+    raw = load_config(require_shared(ROLL_TARGETS / "qwen2.5-0.5B-agentic/agent_val_frozen_lake.yaml"))
+    assert not AgenticConfig.from_dict(raw).base.sampling_notes  # ROLL's file sets all three
+    del raw["train_env_manager"]["generating_args"]["top_p"]
+    (note,) = AgenticConfig.from_dict(raw).base.sampling_notes
+    assert note.startswith("[preflight] train_env_manager.generating_args leaves top_p out: this run samples with "
+                           "top_p 1.0")  # fmt: skip
+
+
 def test_a_decaying_schedule_without_max_steps_gets_rolls_count():
     """ROLL's set_max_steps: agent_val_frozen_lake_gigpo.yaml uses cosine without training_args.max_steps; it decays
     over max_steps x rollout_batch_size x ppo_epochs / (per_device x accumulation x dp) = 10240 x 1024 / 1024."""
