@@ -7,10 +7,10 @@ checkpoint, point ``pretrain`` at its ``actor_hf`` folder) and logs ROLL's metri
 over the episodes' scores (one per episode, also of step samples), the same per tag ``val/<tag>/score/...``, the
 environments' metrics under ``val/`` (success rate, turns, valid actions, truncation), ``time/step_rollout`` and
 ``system/samples`` (episodes so far); every ``logging_steps`` steps the first ten episodes (prompt, response,
-episode_score) as one JSON log line, as ROLL. Metrics go to metrics.jsonl and the trackers as in training. Only
-actor_infer starts: the training sections and keys are not read (a pre-flight note says so), nothing is saved, and
-``resume_from_checkpoint`` is refused. ``rollout_mock`` dumps or replays the episodes as in training (ROLL's rollout
-scheduler does the same).
+episode_score) as one JSON log line, as ROLL. Metrics go to metrics.jsonl and the trackers as in training, under
+``<output_dir>/rollout_pipeline`` (:data:`OUTPUTS`). Only actor_infer starts: the training sections and keys are not
+read (a pre-flight note says so), nothing is saved, and ``resume_from_checkpoint`` is refused. ``rollout_mock``
+dumps or replays the episodes as in training (ROLL's rollout scheduler does the same).
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ from rl_engines.roles import Roles
 from rl_replay import RolloutReplay
 
 SHOWN = ("val/score/mean", "val/success_rate", "val/num_turns/mean", "time/step_rollout")
+OUTPUTS = "rollout_pipeline"
+"""Its metrics.jsonl, curves and timeline go to ``<output_dir>/rollout_pipeline`` and its tracker run is
+``<exp_name>_rollout_pipeline``: a training run's files in output_dir stay as they are."""
 EXAMPLES = 10
 """Episodes of the JSON log line every ``logging_steps`` (ROLL logs ten)."""
 
@@ -87,7 +90,7 @@ class AgenticRolloutPipeline:
     def run(self) -> list[dict[str, float]]:
         """All steps; returns each step's metrics (also logged and appended to metrics.jsonl)."""
         curves = [("val/score/mean", "mean episode score"), ("val/success_rate", "success rate")]
-        return run_loop(self, self.base, "agentic rollout", SHOWN, curves)
+        return run_loop(self, self.base, "agentic rollout", SHOWN, curves, subdir=OUTPUTS)
 
     def validates_at(self, step: int) -> bool:
         """Never: every step's episodes are what the run measures (ROLL logs them under ``val/``)."""

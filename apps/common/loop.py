@@ -42,16 +42,20 @@ class CheckpointedPipeline(LoopPipeline, Protocol):
 
 
 def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, ...],
-             curves: Sequence[tuple[str, str]] = DEFAULT_CURVES,
-             steps: int | None = None) -> list[dict[str, float]]:  # fmt: skip
+             curves: Sequence[tuple[str, str]] = DEFAULT_CURVES, steps: int | None = None,
+             subdir: str | None = None) -> list[dict[str, float]]:  # fmt: skip
     """All of ``config.max_steps`` steps (``steps`` when given; after a resume, the rest); returns each step's
     metrics.
 
     ``config`` has the shared top-level keys (output_dir, max_steps, logging / save steps, trackers, resume);
     ``name`` prefixes log lines; ``shown`` are the metrics of the stdout line; ``curves`` those of curves.png.
+    ``subdir``: the run writes its files under ``<output_dir>/<subdir>`` and names its tracker run
+    ``<exp_name>_<subdir>`` (a run that trains nothing, given a training file: the training run's metrics.jsonl,
+    curves and tracker runs in output_dir stay as they are).
     """
     max_steps = config.max_steps if steps is None else steps
-    output = Path(config.output_dir)
+    output = Path(config.output_dir) / (subdir or "")
+    exp_name = f"{config.exp_name}_{subdir}" if subdir else config.exp_name
     output.mkdir(parents=True, exist_ok=True)
     saving = pipeline if isinstance(pipeline, CheckpointedPipeline) else None
     resume_from = None if saving is None else resume_folder(config)
@@ -59,11 +63,11 @@ def run_loop(pipeline: LoopPipeline, config: Any, name: str, shown: tuple[str, .
     if resume_from is None:
         (output / "metrics.jsonl").unlink(missing_ok=True)  # a new run; a resumed one appends
     history = []
-    progress = StepProgress(max_steps, 0, desc=config.exp_name, enabled=pipeline.progress_bar)
+    progress = StepProgress(max_steps, 0, desc=exp_name, enabled=pipeline.progress_bar)
     if pipeline.log is print:  # log lines above the bar
         pipeline.log = progress.write
     stdout = StdoutTracker(output_dir=output, exp_name=name, shown=shown, log=pipeline.log)
-    trackers = build_trackers(config.track_with, output_dir=output, exp_name=config.exp_name,
+    trackers = build_trackers(config.track_with, output_dir=output, exp_name=exp_name,
                               kwargs=config.tracker_kwargs, stdout=stdout, first_step=first)  # fmt: skip
     try:
         pipeline.start()  # in the try: stop() frees what a start that failed half-way took

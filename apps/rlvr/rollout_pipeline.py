@@ -8,7 +8,8 @@ actor_infer (the weights of ``pretrain`` / ``actor_infer.model_args``; to evalua
 ``rewards`` sections grade the responses, exactly as training's validation does (:mod:`apps.rlvr.validation`).
 Logged once, as step 0: ROLL's ``val_correct/all/mean`` and ``val_correct/<tag>/mean`` (fraction of score-1
 answers), ``val/score/mean`` and ``val/score/<reward section>``, ``time/step_generate``; and the first ten prompts
-with their responses as one JSON log line, as ROLL. Only actor_infer and the reward roles start; ``max_steps`` and
+with their responses as one JSON log line, as ROLL; metrics.jsonl and the tracker as in training, under
+``<output_dir>/rollout_pipeline`` (:data:`OUTPUTS`). Only actor_infer and the reward roles start; ``max_steps`` and
 the training sections are not read, except ``actor_train.data_args``' template and prompt columns, which encode
 a text model's validation prompts as in training. ``rollout_mock`` dumps or replays the validation rollout (split
 ``val``) as in training.
@@ -40,6 +41,9 @@ from rl_engines.roles import Roles
 from rl_replay import RolloutReplay
 
 SHOWN = ("val_correct/all/mean", "val/score/mean", "time/step_generate")
+OUTPUTS = "rollout_pipeline"
+"""Its metrics.jsonl and timeline go to ``<output_dir>/rollout_pipeline`` and its tracker run is
+``<exp_name>_rollout_pipeline``: the training run's files in output_dir stay as they are."""
 EXAMPLES = 10
 """Prompts of the JSON log line (ROLL logs ten)."""
 
@@ -92,7 +96,7 @@ class RLVRRolloutPipeline:
 
     def run(self) -> list[dict[str, float]]:
         """The one pass (step 0); returns its metrics in a list, as the training pipeline returns its steps'."""
-        return run_loop(self, self.config, "rlvr rollout", SHOWN, curves=(), steps=1)
+        return run_loop(self, self.config, "rlvr rollout", SHOWN, curves=(), steps=1, subdir=OUTPUTS)
 
     def validates_at(self, step: int) -> bool:
         """Never apart from the step itself, which is the validation pass."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -305,8 +306,10 @@ def test_the_rollout_pipeline_scores_the_validation_set_as_training_validates_an
 
     from apps.rlvr.rollout_pipeline import main as rollout_main
 
-    _, train_dumps = dumped
+    trained_out, train_dumps = dumped
     out, dumps = tmp_path / "out", tmp_path / "dumps"
+    out.mkdir()
+    shutil.copy(trained_out / "metrics.jsonl", out / "metrics.jsonl")  # the training run's output_dir, as ROLL runs it
     args = ["--config_path", str(setup), "--config_name", "rlvr", f"output_dir={out}"]
     assert rollout_main([*args, "resume_from_checkpoint=true"]) == 2
     assert "the rollout pipeline trains nothing" in capsys.readouterr().err
@@ -316,7 +319,8 @@ def test_the_rollout_pipeline_scores_the_validation_set_as_training_validates_an
     step_0 = "val/step_000000.safetensors"
     ours, trained = load_file(dumps / step_0), load_file(train_dumps / step_0)
     assert ours.keys() == trained.keys() and all(torch.equal(ours[k], trained[k]) for k in ours)
-    (row,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (row,) = [json.loads(line) for line in (out / "rollout_pipeline" / "metrics.jsonl").read_text().splitlines()]
+    assert (out / "metrics.jsonl").read_bytes() == (trained_out / "metrics.jsonl").read_bytes()  # left as it was
     first = json.loads((setup / "out" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["step"] == 0 and row["time/step_generate"] > 0
     for key in ("val_correct/all/mean", "val/score/mean", "val/score/math_rule", "val/samples"):
