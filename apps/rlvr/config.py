@@ -102,8 +102,9 @@ class RLVRConfig(SharedConfig):
     global_template: str | None = None
     """Chat template of every prompt (training and validation), over ``actor_train.data_args.template``."""
     tag_to_template: dict[str, str] = field(default_factory=dict)
-    """Chat template of the prompts whose ``tag`` column names it (training and validation, a ``messages`` column),
-    over ``global_template`` / ``actor_train.data_args.template`` (ROLL's RLVR encode_function)."""
+    """Chat template of the prompts whose ``tag`` column names it (training and validation, a text model's
+    ``messages`` column), over ``global_template`` / ``actor_train.data_args.template`` (ROLL's RLVR
+    encode_function; its VLM pipeline reads no such key, nor does a vision-language model's run here)."""
     prompt_length: int = ROLL_PROMPT_LENGTH
     """Longest prompt in tokens: as ROLL's ``preprocess_dataset``, a text model's training and validation prompts
     with more tokens, or with 5 or fewer, are dropped when the data is loaded (a log line says how many); a

@@ -92,8 +92,11 @@ class PromptSource:
         return [prompt_text(self._messages(record), self.tokenizer, self._template(record)) for record in records]
 
     def _template(self, record: dict[str, Any]) -> str:
+        """The record's tag's template for a text model (ROLL's VLM pipeline reads no ``tag_to_template``)."""
         tag = record.get("tag")
-        return self.tag_templates.get(str(tag), self.template) if tag is not None else self.template
+        if tag is None or self.image_processor is not None:
+            return self.template
+        return self.tag_templates.get(str(tag), self.template)
 
     def _messages(self, record: dict[str, Any]) -> list[dict[str, str]]:
         messages = chat_messages(record, prompt_key=self.prompt_key, messages_key=self.messages_key)

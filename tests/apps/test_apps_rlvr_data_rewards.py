@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -192,6 +193,8 @@ def test_tag_to_template_formats_each_tags_chats_with_its_own_template_as_roll(t
     native, chatml = prompt_text(chat, tokenizer, "native"), prompt_text(chat, tokenizer, "chatml")
     assert native != chatml
     assert source.texts(records) == [chatml, native, native]
+    vision = dataclasses.replace(source, image_processor=object())  # ROLL's VLM pipeline reads no tag_to_template
+    assert vision.texts(records) == [native] * 3
 
 
 def test_rolls_chatml_and_qwen3_templates(tmp_path):
