@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import sys
 
-from apps.agentic.config import AgenticConfig, EnvManagerConfig, EnvSpec, RewardNormalization
+from apps.agentic.config import AgenticConfig, RewardNormalization
+from apps.agentic.env_sections import EnvManagerConfig, EnvSpec
 from apps.common.config_reference import render
 
 AGENTIC_HEADER = """# Agentic config reference

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from apps.agentic.chat import TurnFormatter
-from apps.agentic.config import EnvSpec
+from apps.agentic.env_sections import EnvSpec
 from apps.agentic.envs import make_env
 from apps.agentic.rollout import Turn, user_turn
 from apps.agentic.step_rollout import step_user_message

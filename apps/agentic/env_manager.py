@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from apps.agentic.config import AgenticConfig, EnvManagerConfig, EnvSpec
+from apps.agentic.config import AgenticConfig
+from apps.agentic.env_sections import EnvManagerConfig, EnvSpec
 from apps.agentic.envs import StepResult, TextEnv, make_env
 from apps.agentic.envs.tools import ToolEnv, parse_tool_wrapper
 

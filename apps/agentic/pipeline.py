@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from apps.agentic.config import AgenticConfig, EnvManagerConfig
+from apps.agentic.config import AgenticConfig
 from apps.agentic.env_manager import EnvManager
+from apps.agentic.env_sections import EnvManagerConfig
 from apps.agentic.preflight import agentic_preflight
 from apps.agentic.render import render_episodes
 from apps.agentic.rollout import TrajectoryRunner, episode_metrics
@@ -60,7 +61,7 @@ from rl_replay import RolloutReplay
 
 RUNNERS: dict[str, type[TrajectoryRunner]] = {"trajectory": TrajectoryRunner, "step": StepRunner,
                                                "native": NativeRunner, "concat": ConcatRunner}  # fmt: skip
-"""The runner of each sample layout (apps.agentic.config.ENV_MANAGER_CLASSES)."""
+"""The runner of each sample layout (apps.agentic.env_sections.ENV_MANAGER_CLASSES)."""
 OUTCOME_AS_REINFORCE = {"grpo": "reinforce", "gigpo": "reinforce", "step_reinforce": "reinforce"}
 
 LOGGED = ("env/success_rate", "critic/score/mean", "actor/pg_loss", "actor/grad_norm", "env/num_turns/mean",

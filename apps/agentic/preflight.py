@@ -5,7 +5,8 @@ sequence_length)."""
 
 from __future__ import annotations
 
-from apps.agentic.config import AgenticConfig, EnvManagerConfig
+from apps.agentic.config import AgenticConfig
+from apps.agentic.env_sections import EnvManagerConfig
 from apps.agentic.envs.tools import check_tool_machine
 from apps.agentic.step_batch import adjusted_size, size_divisor
 from apps.common.preflight import (

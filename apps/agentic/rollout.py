@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from apps.agentic.chat import TurnFormatter
-from apps.agentic.config import EnvSpec
 from apps.agentic.env_manager import SPLITS, EnvManager, EnvSlot
+from apps.agentic.env_sections import EnvSpec
 from apps.common.padding import padded_indices
 from rl_core.batch import RolloutBatch
 from rl_engines.config import GeneratingArgs

@@ -24,7 +24,7 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
-from apps.agentic.config import EnvSpec
+from apps.agentic.env_sections import EnvSpec
 from apps.agentic.rollout import (
     Episode,
     Sample,

@@ -5,8 +5,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from apps.agentic.config import AgenticConfig, EnvManagerConfig, EnvSpec, RewardNormalization
+from apps.agentic.config import AgenticConfig, RewardNormalization
 from apps.agentic.config_reference import agentic_reference
+from apps.agentic.env_sections import EnvManagerConfig, EnvSpec
 from apps.common.config_reference import field_docs
 from apps.rlvr.config import RLVRConfig
 from apps.rlvr.config_reference import reference

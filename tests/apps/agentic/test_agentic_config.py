@@ -8,8 +8,9 @@ import torch
 import yaml
 from agentic_fixtures import CONFIG
 
-from apps.agentic.config import AgenticConfig, EnvManagerConfig
+from apps.agentic.config import AgenticConfig
 from apps.agentic.env_manager import EnvManager, group_seed
+from apps.agentic.env_sections import EnvManagerConfig
 from apps.agentic.envs import make_env
 from apps.agentic.preflight import agentic_preflight
 from apps.agentic.step_batch import step_sample_rewards

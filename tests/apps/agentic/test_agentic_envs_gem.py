@@ -243,6 +243,6 @@ def _config(root, env_type: str, overrides: list[str] | None = None) -> AgenticC
 
 
 def _config_spec(**changes):
-    from apps.agentic.config import EnvSpec
+    from apps.agentic.env_sections import EnvSpec
 
     return replace(EnvSpec(env_type=GUESS), **changes)
