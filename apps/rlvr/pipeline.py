@@ -154,8 +154,7 @@ class RLVRPipeline:
         self.roles = Roles(cluster, sections, rpc_timeout=self.config.rpc_timeout, system_envs=envs)
         self.updater = None if replaying else self.roles.model_updater(bucket_bytes=sync_bucket_bytes(self.config))
         if not replaying:
-            self.router.start_workers(self.config.rpc_timeout, envs)
-            self.router.attach_judges(self.roles, self.prompt_key, self.messages_key)
+            self.router.start(self.roles, self.config.rpc_timeout, envs, self.prompt_key, self.messages_key)
 
     def stop(self) -> None:
         """Stop every worker, and Ray when start() started it."""

@@ -199,6 +199,12 @@ class RewardRouter:
         functions = {name: self.functions[name] for name in self.cpu_sections}
         self.workers = RewardWorkers(self.cpu_sections, functions, rpc_timeout=rpc_timeout, system_envs=system_envs)
 
+    def start(self, roles: Any, rpc_timeout: float, system_envs: dict[str, str], prompt_key: str | None,
+              messages_key: str | None) -> None:  # fmt: skip
+        """:meth:`start_workers`, then :meth:`attach_judges` to ``roles`` (started with :meth:`role_sections`)."""
+        self.start_workers(rpc_timeout, system_envs)
+        self.attach_judges(roles, prompt_key, messages_key)
+
     def role_sections(self) -> dict[str, WorkerConfig]:
         """The roles the model-based rewards run as (``rewards.<name>``), to start with the pipeline's roles."""
         return {f"rewards.{name}": self.sections[name].worker for name in sorted(self.role_based)}

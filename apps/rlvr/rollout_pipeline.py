@@ -85,8 +85,7 @@ class RLVRRolloutPipeline:
         envs = worker_envs(self.config, self.log)
         self.roles = Roles(cluster, sections, rpc_timeout=self.config.rpc_timeout, system_envs=envs)
         if not replaying:
-            self.router.start_workers(self.config.rpc_timeout, envs)
-            self.router.attach_judges(self.roles, self.prompt_key, self.messages_key)
+            self.router.start(self.roles, self.config.rpc_timeout, envs, self.prompt_key, self.messages_key)
 
     def stop(self) -> None:
         """Stop every worker, and Ray when start() started it."""
