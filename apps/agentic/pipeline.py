@@ -122,7 +122,8 @@ class AgenticPipeline:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="episodes")
         self.queue = GenerationQueue(self._submit, int(self.base.async_generation_ratio), self.base.max_steps - 1)
         settings = AlgorithmSettings.from_config(self.base, temperature=generating.temperature or 1.0,
-                                                 ratio_type=config.ratio_type)  # fmt: skip
+                                                 ratio_type=config.ratio_type,
+                                                 sequence_length=config.sequence_length)  # fmt: skip
         # ROLL's agentic advantage stage: grpo / gigpo / step_reinforce are reinforce returns of rewards that the
         # reward normalisation (or the step estimator) already made relative to their group.
         self.settings = replace(settings, adv_estimator=OUTCOME_AS_REINFORCE.get(settings.adv_estimator,

@@ -12,6 +12,7 @@ from apps.agentic.step_batch import adjusted_size, size_divisor
 from apps.common.preflight import (
     PreflightError,
     PreflightReport,
+    aggregation_notes,
     check_algorithm_roles,
     check_async,
     check_old_log_prob_switches,
@@ -37,7 +38,7 @@ def agentic_preflight(config: AgenticConfig) -> PreflightReport:
     placement = plan_roles(ClusterSpec(base.num_nodes, base.num_gpus_per_node), sections)
     check_async(base, placement)
     notes = episode_notes(config, sections, (config.train_env_manager, config.val_env_manager))
-    notes += dropped_key_notes(config.base)
+    notes += dropped_key_notes(config.base) + aggregation_notes(base, config.sequence_length)
     if config.reward_normalization.method == "asym_clip":
         notes.append("[preflight] reward_normalization.method: asym_clip normalises as mean_std, as ROLL does since "
                      "its agentic norm refactor (no clamp to [-1, 3]).")  # fmt: skip

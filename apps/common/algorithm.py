@@ -45,9 +45,12 @@ class AlgorithmSettings:
     """ROLL's train-infer correction (``train_infer_correction``), applied after the advantages as ROLL does."""
 
     @classmethod
-    def from_config(cls, config: Any, temperature: float = 1.0, ratio_type: str = "token") -> AlgorithmSettings:
-        """Read ``adv_estimator``, gamma / lambd, reward_*, rollout_is_*, pg_* and loss coefficient keys;
-        ``ratio_type``: the agentic pipeline's (``policy_loss_name``)."""
+    def from_config(
+        cls, config: Any, temperature: float = 1.0, ratio_type: str = "token", sequence_length: int | None = None
+    ) -> AlgorithmSettings:
+        """Read ``adv_estimator``, gamma / lambd, reward_*, rollout_is_*, pg_*, loss_agg_mode and loss coefficient
+        keys; ``ratio_type``: the agentic pipeline's (``policy_loss_name``); ``sequence_length``: ROLL's resolved
+        one (default: the config's, else ``prompt_length + response_length``, as ROLL derives it)."""
         advantage = AdvantageConfig(gamma=config.gamma, lambd=config.lambd, whiten_advantages=config.whiten_advantages,
                                     advantage_clip=config.advantage_clip)  # fmt: skip
         reward = RewardConfig(reward_norm=config.reward_norm, reward_shift=config.reward_shift,
@@ -71,10 +74,12 @@ class AlgorithmSettings:
         policy.validate()
         coefficients = LossCoefficients(rl_loss_coef=config.rl_loss_coef, kl_loss_coef=config.kl_loss_coef,
                                         entropy_loss_coef=config.entropy_loss_coef)  # fmt: skip
-        actor = ActorObjective(policy_loss=policy_loss_name(config, ratio_type), loss_agg_mode=config.loss_agg_mode,
+        aggregation, norm_length = roll_aggregation(config, sequence_length)
+        actor = ActorObjective(policy_loss=policy_loss_name(config, ratio_type), loss_agg_mode=aggregation,
                                policy_loss_config=policy, coefficients=coefficients, use_kl_loss=config.use_kl_loss,
-                               kl_loss_type=config.kl_loss_type, temperature=temperature)  # fmt: skip
-        critic = CriticObjective(value_clip=config.value_clip, loss_agg_mode=config.loss_agg_mode)
+                               kl_loss_type=config.kl_loss_type, temperature=temperature,
+                               norm_length=norm_length)  # fmt: skip
+        critic = CriticObjective(value_clip=config.value_clip, loss_agg_mode=ROLL_CRITIC_AGGREGATION)
         return cls(
             config.adv_estimator,
             advantage,
@@ -85,6 +90,24 @@ class AlgorithmSettings:
             config.rollout_correction,
             config.train_infer_correction,
         )
+
+
+ROLL_CRITIC_AGGREGATION = "seq-mean-token-mean"
+"""How ROLL's CriticWorker aggregates the value loss, whatever ``loss_agg_mode`` says: each sequence's mean over
+its tokens, then the mean over sequences."""
+
+
+def roll_aggregation(config: Any, sequence_length: int | None = None) -> tuple[str, float | None]:
+    """rl-core's aggregation mode for the actor's ``loss_agg_mode`` as ROLL's ``agg_loss`` computes it, and the
+    constant divisor of a ``-norm`` mode (None: none). ROLL's ``seq-mean-token-sum-norm`` divides a mini-batch's
+    token sums by the width of its loss mask alone: ROLL pads every sample to ``sequence_length`` and masks from the
+    second token on, so ``sequence_length - 1``, with no mean over sequences (rl-core's ``token-sum-norm``; rl-core's
+    ``seq-mean-token-sum-norm`` is verl's, which also divides by the number of sequences). The other modes are
+    rl-core's own."""
+    if config.loss_agg_mode != "seq-mean-token-sum-norm":
+        return config.loss_agg_mode, None
+    length = sequence_length or config.sequence_length or config.prompt_length + config.response_length
+    return "token-sum-norm", float(length - 1)
 
 
 PG_CLIP_RANGE_DEFAULT = 0.2

@@ -142,7 +142,9 @@ class SharedConfig:
     value_clip: float | None = 0.5
     """Critic value clipping range; null disables."""
     loss_agg_mode: str = "seq-mean-token-mean"
-    """rl-core loss aggregation mode."""
+    """How actor_train's losses aggregate over a mini-batch, as ROLL's agg_loss: token-mean, seq-mean-token-sum,
+    seq-mean-token-mean, seq-mean-token-sum-norm (the token sums divided by sequence_length - 1 alone: rl-core's
+    token-sum-norm), or another rl-core mode. The critic's value loss is seq-mean-token-mean, as ROLL's."""
     rl_loss_coef: float = 1.0
     """Weight of the policy-gradient loss with its KL term (ROLL's: (pg + kl_loss_coef x kl) x rl_loss_coef)."""
     entropy_loss_coef: float = 0.0

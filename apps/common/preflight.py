@@ -400,6 +400,28 @@ def plan_training(
     return PreflightReport(placement, plans, decay, notes)
 
 
+def aggregation_notes(config: SharedConfig, sequence_length: int) -> list[str]:
+    """The pre-flight lines on how ``loss_agg_mode`` aggregates, where ROLL's meaning is not the name's usual one
+    (see :func:`apps.common.algorithm.roll_aggregation`): seq-mean-token-sum-norm, and a critic, which ROLL
+    aggregates by seq-mean-token-mean whatever the key says. ``sequence_length``: ROLL's resolved one."""
+    notes = []
+    mode = config.loss_agg_mode
+    if mode == "seq-mean-token-sum-norm":
+        train = config.actor_train
+        batched = train is not None and (train.use_dynamic_batching_in_train or train.use_sequence_packing)
+        cut = (" ROLL's dynamic batching and packing divide each micro-batch by its own width instead, which its code "
+               "says should be constant; here it stays one constant, so the update does not depend on how a "
+               "mini-batch is cut.") if batched else ""  # fmt: skip
+        notes.append(f"[preflight] loss_agg_mode seq-mean-token-sum-norm: as ROLL's agg_loss, actor_train's losses "
+                     f"sum every token of a mini-batch and divide by sequence_length - 1 = {sequence_length - 1} (the "
+                     "width of ROLL's padded loss mask) alone, not also by the number of sequences as verl's mode of "
+                     f"that name (rl-core's token-sum-norm).{cut}")  # fmt: skip
+    if critic_enabled(config) and mode != "seq-mean-token-mean":
+        notes.append(f"[preflight] critic: the value loss is seq-mean-token-mean, as ROLL's CriticWorker, which does "
+                     f"not read loss_agg_mode ({mode} applies to actor_train's losses).")  # fmt: skip
+    return notes
+
+
 def clip_range_notes(config: SharedConfig) -> list[str]:
     """The pre-flight line when pg_clip_low / pg_clip_high are given without ROLL's use_pg_clip_range."""
     given = [key for key in ("pg_clip_low", "pg_clip_high") if getattr(config, key) is not None]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from apps.common.preflight import (
     PreflightError,
     PreflightReport,
+    aggregation_notes,
     check_algorithm_roles,
     check_async,
     check_old_log_prob_switches,
@@ -60,6 +61,7 @@ def preflight(config: RLVRConfig) -> PreflightReport:
     longest = config.prompt_length + config.response_length
     notes = check_token_budgets(sections, longest, "prompt_length + response_length") + device_only_notes(sections)
     notes += dropped_key_notes(config) + reward_norm_notes(config) + list(config.length_notes)
+    notes += aggregation_notes(config, longest)
     report = plan_training(config, placement, sections, config.num_return_sequences_in_group)
     check_old_log_prob_switches(config, report)
     report.notes.extend(notes)

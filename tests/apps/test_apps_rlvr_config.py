@@ -322,6 +322,36 @@ def test_a_critic_runs_only_for_gae_as_in_roll(estimator, runs):
                for note in report.notes) is not runs  # fmt: skip
 
 
+@pytest.mark.parametrize(("lengths", "width"), [({}, 1024 + 16 - 1), ({"sequence_length": 40, "prompt_length": 8}, 39)])
+def test_rolls_seq_mean_token_sum_norm_divides_by_its_padded_width_alone_and_says_so(lengths, width):
+    """ROLL's agg_loss divides seq-mean-token-sum-norm's token sums by the width of its loss mask,
+    sequence_length - 1 (prompt_length + response_length when unset), and not by the number of sequences, which
+    verl's and rl-core's mode of that name also divide by: the actor gets rl-core's token-sum-norm."""
+    from apps.common.algorithm import AlgorithmSettings
+
+    config = RLVRConfig.from_dict(with_(base(), loss_agg_mode="seq-mean-token-sum-norm", **lengths))
+    report = preflight(config)
+    actor = AlgorithmSettings.from_config(config).actor
+    assert (actor.loss_agg_mode, actor.norm_length) == ("token-sum-norm", float(width))
+    assert any(f"divide by sequence_length - 1 = {width} (the width" in note for note in report.notes)
+    plain = AlgorithmSettings.from_config(RLVRConfig.from_dict(base())).actor
+    assert (plain.loss_agg_mode, plain.norm_length) == ("seq-mean-token-mean", None)
+
+
+def test_the_critic_aggregates_as_rolls_critic_worker_whatever_loss_agg_mode_says():
+    """ROLL's CriticWorker averages the value loss over each sequence's tokens, then over sequences; it does not
+    read loss_agg_mode, which sets the actor's losses only."""
+    from apps.common.algorithm import AlgorithmSettings
+
+    critic = {"device_mapping": [2, 3], "model_args": {"model_name_or_path": "/models/tiny"},
+              "training_args": {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}}  # fmt: skip
+    config = RLVRConfig.from_dict(with_(base(), critic=critic, adv_estimator="gae", loss_agg_mode="token-mean"))
+    report = preflight(config)
+    settings = AlgorithmSettings.from_config(config)
+    assert (settings.actor.loss_agg_mode, settings.critic.loss_agg_mode) == ("token-mean", "seq-mean-token-mean")
+    assert any("critic: the value loss is seq-mean-token-mean" in note for note in report.notes)
+
+
 def test_enable_reference_without_a_reference_section_names_the_key():
     with pytest.raises(PreflightError, match=r"enable_reference need a `reference` section"):
         preflight(RLVRConfig.from_dict(with_(base(), enable_reference=True)))

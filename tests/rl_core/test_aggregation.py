@@ -14,6 +14,7 @@ EXPECTED = {
     "seq-mean-token-sum": (3 + 4) / 2,
     "seq-mean-token-mean": (1.5 + 4) / 2,
     "seq-mean-token-sum-norm": (3 + 4) / (2 * 3),
+    "token-sum-norm": (3 + 4) / 3,  # ROLL's seq-mean-token-sum-norm: the width alone, no mean over sequences
 }
 
 
@@ -29,6 +30,7 @@ def test_every_registered_mode_has_a_hand_value():
 def test_norm_length_overrides_response_length():
     info = GlobalBatchInfo.from_mask(MASK, norm_length=10)
     assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", global_batch=info).item() == pytest.approx(7 / 20)
+    assert agg_loss(LOSS, MASK, "token-sum-norm", global_batch=info).item() == pytest.approx(7 / 10)
 
 
 def test_masked_out_nan_does_not_leak():

@@ -82,3 +82,23 @@ def test_metric_accumulator_takes_max_and_min_of_the_ratio_extremes():
         "ratio_min": torch.tensor(math.inf),
         "pg_loss": torch.tensor(0.0),
     }
+
+
+def test_rolls_sum_norm_divides_the_mini_batch_token_sums_by_the_constant_alone_however_it_is_split():
+    """ROLL's ``agg_loss`` for seq-mean-token-sum-norm: every token's loss of the mini-batch summed and divided by
+    ``sequence_length - 1`` (rl-core's ``token-sum-norm`` with ``norm_length``), not by the micro-batch's width and
+    not by the number of sequences; two micro-batches' shares add up to the whole mini-batch's."""
+    from rl_core.losses import get_policy_loss
+
+    batch, outputs, info = _batch_and_outputs()
+    objective = ActorObjective(loss_agg_mode="token-sum-norm", norm_length=99.0)
+    whole, _ = objective(outputs, batch, info)
+    cols = batch.batch
+    token_sum, _ = get_policy_loss("vanilla")(cols["old_log_probs"], outputs["log_probs"], cols["advantages"],
+                                              cols["response_mask"], loss_agg_mode="token-sum")  # fmt: skip
+    assert float(whole) == pytest.approx(float(token_sum) / 99.0, rel=1e-6)
+    shares = []
+    for rows in (slice(0, 1), slice(1, 2)):
+        part = RolloutBatch.from_dict({k: v[rows] for k, v in cols.items()}, {})
+        shares.append(objective({"log_probs": outputs["log_probs"][rows]}, part, info)[0])
+    assert float(sum(shares)) == pytest.approx(float(whole), rel=1e-6)

@@ -77,6 +77,17 @@ def test_prompt_and_response_length_derive_a_null_sequence_length_as_in_roll(cha
     assert any(note in n for n in agentic_preflight(config).notes)
 
 
+def test_rolls_seq_mean_token_sum_norm_divides_an_episode_batch_by_sequence_length_minus_one():
+    """ROLL's agentic workers aggregate with the same agg_loss: seq-mean-token-sum-norm divides the token sums by
+    the width of the loss mask its env managers pad to sequence_length, minus the first token, alone."""
+    from apps.common.algorithm import AlgorithmSettings
+
+    config = AgenticConfig.from_dict(_config(loss_agg_mode="seq-mean-token-sum-norm", sequence_length=1536))
+    assert any("divide by sequence_length - 1 = 1535 (the width" in n for n in agentic_preflight(config).notes)
+    actor = AlgorithmSettings.from_config(config.base, sequence_length=config.sequence_length).actor
+    assert (actor.loss_agg_mode, actor.norm_length) == ("token-sum-norm", 1535.0)
+
+
 def test_a_sequence_length_within_a_turn_passes_as_in_roll_and_a_bad_length_names_the_key():
     """ROLL cuts each turn to the room its context leaves (make_decision), so a sequence_length no longer than
     max_tokens_per_step runs there: it passes, with a note (the turns' budgets: test_agentic_episodes.py)."""

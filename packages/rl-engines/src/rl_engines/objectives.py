@@ -8,7 +8,7 @@ loss of the whole mini-batch, however it is split. Objectives are plain dataclas
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -86,6 +86,9 @@ class ActorObjective:
     """rl-core KL estimator of the KL loss."""
     temperature: float = 1.0
     """Generation temperature; log-probs are of logits / temperature."""
+    norm_length: float | None = None
+    """The constant divisor of the ``-norm`` aggregation modes (``GlobalBatchInfo.norm_length``); None: the padded
+    response width of each micro-batch."""
 
     def _policy_loss(self) -> Any:
         """The registered loss, or verl's bypass-mode loss when ``policy_loss_config.rollout_correction`` asks for
@@ -115,6 +118,8 @@ class ActorObjective:
         self, outputs: dict[str, torch.Tensor], micro_batch: RolloutBatch, global_batch: GlobalBatchInfo
     ) -> tuple[torch.Tensor, Metrics]:
         """Loss share and metrics of one micro-batch."""
+        if self.norm_length is not None:
+            global_batch = replace(global_batch, norm_length=self.norm_length)
         log_prob = outputs["log_probs"]
         mask = _tensor(micro_batch, "response_mask", "every loss masks by").to(log_prob.device)
         old = _tensor(micro_batch, "old_log_probs", "the policy ratio needs").to(log_prob.device)

@@ -29,7 +29,8 @@ class GlobalBatchInfo:
     num_seqs: float
     """Sequences with at least one valid token in the whole mini-batch."""
     norm_length: float | None = None
-    """Constant token-sum divisor for ``seq-mean-token-sum-norm`` (Dr. GRPO); None = response length."""
+    """Constant token-sum divisor of ``seq-mean-token-sum-norm`` (Dr. GRPO) and ``token-sum-norm``; None = response
+    length."""
 
     @classmethod
     def from_mask(cls, response_mask: torch.Tensor, norm_length: float | None = None) -> GlobalBatchInfo:
@@ -109,12 +110,25 @@ def agg_seq_mean_token_sum_norm(
 ) -> torch.Tensor:
     """Dr. GRPO (Liu et al. 2025, eq. 3): mean over sequences of token sums divided by a constant length.
 
-    The constant is ``GlobalBatchInfo.norm_length`` or, by default, the padded response length ``T``; keep it
-    fixed through training. Unlike verl, the sum is also divided by the number of sequences so the gradient
-    scale does not grow with the batch size.
+    The constant is :func:`norm_length` (``GlobalBatchInfo.norm_length`` or the padded response length ``T``);
+    keep it fixed through training. As verl 0.9.1 (whose ``loss_scale_factor`` is ``norm_length``), the sum is also
+    divided by the number of sequences, so the gradient scale does not grow with the batch size. ROLL's
+    ``agg_loss`` gives this name to :func:`agg_token_sum_norm`.
     """
-    norm_length = info.norm_length if info is not None and info.norm_length else loss_mat.shape[-1]
-    return total(loss_mat * maskf) / (_num_seqs(maskf.sum(dim=-1), info) * float(norm_length))
+    return total(loss_mat * maskf) / (_num_seqs(maskf.sum(dim=-1), info) * norm_length(loss_mat, info))
+
+
+@LOSS_AGGREGATIONS.register("token-sum-norm")
+def agg_token_sum_norm(loss_mat: torch.Tensor, maskf: torch.Tensor, info: GlobalBatchInfo | None) -> torch.Tensor:
+    """Sum of valid token losses divided by the constant :func:`norm_length` alone: what ROLL's ``agg_loss`` computes
+    for ``seq-mean-token-sum-norm`` (its divisor is the width of its loss mask, ``sequence_length - 1``, and it does
+    not divide by the number of sequences)."""
+    return total(loss_mat * maskf) / norm_length(loss_mat, info)
+
+
+def norm_length(loss_mat: torch.Tensor, info: GlobalBatchInfo | None) -> float:
+    """The constant divisor of the ``-norm`` modes: ``info.norm_length``, else the padded width of ``loss_mat``."""
+    return float(info.norm_length if info is not None and info.norm_length else loss_mat.shape[-1])
 
 
 def aggregate_masked(
@@ -135,8 +149,8 @@ def agg_loss(
     """Aggregate a per-token loss ``[B, T]`` under ``loss_mask`` ``[B, T]`` into a scalar.
 
     ``loss_agg_mode`` is one of token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean,
-    seq-mean-token-sum-norm. With ``global_batch`` the result is this micro-batch's share of the mini-batch
-    loss: summing it over micro-batches (and DP ranks) gives the loss of the whole mini-batch.
+    seq-mean-token-sum-norm, token-sum-norm. With ``global_batch`` the result is this micro-batch's share of the
+    mini-batch loss: summing it over micro-batches (and DP ranks) gives the loss of the whole mini-batch.
     """
     if loss_mat.shape != loss_mask.shape:
         raise ValueError(
