@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from apps.common.algorithm import roll_aggregation
 from apps.common.config import ROLE_KEYS, SharedConfig, critic_enabled, reference_enabled, reference_from_actor
 from rl_core.batch_size import ParallelLayout, TrainBatchPlan, lr_decay_steps, plan_train_batch
 from rl_engines.config import WorkerConfig
@@ -406,14 +407,15 @@ def aggregation_notes(config: SharedConfig, sequence_length: int) -> list[str]:
     aggregates by seq-mean-token-mean whatever the key says. ``sequence_length``: ROLL's resolved one."""
     notes = []
     mode = config.loss_agg_mode
-    if mode == "seq-mean-token-sum-norm":
+    _, divisor = roll_aggregation(config, sequence_length)
+    if divisor is not None:
         train = config.actor_train
         batched = train is not None and (train.use_dynamic_batching_in_train or train.use_sequence_packing)
         cut = (" ROLL's dynamic batching and packing divide each micro-batch by its own width instead, which its code "
                "says should be constant; here it stays one constant, so the update does not depend on how a "
                "mini-batch is cut.") if batched else ""  # fmt: skip
         notes.append(f"[preflight] loss_agg_mode seq-mean-token-sum-norm: as ROLL's agg_loss, actor_train's losses "
-                     f"sum every token of a mini-batch and divide by sequence_length - 1 = {sequence_length - 1} (the "
+                     f"sum every token of a mini-batch and divide by sequence_length - 1 = {divisor:g} (the "
                      "width of ROLL's padded loss mask) alone, not also by the number of sequences as verl's mode of "
                      f"that name (rl-core's token-sum-norm).{cut}")  # fmt: skip
     if critic_enabled(config) and mode != "seq-mean-token-mean":
